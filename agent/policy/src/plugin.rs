@@ -1,0 +1,948 @@
+//! [`Plugin`]: one loaded, checked policy module and its calls.
+
+use crate::engine::{self, deadline_ticks};
+use crate::error::{CallError, LoadError};
+use gpuvisor_sdk::abi::unpack;
+use gpuvisor_sdk::{
+    GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, Manifest, PlacementAnswer,
+    PlacementInput, PolicyKind, Reply, ABI_VERSION,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use wasmtime::{
+    Caller, Engine, ExternType, FuncType, Instance, InstancePre, Linker, Module, ResourceLimiter,
+    Store, Trap, TypedFunc,
+};
+
+/// Per-plugin limits, applied to every call (and to the load-time manifest call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Instruction budget per call (wasmtime fuel units; about one per wasm instruction).
+    pub fuel: u64,
+    /// Largest linear memory, bytes (at most [`crate::MAX_MEMORY_BYTES`]).
+    pub memory_bytes: usize,
+    /// Wall-clock deadline per call (epoch interruption; resolution [`crate::TICK`]).
+    pub deadline: Duration,
+    /// Largest input JSON, bytes.
+    pub max_input_bytes: usize,
+    /// Largest reply JSON, bytes.
+    pub max_output_bytes: usize,
+}
+
+impl Default for Limits {
+    /// 10 million fuel, 64 MiB, 100 ms, 4 MiB in, 1 MiB out (PLUGINS.md "The sandbox").
+    fn default() -> Self {
+        Limits {
+            fuel: 10_000_000,
+            memory_bytes: 64 << 20,
+            deadline: Duration::from_millis(100),
+            max_input_bytes: 4 << 20,
+            max_output_bytes: 1 << 20,
+        }
+    }
+}
+
+/// Counters of one plugin's calls since load (all kinds together).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PluginStats {
+    /// Calls that returned an answer of the right shape (`{"ok": ..}`).
+    pub calls_ok: u64,
+    /// Failed calls by [`CallError::reason`].
+    pub calls_failed: BTreeMap<&'static str, u64>,
+    /// Wall-clock time spent in calls (instantiation included), ok and failed.
+    pub total_duration: Duration,
+    /// Fuel consumed by all calls.
+    pub fuel_consumed: u64,
+    /// `gpuvisor.log` lines dropped by the rate limit or as unreadable.
+    pub log_lines_dropped: u64,
+}
+
+/// Log lines a plugin may emit per call; further lines are dropped and counted.
+pub const LOG_LINES_PER_CALL: u32 = 16;
+/// Log lines a plugin may emit per second over all its calls.
+pub const LOG_LINES_PER_SECOND: u32 = 100;
+/// Longest log line kept, bytes (longer lines are truncated).
+pub const LOG_LINE_MAX_BYTES: usize = 1024;
+/// Longest manifest accepted, bytes.
+const MAX_MANIFEST_BYTES: usize = 64 << 10;
+/// Longest plugin error message kept in a [`CallError`], bytes.
+const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
+
+/// A loaded policy plugin: the module compiled once, linked against the only allowed
+/// import, and checked (ABI version, exports, manifest, slot). Every call runs in a fresh
+/// instance under the plugin's [`Limits`], so no state survives between calls.
+///
+/// `Plugin` is `Send + Sync`; call it from any number of threads (each call has its own
+/// instance; at most [`crate::POOL_INSTANCES`] instances exist at once, process-wide).
+pub struct Plugin {
+    path: PathBuf,
+    slot: PolicyKind,
+    manifest: Manifest,
+    limits: Limits,
+    sandbox: Sandbox,
+    stats: Mutex<PluginStats>,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("path", &self.path)
+            .field("slot", &self.slot)
+            .field("manifest", &self.manifest)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Plugin {
+    /// Loads the module at `path` (`.wasm` binary or `.wat` text) for the config slot
+    /// `slot`, with `limits` for every call.
+    ///
+    /// Errors ([`LoadError`], naming the file): unreadable file, invalid module, an import
+    /// other than `gpuvisor.log(i32, i32, i32)` (WASI included), a missing or mistyped
+    /// export (`memory`, `gpuvisor_abi_version`, `gpuvisor_alloc`, `gpuvisor_free`,
+    /// `gpuvisor_manifest`, and `gpuvisor_<kind>` for the slot and every manifest kind),
+    /// ABI version other than 1, a manifest that fails or does not decode, a manifest whose
+    /// `kinds` lack `slot`, limits out of range.
+    pub fn load(path: &Path, slot: PolicyKind, limits: Limits) -> Result<Plugin, LoadError> {
+        Self::load_inner(path, Some(slot), limits)
+    }
+
+    /// As [`Plugin::load`], with the slot taken from the manifest when it lists exactly
+    /// one kind (for `gpuvisor plugin test`). Errors: as `load`, plus
+    /// [`LoadError::AmbiguousKind`].
+    pub fn load_any(path: &Path, limits: Limits) -> Result<Plugin, LoadError> {
+        Self::load_inner(path, None, limits)
+    }
+
+    fn load_inner(
+        path: &Path,
+        slot: Option<PolicyKind>,
+        limits: Limits,
+    ) -> Result<Plugin, LoadError> {
+        let p = || path.to_path_buf();
+        if limits.memory_bytes > engine::MAX_MEMORY_BYTES {
+            return Err(LoadError::Limits {
+                path: p(),
+                reason: format!(
+                    "memory_bytes {} exceeds the host maximum of {} bytes",
+                    limits.memory_bytes,
+                    engine::MAX_MEMORY_BYTES
+                ),
+            });
+        }
+        if limits.fuel == 0 || limits.deadline.is_zero() {
+            return Err(LoadError::Limits {
+                path: p(),
+                reason: "fuel and deadline must be non-zero".into(),
+            });
+        }
+        let shared = engine::shared().map_err(|reason| LoadError::Engine { path: p(), reason })?;
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: p(), source })?;
+        let module = Module::new(&shared.engine, &bytes).map_err(|e| LoadError::Compile {
+            path: p(),
+            reason: format!("{e:#}"),
+        })?;
+        check_imports(path, &module)?;
+        for (export, check, expected) in BASE_EXPORTS {
+            check_export(path, &module, export, *check, expected)?;
+        }
+        let pre = link(&shared.engine, &module).map_err(|e| LoadError::Compile {
+            path: p(),
+            reason: format!("{e:#}"),
+        })?;
+
+        // Ask the module who it is, in a sandbox like any call's.
+        let mut sandbox = Sandbox {
+            label: Arc::from(path.display().to_string()),
+            pre,
+            limits,
+            log: Arc::new(LogLimiter::default()),
+        };
+        let init = |what: &'static str| {
+            move |source: CallError| LoadError::Init {
+                path: path.to_path_buf(),
+                what,
+                source: Box::new(source),
+            }
+        };
+        let kind_for_errors = slot.unwrap_or(PolicyKind::Placement);
+        let (version, manifest_bytes) = sandbox
+            .with_instance(kind_for_errors, |store, instance, label| {
+                let abi: TypedFunc<(), i32> = typed(
+                    instance,
+                    store,
+                    "gpuvisor_abi_version",
+                    label,
+                    kind_for_errors,
+                )?;
+                let version = abi
+                    .call(&mut *store, ())
+                    .map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
+                if version != ABI_VERSION {
+                    return Ok((version, Vec::new()));
+                }
+                let manifest: TypedFunc<(), i64> =
+                    typed(instance, store, "gpuvisor_manifest", label, kind_for_errors)?;
+                let packed = manifest
+                    .call(&mut *store, ())
+                    .map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
+                let bytes = read_reply(
+                    store,
+                    instance,
+                    packed,
+                    MAX_MANIFEST_BYTES,
+                    "gpuvisor_manifest",
+                    label,
+                    kind_for_errors,
+                )?;
+                Ok((version, bytes))
+            })
+            .map_err(init("calling gpuvisor_abi_version / gpuvisor_manifest"))?;
+        if version != ABI_VERSION {
+            return Err(LoadError::AbiVersion {
+                path: p(),
+                found: version,
+                expected: ABI_VERSION,
+            });
+        }
+        let manifest: Manifest =
+            serde_json::from_slice(&manifest_bytes).map_err(|e| LoadError::Manifest {
+                path: p(),
+                reason: e.to_string(),
+            })?;
+        let slot = match slot {
+            Some(slot) => slot,
+            None => match manifest.kinds.as_slice() {
+                [only] => *only,
+                _ => {
+                    return Err(LoadError::AmbiguousKind {
+                        path: p(),
+                        name: manifest.name,
+                        kinds: manifest.kinds,
+                    })
+                }
+            },
+        };
+        if !manifest.kinds.contains(&slot) {
+            return Err(LoadError::WrongSlot {
+                path: p(),
+                name: manifest.name,
+                slot,
+                kinds: manifest.kinds,
+            });
+        }
+        for kind in &manifest.kinds {
+            check_entry_point(path, &module, *kind)?;
+        }
+        sandbox.label = Arc::from(manifest.name.as_str());
+        tracing::info!(
+            plugin = %manifest.name,
+            version = %manifest.version,
+            slot = slot.as_str(),
+            path = %path.display(),
+            "policy plugin loaded"
+        );
+        Ok(Plugin {
+            path: p(),
+            slot,
+            manifest,
+            limits,
+            sandbox,
+            stats: Mutex::new(PluginStats::default()),
+        })
+    }
+
+    /// The manifest the module returned at load.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The file it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The slot it was loaded for.
+    pub fn slot(&self) -> PolicyKind {
+        self.slot
+    }
+
+    /// Its limits.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// A snapshot of its call counters.
+    pub fn stats(&self) -> PluginStats {
+        let mut stats = match self.stats.lock() {
+            Ok(s) => s.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        stats.log_lines_dropped = self.sandbox.log.dropped();
+        stats
+    }
+
+    /// Asks for the ranked devices. Errors: any [`CallError`]; the caller fails the
+    /// create/start with `policy_failed` (PLUGINS.md).
+    pub fn call_placement(&self, input: &PlacementInput) -> Result<PlacementAnswer, CallError> {
+        self.call_typed(PolicyKind::Placement, input)
+    }
+
+    /// Asks for the hypervisor. Errors: any [`CallError`]; the caller fails the create with
+    /// `policy_failed`.
+    pub fn call_hypervisor(&self, input: &HypervisorInput) -> Result<HypervisorAnswer, CallError> {
+        self.call_typed(PolicyKind::Hypervisor, input)
+    }
+
+    /// Asks for grace decisions. Errors: any [`CallError`]; the caller keeps every item of
+    /// the batch this pass.
+    pub fn call_grace(&self, input: &GraceInput) -> Result<GraceAnswer, CallError> {
+        self.call_typed(PolicyKind::Grace, input)
+    }
+
+    /// Calls the `kind` entry point with any JSON input and returns the `ok` answer as
+    /// JSON, unchecked against the kind's answer type. Errors: as the typed calls
+    /// (`{"error": ..}` → [`CallError::Plugin`]).
+    pub fn call_json(
+        &self,
+        kind: PolicyKind,
+        input: &serde_json::Value,
+    ) -> Result<serde_json::Value, CallError> {
+        self.call_typed(kind, input)
+    }
+
+    fn call_typed<I: Serialize, T: DeserializeOwned>(
+        &self,
+        kind: PolicyKind,
+        input: &I,
+    ) -> Result<T, CallError> {
+        let started = Instant::now();
+        let mut fuel_used = 0;
+        let result = self.call_inner(kind, input, &mut fuel_used);
+        let elapsed = started.elapsed();
+        let mut stats = match self.stats.lock() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        stats.total_duration += elapsed;
+        stats.fuel_consumed += fuel_used;
+        match &result {
+            Ok(_) => stats.calls_ok += 1,
+            Err(e) => *stats.calls_failed.entry(e.reason()).or_insert(0) += 1,
+        }
+        drop(stats);
+        if let Err(e) = &result {
+            tracing::debug!(plugin = %self.manifest.name, kind = kind.as_str(), error = %e, "policy plugin call failed");
+        }
+        result
+    }
+
+    fn call_inner<I: Serialize, T: DeserializeOwned>(
+        &self,
+        kind: PolicyKind,
+        input: &I,
+        fuel_used: &mut u64,
+    ) -> Result<T, CallError> {
+        let label = &self.sandbox.label;
+        if !self.manifest.kinds.contains(&kind) {
+            return Err(CallError::NotProvided {
+                plugin: label.to_string(),
+                kind,
+            });
+        }
+        let bytes = serde_json::to_vec(input).map_err(|e| CallError::InputEncode {
+            plugin: label.to_string(),
+            kind,
+            reason: e.to_string(),
+        })?;
+        if bytes.len() > self.limits.max_input_bytes {
+            return Err(CallError::InputTooLarge {
+                plugin: label.to_string(),
+                kind,
+                len: bytes.len(),
+                max: self.limits.max_input_bytes,
+            });
+        }
+        let limits = self.limits;
+        let reply =
+            self.sandbox
+                .with_instance_fuel(kind, fuel_used, |store, instance, label| {
+                    let alloc: TypedFunc<i32, i32> =
+                        typed(instance, store, "gpuvisor_alloc", label, kind)?;
+                    let len = i32::try_from(bytes.len()).map_err(|_| CallError::InputTooLarge {
+                        plugin: label.to_string(),
+                        kind,
+                        len: bytes.len(),
+                        max: limits.max_input_bytes,
+                    })?;
+                    let ptr = alloc
+                        .call(&mut *store, len)
+                        .map_err(|e| classify(e, store, label, kind, &limits))?;
+                    let memory = memory(instance, store, label, kind)?;
+                    let bad_alloc = |store: &Store<CallState>| {
+                        if store_memory_hit(store) {
+                            CallError::MemoryLimit {
+                                plugin: label.to_string(),
+                                kind,
+                                limit_bytes: limits.memory_bytes,
+                            }
+                        } else {
+                            CallError::BadPointer {
+                                plugin: label.to_string(),
+                                kind,
+                                what: "gpuvisor_alloc",
+                                ptr: ptr as u32,
+                                len: len as u32,
+                            }
+                        }
+                    };
+                    if ptr == 0 && len > 0 {
+                        return Err(bad_alloc(store));
+                    }
+                    if memory
+                        .write(&mut *store, ptr as u32 as usize, &bytes)
+                        .is_err()
+                    {
+                        return Err(bad_alloc(store));
+                    }
+                    let entry: TypedFunc<(i32, i32), i64> =
+                        typed(instance, store, kind.export_name(), label, kind)?;
+                    let packed = entry
+                        .call(&mut *store, (ptr, len))
+                        .map_err(|e| classify(e, store, label, kind, &limits))?;
+                    read_reply(
+                        store,
+                        instance,
+                        packed,
+                        limits.max_output_bytes,
+                        kind.export_name(),
+                        label,
+                        kind,
+                    )
+                })?;
+        match serde_json::from_slice::<Reply<T>>(&reply) {
+            Ok(Reply::Ok(answer)) => Ok(answer),
+            Ok(Reply::Error(message)) => Err(CallError::Plugin {
+                plugin: label.to_string(),
+                kind,
+                message: truncate(message, MAX_ERROR_MESSAGE_BYTES),
+            }),
+            Err(e) => Err(CallError::UndecodableReply {
+                plugin: label.to_string(),
+                kind,
+                reason: format!(
+                    "expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}",
+                    kind.as_str()
+                ),
+            }),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// sandbox
+
+/// What a call's store carries.
+struct CallState {
+    limiter: Limiter,
+    log: CallLog,
+}
+
+/// Memory/table limits of one call; remembers a refused memory growth so the resulting
+/// trap is reported as [`CallError::MemoryLimit`].
+struct Limiter {
+    memory_bytes: usize,
+    memory_hit: bool,
+}
+
+const MAX_TABLE_ELEMENTS: usize = 100_000;
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        let ok = desired <= self.memory_bytes && maximum.is_none_or(|m| desired <= m);
+        if !ok {
+            self.memory_hit = true;
+        }
+        Ok(ok)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= MAX_TABLE_ELEMENTS && maximum.is_none_or(|m| desired <= m))
+    }
+
+    fn instances(&self) -> usize {
+        1
+    }
+
+    fn tables(&self) -> usize {
+        4
+    }
+
+    fn memories(&self) -> usize {
+        1
+    }
+}
+
+/// Per-call log budget.
+struct CallLog {
+    plugin: Arc<str>,
+    left: u32,
+    shared: Arc<LogLimiter>,
+}
+
+/// Per-plugin log rate limit (lines per one-second window) and drop counter.
+#[derive(Default)]
+struct LogLimiter {
+    state: Mutex<LogWindow>,
+}
+
+#[derive(Default)]
+struct LogWindow {
+    window_start: Option<Instant>,
+    lines: u32,
+    dropped: u64,
+}
+
+impl LogLimiter {
+    fn admit(&self) -> bool {
+        let mut w = match self.state.lock() {
+            Ok(w) => w,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let now = Instant::now();
+        match w.window_start {
+            Some(start) if now.duration_since(start) < Duration::from_secs(1) => {}
+            _ => {
+                w.window_start = Some(now);
+                w.lines = 0;
+            }
+        }
+        if w.lines < LOG_LINES_PER_SECOND {
+            w.lines += 1;
+            true
+        } else {
+            w.dropped += 1;
+            false
+        }
+    }
+
+    fn drop_one(&self) {
+        match self.state.lock() {
+            Ok(mut w) => w.dropped += 1,
+            Err(poisoned) => poisoned.into_inner().dropped += 1,
+        }
+    }
+
+    fn dropped(&self) -> u64 {
+        match self.state.lock() {
+            Ok(w) => w.dropped,
+            Err(poisoned) => poisoned.into_inner().dropped,
+        }
+    }
+}
+
+/// A compiled, linked module plus its limits: creates a fresh store and instance per call.
+struct Sandbox {
+    label: Arc<str>,
+    pre: InstancePre<CallState>,
+    limits: Limits,
+    log: Arc<LogLimiter>,
+}
+
+impl Sandbox {
+    fn with_instance<R>(
+        &self,
+        kind: PolicyKind,
+        f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
+    ) -> Result<R, CallError> {
+        let mut fuel_used = 0;
+        self.with_instance_fuel(kind, &mut fuel_used, f)
+    }
+
+    /// Runs `f` with a fresh store (fuel, memory limit, deadline set) and instance;
+    /// reports the fuel consumed in `fuel_used`.
+    fn with_instance_fuel<R>(
+        &self,
+        kind: PolicyKind,
+        fuel_used: &mut u64,
+        f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
+    ) -> Result<R, CallError> {
+        let label: &str = &self.label;
+        let shared = engine::shared().map_err(|reason| CallError::Instantiate {
+            plugin: label.to_string(),
+            kind,
+            reason,
+        })?;
+        let mut store = Store::new(
+            self.pre.module().engine(),
+            CallState {
+                limiter: Limiter {
+                    memory_bytes: self.limits.memory_bytes,
+                    memory_hit: false,
+                },
+                log: CallLog {
+                    plugin: self.label.clone(),
+                    left: LOG_LINES_PER_CALL,
+                    shared: self.log.clone(),
+                },
+            },
+        );
+        store.limiter(|state| &mut state.limiter);
+        store
+            .set_fuel(self.limits.fuel)
+            .map_err(|e| CallError::Instantiate {
+                plugin: label.to_string(),
+                kind,
+                reason: format!("{e:#}"),
+            })?;
+        store.epoch_deadline_trap();
+        let _running = shared.running();
+        store.set_epoch_deadline(deadline_ticks(self.limits.deadline));
+        let result = match self.pre.instantiate(&mut store) {
+            Ok(instance) => f(&mut store, &instance, label),
+            Err(e) => Err(match classify(e, &store, label, kind, &self.limits) {
+                CallError::Trap { message, .. } => CallError::Instantiate {
+                    plugin: label.to_string(),
+                    kind,
+                    reason: message,
+                },
+                other => other,
+            }),
+        };
+        *fuel_used = self
+            .limits
+            .fuel
+            .saturating_sub(store.get_fuel().unwrap_or(0));
+        result
+    }
+}
+
+/// Maps a wasmtime error from instantiation or a call to a [`CallError`].
+fn classify(
+    e: wasmtime::Error,
+    store: &Store<CallState>,
+    label: &str,
+    kind: PolicyKind,
+    limits: &Limits,
+) -> CallError {
+    let plugin = label.to_string();
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => CallError::OutOfFuel {
+            plugin,
+            kind,
+            fuel: limits.fuel,
+        },
+        Some(Trap::Interrupt) => CallError::Deadline {
+            plugin,
+            kind,
+            deadline_ms: limits.deadline.as_millis(),
+        },
+        _ if store.data().limiter.memory_hit => CallError::MemoryLimit {
+            plugin,
+            kind,
+            limit_bytes: limits.memory_bytes,
+        },
+        Some(trap) => CallError::Trap {
+            plugin,
+            kind,
+            message: trap.to_string(),
+        },
+        None => CallError::Trap {
+            plugin,
+            kind,
+            message: format!("{e:#}"),
+        },
+    }
+}
+
+fn store_memory_hit(store: &Store<CallState>) -> bool {
+    store.data().limiter.memory_hit
+}
+
+fn typed<P, R>(
+    instance: &Instance,
+    store: &mut Store<CallState>,
+    name: &'static str,
+    label: &str,
+    kind: PolicyKind,
+) -> Result<TypedFunc<P, R>, CallError>
+where
+    P: wasmtime::WasmParams,
+    R: wasmtime::WasmResults,
+{
+    // Checked at load, so this only fails if the module changed under us.
+    instance
+        .get_typed_func::<P, R>(&mut *store, name)
+        .map_err(|e| CallError::Trap {
+            plugin: label.to_string(),
+            kind,
+            message: format!("export {name}: {e:#}"),
+        })
+}
+
+fn memory(
+    instance: &Instance,
+    store: &mut Store<CallState>,
+    label: &str,
+    kind: PolicyKind,
+) -> Result<wasmtime::Memory, CallError> {
+    instance
+        .get_memory(&mut *store, "memory")
+        .ok_or_else(|| CallError::Trap {
+            plugin: label.to_string(),
+            kind,
+            message: "export memory is missing".into(),
+        })
+}
+
+/// Copies the `(ptr << 32) | len` buffer out of the instance's memory, checking the size
+/// limit first and the bounds second.
+fn read_reply(
+    store: &mut Store<CallState>,
+    instance: &Instance,
+    packed: i64,
+    max: usize,
+    what: &'static str,
+    label: &str,
+    kind: PolicyKind,
+) -> Result<Vec<u8>, CallError> {
+    let (ptr, len) = unpack(packed);
+    if len as usize > max {
+        return Err(CallError::OutputTooLarge {
+            plugin: label.to_string(),
+            kind,
+            len: len as usize,
+            max,
+        });
+    }
+    let memory = memory(instance, store, label, kind)?;
+    let data = memory.data(&*store);
+    let start = ptr as usize;
+    match start
+        .checked_add(len as usize)
+        .and_then(|end| data.get(start..end))
+    {
+        Some(bytes) => Ok(bytes.to_vec()),
+        None => Err(CallError::BadPointer {
+            plugin: label.to_string(),
+            kind,
+            what,
+            ptr,
+            len,
+        }),
+    }
+}
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+// ---------------------------------------------------------------------------------------
+// linking and load-time checks
+
+fn link(engine: &Engine, module: &Module) -> wasmtime::Result<InstancePre<CallState>> {
+    let mut linker: Linker<CallState> = Linker::new(engine);
+    linker.func_wrap("gpuvisor", "log", host_log)?;
+    linker.instantiate_pre(module)
+}
+
+/// `gpuvisor.log(level, ptr, len)`: forwards one line to `tracing` with the plugin name.
+/// Never traps: an unreadable line or one over the rate limit is dropped and counted.
+fn host_log(mut caller: Caller<'_, CallState>, level: i32, ptr: i32, len: i32) {
+    let admitted = {
+        let log = &mut caller.data_mut().log;
+        if log.left == 0 {
+            log.shared.drop_one();
+            false
+        } else if log.shared.admit() {
+            log.left -= 1;
+            true
+        } else {
+            false
+        }
+    };
+    if !admitted {
+        return;
+    }
+    let Some(memory) = caller.get_export("memory").and_then(|e| e.into_memory()) else {
+        caller.data().log.shared.drop_one();
+        return;
+    };
+    let data = memory.data(&caller);
+    let start = ptr as u32 as usize;
+    let len = (len as u32 as usize).min(LOG_LINE_MAX_BYTES);
+    let Some(bytes) = start.checked_add(len).and_then(|end| data.get(start..end)) else {
+        caller.data().log.shared.drop_one();
+        return;
+    };
+    let line = String::from_utf8_lossy(bytes);
+    let plugin: &str = &caller.data().log.plugin;
+    match level {
+        0 => tracing::error!(plugin, "{line}"),
+        1 => tracing::warn!(plugin, "{line}"),
+        2 => tracing::info!(plugin, "{line}"),
+        3 => tracing::debug!(plugin, "{line}"),
+        _ => tracing::trace!(plugin, "{line}"),
+    }
+}
+
+fn check_imports(path: &Path, module: &Module) -> Result<(), LoadError> {
+    for import in module.imports() {
+        let (m, n) = (import.module(), import.name());
+        let allowed = m == "gpuvisor"
+            && n == "log"
+            && matches!(import.ty(), ExternType::Func(ref f) if sig_is(f, &[I32, I32, I32], &[]));
+        if allowed {
+            continue;
+        }
+        if m.starts_with("wasi") {
+            return Err(LoadError::WasiImport {
+                path: path.to_path_buf(),
+                module: m.to_string(),
+                name: n.to_string(),
+            });
+        }
+        return Err(LoadError::ForbiddenImport {
+            path: path.to_path_buf(),
+            module: m.to_string(),
+            name: n.to_string(),
+        });
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+enum Ty {
+    I32,
+    I64,
+}
+use Ty::{I32, I64};
+
+#[derive(Clone, Copy)]
+enum ExportCheck {
+    Memory,
+    Func(&'static [Ty], &'static [Ty]),
+}
+
+const BASE_EXPORTS: &[(&str, ExportCheck, &str)] = &[
+    ("memory", ExportCheck::Memory, "a linear memory"),
+    (
+        "gpuvisor_abi_version",
+        ExportCheck::Func(&[], &[I32]),
+        "func () -> i32",
+    ),
+    (
+        "gpuvisor_alloc",
+        ExportCheck::Func(&[I32], &[I32]),
+        "func (i32) -> i32",
+    ),
+    (
+        "gpuvisor_free",
+        ExportCheck::Func(&[I32, I32], &[]),
+        "func (i32, i32)",
+    ),
+    (
+        "gpuvisor_manifest",
+        ExportCheck::Func(&[], &[I64]),
+        "func () -> i64",
+    ),
+];
+
+fn check_entry_point(path: &Path, module: &Module, kind: PolicyKind) -> Result<(), LoadError> {
+    check_export(
+        path,
+        module,
+        kind.export_name(),
+        ExportCheck::Func(&[I32, I32], &[I64]),
+        "func (i32, i32) -> i64",
+    )
+}
+
+fn check_export(
+    path: &Path,
+    module: &Module,
+    export: &'static str,
+    check: ExportCheck,
+    expected: &'static str,
+) -> Result<(), LoadError> {
+    let Some(ty) = module.get_export(export) else {
+        return Err(LoadError::MissingExport {
+            path: path.to_path_buf(),
+            export,
+            expected,
+        });
+    };
+    let ok = match (check, &ty) {
+        (ExportCheck::Memory, ExternType::Memory(m)) => !m.is_64() && !m.is_shared(),
+        (ExportCheck::Func(params, results), ExternType::Func(f)) => sig_is(f, params, results),
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(LoadError::ExportType {
+            path: path.to_path_buf(),
+            export,
+            expected,
+        })
+    }
+}
+
+fn sig_is(f: &FuncType, params: &[Ty], results: &[Ty]) -> bool {
+    fn same(actual: impl ExactSizeIterator<Item = wasmtime::ValType>, want: &[Ty]) -> bool {
+        actual.len() == want.len()
+            && actual.zip(want).all(|(a, w)| match w {
+                Ty::I32 => a.is_i32(),
+                Ty::I64 => a.is_i64(),
+            })
+    }
+    same(f.params(), params) && same(f.results(), results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn plugin_is_send_and_sync() {
+        assert_send_sync::<Plugin>();
+    }
+
+    #[test]
+    fn default_limits_follow_plugins_md() {
+        let l = Limits::default();
+        assert_eq!(l.memory_bytes, 64 << 20);
+        assert_eq!(l.deadline, Duration::from_millis(100));
+        assert_eq!((l.max_input_bytes, l.max_output_bytes), (4 << 20, 1 << 20));
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_char_boundary() {
+        assert_eq!(truncate("ééé".into(), 3), "é…");
+    }
+}

@@ -1,0 +1,225 @@
+//! # config — the agent's configuration (one TOML file, every key overridable by a flag)
+//!
+//! Unknown keys are refused (a typo must not silently fall back to a default). Durations
+//! carry their unit in the key name (`_s`, `_ms`).
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// How a VFIO device reaches QEMU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum VfioAttach {
+    /// `-device vfio-pci,sysfsdev=...` (production).
+    Device,
+    /// The agent's child opens the simulated `dev/vfio/<group>` node and hands the fd to
+    /// QEMU with `-add-fd` (simulated hosts, where QEMU cannot open a FUSE "device").
+    HoldFd,
+}
+
+/// Limits and site parameters of one policy plugin slot (`[plugins.<kind>]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSlot {
+    /// Path of the `.wasm` (or `.wat`) module.
+    pub path: PathBuf,
+    /// Instruction budget per call (wasmtime fuel).
+    #[serde(default)]
+    pub fuel: Option<u64>,
+    /// Linear memory limit per call, MiB.
+    #[serde(default)]
+    pub memory_mib: Option<u64>,
+    /// Wall-clock deadline per call, ms.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    /// The JSON object passed as `params` in every input of this plugin.
+    #[serde(default)]
+    pub params: Option<toml::Table>,
+}
+
+/// The `[plugins]` table.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Plugins {
+    pub placement: Option<PluginSlot>,
+    pub hypervisor: Option<PluginSlot>,
+    pub grace: Option<PluginSlot>,
+}
+
+/// The agent's configuration. Defaults are production defaults (ARCHITECTURE.md
+/// "Configuration").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Data directory (records, claims, images). Default `/var/lib/gpuvisor`.
+    pub data_dir: PathBuf,
+    /// JSON-RPC Unix socket (mode 0600). Default `/run/gpuvisor/gpuvisor.sock`.
+    pub socket: PathBuf,
+    /// Root of sysfs/devfs: `/` on a real host, a `gpuvisor-sim` mount in tests.
+    pub host_root: PathBuf,
+    /// QEMU binary (looked up in `PATH` when not absolute).
+    pub qemu_binary: PathBuf,
+    /// Cloud Hypervisor binary (looked up in `PATH` when not absolute).
+    pub cloud_hypervisor_binary: PathBuf,
+    /// Hypervisor for plain instances when the request names none (`qemu`).
+    pub default_hypervisor: String,
+    /// QEMU accelerator: `kvm` (production) or `tcg` (nested/simulated hosts).
+    pub accel: String,
+    /// How VFIO devices reach QEMU.
+    pub vfio_attach: VfioAttach,
+    /// PF addresses gpuvisor may touch; absent = every NVIDIA GPU found.
+    pub managed_gpus: Option<Vec<String>>,
+    /// Directory of the default plugins (`placement-spread.wasm`, `hypervisor-default.wasm`,
+    /// `grace-default.wasm`) used for slots not set under `[plugins]`.
+    pub plugin_dir: PathBuf,
+    pub plugins: Plugins,
+    /// Seconds between reconcile passes.
+    pub reconcile_interval_s: u64,
+    /// Protection of claims without a recorded VMM, and of orphans, in seconds.
+    pub claim_grace_s: u64,
+    /// SIGTERM → SIGKILL grace for VMMs holding VFIO devices, seconds (NVIDIA-HOST.md §9).
+    pub vfio_term_grace_s: u64,
+    /// How long a graceful stop waits for the guest to power off, seconds.
+    pub stop_timeout_s: u64,
+    /// How long a release retries inline (EBUSY during kernel teardown) before leaving the
+    /// claim `release_pending`, seconds.
+    pub release_retry_s: u64,
+    /// Kernel command line appended for images that do not set one.
+    pub default_cmdline: String,
+    /// `text` or `json`.
+    pub log_format: String,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            data_dir: PathBuf::from("/var/lib/gpuvisor"),
+            socket: PathBuf::from("/run/gpuvisor/gpuvisor.sock"),
+            host_root: PathBuf::from("/"),
+            qemu_binary: PathBuf::from("qemu-system-x86_64"),
+            cloud_hypervisor_binary: PathBuf::from("cloud-hypervisor"),
+            default_hypervisor: "qemu".into(),
+            accel: "kvm".into(),
+            vfio_attach: VfioAttach::Device,
+            managed_gpus: None,
+            plugin_dir: PathBuf::from("/usr/lib/gpuvisor/plugins"),
+            plugins: Plugins::default(),
+            reconcile_interval_s: 60,
+            claim_grace_s: 300,
+            vfio_term_grace_s: 5,
+            stop_timeout_s: 30,
+            release_retry_s: 30,
+            default_cmdline: "console=ttyS0 panic=-1".into(),
+            log_format: "text".into(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads a TOML config file. Errors name the file and the offending key.
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
+        Config::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
+    }
+
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> anyhow::Result<Config> {
+        let cfg: Config = toml::from_str(text)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks values that TOML types cannot express.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if !matches!(self.accel.as_str(), "kvm" | "tcg") {
+            anyhow::bail!("accel must be \"kvm\" or \"tcg\", not {:?}", self.accel);
+        }
+        if !matches!(self.log_format.as_str(), "text" | "json") {
+            anyhow::bail!("log_format must be \"text\" or \"json\", not {:?}", self.log_format);
+        }
+        if self.reconcile_interval_s == 0 {
+            anyhow::bail!("reconcile_interval_s must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// True when gpuvisor may touch devices of the GPU (PF) at `pf`.
+    pub fn manages(&self, pf: &str) -> bool {
+        match &self.managed_gpus {
+            None => true,
+            Some(list) => list.iter().any(|g| g.eq_ignore_ascii_case(pf)),
+        }
+    }
+
+    /// The plugin path of a slot: `[plugins.<kind>].path`, else `<plugin_dir>/<default>.wasm`.
+    pub fn plugin_path(&self, kind: gpuvisor_sdk::PolicyKind) -> PathBuf {
+        let (slot, default) = self.slot(kind);
+        match slot {
+            Some(s) => s.path.clone(),
+            None => self.plugin_dir.join(format!("{default}.wasm")),
+        }
+    }
+
+    /// The slot config and the default plugin name of a kind.
+    pub fn slot(&self, kind: gpuvisor_sdk::PolicyKind) -> (Option<&PluginSlot>, &'static str) {
+        use gpuvisor_sdk::PolicyKind::*;
+        match kind {
+            Placement => (self.plugins.placement.as_ref(), "placement-spread"),
+            Hypervisor => (self.plugins.hypervisor.as_ref(), "hypervisor-default"),
+            Grace => (self.plugins.grace.as_ref(), "grace-default"),
+        }
+    }
+
+    /// The `params` JSON object of a slot (`{}` when absent).
+    pub fn plugin_params(&self, kind: gpuvisor_sdk::PolicyKind) -> serde_json::Value {
+        match self.slot(kind).0.and_then(|s| s.params.as_ref()) {
+            Some(t) => serde_json::to_value(t).unwrap_or_else(|_| serde_json::json!({})),
+            None => serde_json::json!({}),
+        }
+    }
+}
+
+/// Labels as a sorted map (shared by requests and records).
+pub type Labels = BTreeMap<String, String>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_production_defaults() {
+        let c = Config::parse("").unwrap();
+        assert_eq!(c.reconcile_interval_s, 60);
+        assert_eq!(c.claim_grace_s, 300);
+        assert_eq!(c.vfio_term_grace_s, 5);
+        assert_eq!(c.vfio_attach, VfioAttach::Device);
+        assert!(c.manages("0000:41:00.0"));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused_with_the_key_named() {
+        let e = Config::parse("data_dri = \"/x\"").unwrap_err().to_string();
+        assert!(e.contains("data_dri"), "{e}");
+        let e = Config::parse("accel = \"hvf\"").unwrap_err().to_string();
+        assert!(e.contains("accel"), "{e}");
+        let e = Config::parse("vfio_attach = \"magic\"").unwrap_err().to_string();
+        assert!(e.contains("magic") || e.contains("vfio_attach"), "{e}");
+    }
+
+    #[test]
+    fn plugin_slots_and_params_are_read() {
+        let c = Config::parse(
+            "managed_gpus = [\"0000:41:00.0\"]\n[plugins.placement]\npath = \"/p/pack.wasm\"\nfuel = 5\n[plugins.placement.params]\ntenant_key = \"tenant\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.plugin_path(gpuvisor_sdk::PolicyKind::Placement), PathBuf::from("/p/pack.wasm"));
+        assert_eq!(c.plugin_params(gpuvisor_sdk::PolicyKind::Placement)["tenant_key"], "tenant");
+        assert!(!c.manages("0001:81:00.0"));
+        assert_eq!(
+            c.plugin_path(gpuvisor_sdk::PolicyKind::Hypervisor),
+            PathBuf::from("/usr/lib/gpuvisor/plugins/hypervisor-default.wasm")
+        );
+    }
+}

@@ -1,0 +1,190 @@
+//! mdev vGPUs (older hosts): a mediated device is created by writing a fresh UUID to
+//! `mdev_supported_types/<type>/create` of a parent (on SR-IOV GPUs every VF is a parent)
+//! and removed by writing `1` to `sys/bus/mdev/devices/<uuid>/remove`
+//! (Linux `Documentation/driver-api/vfio-mediated-device.rst`, NVIDIA-HOST.md §6).
+//! gpuvisor creates only transient mdevs and never removes one it did not create.
+
+use super::{errno_name, link_basename, read_attr, write_attr};
+use crate::host::HostRoot;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// One mdev type of a parent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MdevType {
+    /// Directory name, e.g. `nvidia-1148`.
+    pub dir: String,
+    /// `name`, e.g. `NVIDIA L40S-2Q`.
+    pub name: String,
+    /// `framebuffer=<N>M` from `description`, MiB.
+    pub framebuffer_mib: Option<u64>,
+    /// `available_instances` now (0 or 1 on SR-IOV parents).
+    pub available: u32,
+}
+
+/// One mdev parent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MdevParent {
+    /// The parent's BDF (a VF on SR-IOV GPUs).
+    pub bdf: String,
+    /// The physical GPU: basename of `physfn`, or the parent itself.
+    pub pf: String,
+    pub types: Vec<MdevType>,
+}
+
+/// One existing mdev.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MdevDevice {
+    pub uuid: String,
+    /// The parent's BDF (the path component before `mdev_supported_types`).
+    pub parent: String,
+    /// The type directory name (basename of the `mdev_type` link).
+    pub mdev_type: String,
+    pub iommu_group: Option<u32>,
+}
+
+/// True when `mdev_bus` has at least one parent with a non-empty `mdev_supported_types`.
+/// Errors: `mdev_bus` exists but cannot be read (a probe error, never a fallback).
+pub fn probe(host: &HostRoot) -> Result<bool, String> {
+    Ok(!parents(host)?.iter().all(|p| p.types.is_empty()))
+}
+
+/// Parses `framebuffer=<N>M` out of an mdev type's `description`.
+pub fn framebuffer_from_description(desc: &str) -> Option<u64> {
+    desc.split(',').map(str::trim).find_map(|kv| {
+        let v = kv.strip_prefix("framebuffer=")?;
+        let v = v.strip_suffix('M').or_else(|| v.strip_suffix('m'))?;
+        v.parse().ok()
+    })
+}
+
+/// Every mdev parent with its types, read now. A missing `mdev_bus` means none.
+pub fn parents(host: &HostRoot) -> Result<Vec<MdevParent>, String> {
+    let dir = host.mdev_bus_dir();
+    let rd = match fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
+    };
+    let mut out = Vec::new();
+    for ent in rd {
+        let ent = ent.map_err(|e| format!("cannot list {}: {}", dir.display(), errno_name(&e)))?;
+        let bdf = ent.file_name().to_string_lossy().into_owned();
+        let pdir = dir.join(&bdf);
+        let pf = link_basename(&pdir.join("physfn")).unwrap_or_else(|_| bdf.clone());
+        let types = read_types(&pdir.join("mdev_supported_types"));
+        out.push(MdevParent { bdf, pf, types });
+    }
+    out.sort_by(|a, b| a.bdf.cmp(&b.bdf));
+    Ok(out)
+}
+
+fn read_types(dir: &Path) -> Vec<MdevType> {
+    let Ok(rd) = fs::read_dir(dir) else { return Vec::new() };
+    let mut types: Vec<MdevType> = rd
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let d = e.path();
+            let name = read_attr(&d.join("name")).ok()?;
+            Some(MdevType {
+                dir: e.file_name().to_string_lossy().into_owned(),
+                framebuffer_mib: read_attr(&d.join("description")).ok().and_then(|s| framebuffer_from_description(&s)),
+                available: read_attr(&d.join("available_instances")).ok().and_then(|s| s.parse().ok()).unwrap_or(0),
+                name,
+            })
+        })
+        .collect();
+    types.sort_by(|a, b| a.dir.cmp(&b.dir));
+    types
+}
+
+/// Every mdev on the host. Errors: the devices directory exists but cannot be read.
+pub fn devices(host: &HostRoot) -> Result<Vec<MdevDevice>, String> {
+    let dir = host.mdev_devices_dir();
+    let rd = match fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
+    };
+    let mut out = Vec::new();
+    for ent in rd.filter_map(|e| e.ok()) {
+        let uuid = ent.file_name().to_string_lossy().into_owned();
+        if let Some(d) = read_device(host, &uuid) {
+            out.push(d);
+        }
+    }
+    out.sort_by(|a, b| a.uuid.cmp(&b.uuid));
+    Ok(out)
+}
+
+/// Reads one mdev; `None` when it does not exist (or its `mdev_type` link is unreadable).
+pub fn read_device(host: &HostRoot, uuid: &str) -> Option<MdevDevice> {
+    let d = host.mdev_device(uuid);
+    let target = fs::read_link(d.join("mdev_type")).ok()?;
+    let comps: Vec<String> = target.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    let pos = comps.iter().position(|c| c == "mdev_supported_types")?;
+    let parent = comps.get(pos.checked_sub(1)?)?.clone();
+    let mdev_type = comps.last()?.clone();
+    let iommu_group = link_basename(&d.join("iommu_group")).ok().and_then(|g| g.parse().ok());
+    Some(MdevDevice { uuid: uuid.to_string(), parent, mdev_type, iommu_group })
+}
+
+/// The device nodes of an mdev: its group node and its `vfio-dev` cdevs.
+pub fn targets(host: &HostRoot, uuid: &str) -> Vec<PathBuf> {
+    let d = host.mdev_device(uuid);
+    let mut t = Vec::new();
+    if let Some(g) = link_basename(&d.join("iommu_group")).ok().and_then(|g| g.parse::<u32>().ok()) {
+        t.push(host.vfio_group_node(g));
+    }
+    if let Ok(rd) = fs::read_dir(d.join("vfio-dev")) {
+        for e in rd.filter_map(|e| e.ok()) {
+            t.push(host.vfio_cdev_node(&e.file_name().to_string_lossy()));
+        }
+    }
+    t
+}
+
+/// Creates an mdev of `type_dir` on `parent` with `uuid`, then verifies it exists with
+/// that type. Errors: the create write failed (EEXIST, EINVAL, EUSERS, ... — all mean
+/// "not creatable here") or the device did not appear as asked.
+pub fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Result<(), String> {
+    let path = host.mdev_bus_dir().join(parent).join("mdev_supported_types").join(type_dir).join("create");
+    write_attr(&path, uuid).map_err(|e| format!("creating mdev {uuid} on {parent} failed with {}", errno_name(&e)))?;
+    match read_device(host, uuid) {
+        Some(d) if d.mdev_type == type_dir && d.parent == parent => Ok(()),
+        Some(d) => Err(format!("mdev {uuid} appeared as {} on {}", d.mdev_type, d.parent)),
+        None => Err(format!("mdev {uuid} did not appear after create")),
+    }
+}
+
+/// Removes an mdev gpuvisor created: a missing device is already done. Errors: the remove
+/// write failed (EBUSY while held or during teardown) and the device still exists.
+pub fn remove(host: &HostRoot, uuid: &str) -> Result<(), String> {
+    let d = host.mdev_device(uuid);
+    if fs::symlink_metadata(&d).is_err() {
+        return Ok(());
+    }
+    let res = write_attr(&d.join("remove"), "1");
+    if fs::symlink_metadata(&d).is_err() {
+        return Ok(());
+    }
+    match res {
+        Ok(()) => Err(format!("mdev {uuid} still exists after remove")),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("removing mdev {uuid} failed with {}", errno_name(&e))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn framebuffer_is_read_from_the_description() {
+        let d = "num_heads=4, frl_config=60, framebuffer=1024M, max_resolution=5120x2880, max_instance=24";
+        assert_eq!(framebuffer_from_description(d), Some(1024));
+        assert_eq!(framebuffer_from_description("num_heads=4"), None);
+        assert_eq!(framebuffer_from_description("framebuffer=xM"), None);
+    }
+}

@@ -1,0 +1,18 @@
+//! # gpuvisor agent
+//!
+//! The library core of the `gpuvisor` binary: lifecycle, device backends, store,
+//! hypervisor drivers and the JSON-RPC surface. Layers (data flows down, nothing below
+//! calls up): `rpc`/`cli` → `instances` → `policy glue` → `devices` / `hypervisor` →
+//! `store` / `host`. Only [`host`] spells `/sys`, `/dev` and `/proc`.
+
+pub mod cli;
+pub mod config;
+pub mod devices;
+pub mod error;
+pub mod host;
+pub mod hypervisor;
+pub mod images;
+pub mod instances;
+pub mod policies;
+pub mod rpc;
+pub mod store;

@@ -1,0 +1,82 @@
+//! The `gpuvisor` binary: `gpuvisor serve` runs the agent; other subcommands are clients.
+
+use clap::Parser;
+use gpuvisor::cli::{Cli, Command};
+use gpuvisor::config::Config;
+use gpuvisor::instances::Manager;
+use gpuvisor::policies::Policies;
+use gpuvisor::store::Store;
+use std::sync::Arc;
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUVISOR_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    let store = Store::open(&cfg.data_dir)?;
+    // One agent per data directory: refuse before touching anything else.
+    let _lock = store.lock_exclusive()?;
+    let policies = Policies::load(&cfg)?;
+    let socket = cfg.socket.clone();
+    let manager = Arc::new(Manager::new(cfg, store, policies));
+    let module = gpuvisor::rpc::module(manager)?;
+    let shutdown = async {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
+        }
+        tracing::info!("shutting down (VMs keep running)");
+    };
+    gpuvisor::rpc::serve(module, &socket, shutdown).await
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = match &cli.command {
+        Command::Serve(args) => {
+            let explicit_socket = std::env::args()
+                .any(|a| a == "--socket" || a.starts_with("--socket="))
+                || std::env::var_os("GPUVISOR_SOCKET").is_some();
+            let cfg = match args.config(explicit_socket.then(|| cli.socket.clone())) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    std::process::exit(2);
+                }
+            };
+            init_logging(&cfg.log_format);
+            match rt.block_on(serve(cfg)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    eprintln!("error: {e:#}");
+                    1
+                }
+            }
+        }
+        _ => rt.block_on(gpuvisor::cli::run_client(&cli)),
+    };
+    std::process::exit(code);
+}

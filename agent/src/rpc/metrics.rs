@@ -1,0 +1,86 @@
+//! Prometheus text for `agent.metrics` (prometheus-client). Gauges are computed from the
+//! store at scrape time; counters come from the lifecycle's counters.
+
+use crate::instances::Manager;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::Ordering;
+
+type Labels = Vec<(String, String)>;
+
+/// Renders the metrics now.
+pub fn render(m: &Manager) -> String {
+    let mut reg = Registry::default();
+    let instances = Family::<Labels, Gauge>::default();
+    let claims = Family::<Labels, Gauge>::default();
+    let retained = Gauge::<i64>::default();
+    let quarantined = Gauge::<i64>::default();
+    if let Ok(list) = m.store().list_instances() {
+        for i in list {
+            instances.get_or_create(&vec![("state".into(), i.state.as_str().into())]).inc();
+        }
+    }
+    if let Ok(list) = m.store().list_claims() {
+        for c in list {
+            claims
+                .get_or_create(&vec![
+                    ("framework".into(), c.framework.as_str().into()),
+                    ("state".into(), c.state.as_str().into()),
+                ])
+                .inc();
+            if c.state == crate::store::ClaimState::ReleasePending {
+                retained.inc();
+            }
+        }
+    }
+    if let Ok(h) = m.store().list_health() {
+        quarantined.set(h.len() as i64);
+    }
+    reg.register("gpuvisor_instances", "Instances by state", instances);
+    reg.register("gpuvisor_vgpu_claims", "Claims by framework and state", claims);
+    reg.register("gpuvisor_vgpu_retained_assignments", "Claims kept release_pending", retained);
+    reg.register("gpuvisor_vgpu_quarantined_devices", "Quarantined devices", quarantined);
+    let c = &m.counters;
+    let counter = |v: u64| {
+        let ctr = Counter::<u64>::default();
+        ctr.inc_by(v);
+        ctr
+    };
+    let rejected = Family::<Labels, Counter>::default();
+    rejected
+        .get_or_create(&vec![("plugin".into(), m.policies().placement.manifest().name.clone())])
+        .inc_by(c.policy_rejected_answers.load(Ordering::Relaxed));
+    reg.register("gpuvisor_policy_rejected_answers", "Plugin answers the agent rejected", rejected);
+    reg.register(
+        "gpuvisor_vmm_kill_escalations",
+        "Escalations past SIGTERM on the kill path",
+        counter(c.kill_escalations.load(Ordering::Relaxed)),
+    );
+    let releases = Family::<Labels, Counter>::default();
+    releases.get_or_create(&vec![("result".into(), "released".into())]).inc_by(c.releases_ok.load(Ordering::Relaxed));
+    releases.get_or_create(&vec![("result".into(), "failed".into())]).inc_by(c.releases_failed.load(Ordering::Relaxed));
+    reg.register("gpuvisor_vgpu_releases", "Release guard outcomes", releases);
+    let policy_calls = Family::<Labels, Counter>::default();
+    let p = m.policies();
+    for (kind, plugin) in [("placement", Some(&p.placement)), ("hypervisor", Some(&p.hypervisor)), ("grace", p.grace.as_ref())] {
+        if let Some(plugin) = plugin {
+            let s = plugin.stats();
+            let name = plugin.manifest().name.clone();
+            policy_calls
+                .get_or_create(&vec![("plugin".into(), name.clone()), ("kind".into(), kind.into()), ("result".into(), "ok".into())])
+                .inc_by(s.calls_ok);
+            policy_calls
+                .get_or_create(&vec![("plugin".into(), name), ("kind".into(), kind.into()), ("result".into(), "failed".into())])
+                .inc_by(s.calls_failed.values().sum());
+        }
+    }
+    reg.register("gpuvisor_policy_calls", "Policy plugin calls", policy_calls);
+    let mut out = String::new();
+    if encode(&mut out, &reg).is_err() {
+        return "# metrics encoding failed\n".into();
+    }
+    out
+}

@@ -1,0 +1,234 @@
+//! # rpc — JSON-RPC 2.0 on a Unix socket (jsonrpsee, HTTP transport)
+//!
+//! A request is an HTTP/1.1 `POST /` with a JSON-RPC body, so
+//! `curl --unix-socket /run/gpuvisor/gpuvisor.sock -d '{"jsonrpc":"2.0","id":1,"method":"agent.health"}' http://x/`
+//! works. Methods are `noun.verb`; [`openrpc::METHODS`] lists every one and `rpc.discover`
+//! publishes them as an OpenRPC document. This layer is thin: it parses parameters, runs
+//! the lifecycle on a blocking thread, and is the one place that maps [`ApiError`] to a
+//! JSON-RPC error object: numeric `code` = the class (400/404/409/500/503), `data` =
+//! `{"code": "<stable string>", ...details}`.
+
+pub mod client;
+pub mod metrics;
+pub mod openrpc;
+
+use crate::error::ApiError;
+use crate::instances::{CreateRequest, Manager};
+use jsonrpsee::types::ErrorObjectOwned;
+use jsonrpsee::RpcModule;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+
+fn to_rpc_error(e: ApiError) -> ErrorObjectOwned {
+    ErrorObjectOwned::owned(e.code.class(), e.message.clone(), Some(e.data()))
+}
+
+/// Runs a blocking lifecycle call off the async runtime and maps its error.
+async fn blocking<F>(m: &Arc<Manager>, f: F) -> Result<Value, ErrorObjectOwned>
+where
+    F: FnOnce(&Manager) -> Result<Value, ApiError> + Send + 'static,
+{
+    let m = m.clone();
+    let started = std::time::Instant::now();
+    let res = tokio::task::spawn_blocking(move || f(&m))
+        .await
+        .map_err(|e| to_rpc_error(ApiError::internal(format!("operation panicked: {e}"))))?;
+    tracing::debug!(duration_ms = started.elapsed().as_millis() as u64, ok = res.is_ok(), "rpc call done");
+    res.map_err(to_rpc_error)
+}
+
+/// `{"ref": "<id or name>"}` for instance methods.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RefParams {
+    #[serde(alias = "id", alias = "name")]
+    r#ref: String,
+    #[serde(default)]
+    force: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DryRunParams {
+    profile: String,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    labels: crate::config::Labels,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ImportParams {
+    name: String,
+    kernel: std::path::PathBuf,
+    #[serde(default)]
+    initrd: Option<std::path::PathBuf>,
+    #[serde(default)]
+    cmdline: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NameParams {
+    name: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceParams {
+    device: String,
+}
+
+/// Parses object parameters; absent params parse as `{}`.
+fn parse<T: serde::de::DeserializeOwned>(p: &jsonrpsee::types::Params<'_>) -> Result<T, ErrorObjectOwned> {
+    if p.as_str().is_none() {
+        return serde_json::from_value(json!({})).map_err(|e| {
+            ErrorObjectOwned::owned(jsonrpsee::types::error::INVALID_PARAMS_CODE, format!("invalid params: {e}"), None::<()>)
+        });
+    }
+    p.parse::<T>()
+}
+
+/// Builds the module with every method of [`openrpc::METHODS`].
+pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
+    let mut module = RpcModule::new(m);
+    module.register_async_method("instance.create", |p, m, _| async move {
+        let req: CreateRequest = parse(&p)?;
+        blocking(&m, move |m| m.create(req)).await
+    })?;
+    module.register_async_method("instance.get", |p, m, _| async move {
+        let r: RefParams = parse(&p)?;
+        blocking(&m, move |m| m.get(&r.r#ref)).await
+    })?;
+    module.register_async_method("instance.list", |_p, m, _| async move { blocking(&m, |m| m.list()).await })?;
+    module.register_async_method("instance.start", |p, m, _| async move {
+        let r: RefParams = parse(&p)?;
+        blocking(&m, move |m| m.start(&r.r#ref)).await
+    })?;
+    module.register_async_method("instance.stop", |p, m, _| async move {
+        let r: RefParams = parse(&p)?;
+        blocking(&m, move |m| m.stop(&r.r#ref, r.force)).await
+    })?;
+    module.register_async_method("instance.delete", |p, m, _| async move {
+        let r: RefParams = parse(&p)?;
+        blocking(&m, move |m| m.delete(&r.r#ref)).await
+    })?;
+    module.register_async_method("resources.get", |_p, m, _| async move { blocking(&m, |m| m.resources()).await })?;
+    module.register_async_method("gpu.list", |_p, m, _| async move { blocking(&m, |m| m.gpus()).await })?;
+    module.register_async_method("gpu.unquarantine", |p, m, _| async move {
+        let d: DeviceParams = parse(&p)?;
+        blocking(&m, move |m| m.unquarantine(&d.device)).await
+    })?;
+    module.register_async_method("placement.dry_run", |p, m, _| async move {
+        let d: DryRunParams = parse(&p)?;
+        blocking(&m, move |m| m.dry_run(&d.profile, d.name, d.labels)).await
+    })?;
+    module.register_async_method("image.import", |p, m, _| async move {
+        let i: ImportParams = parse(&p)?;
+        blocking(&m, move |m| {
+            let img = crate::images::import(
+                &m.store().images_dir(),
+                &i.name,
+                &i.kernel,
+                i.initrd.as_deref(),
+                i.cmdline,
+            )?;
+            Ok(serde_json::to_value(img).unwrap_or(Value::Null))
+        })
+        .await
+    })?;
+    module.register_async_method("image.list", |_p, m, _| async move {
+        blocking(&m, |m| Ok(json!({ "images": crate::images::list(&m.store().images_dir()) }))).await
+    })?;
+    module.register_async_method("image.delete", |p, m, _| async move {
+        let n: NameParams = parse(&p)?;
+        blocking(&m, move |m| {
+            crate::images::delete(&m.store().images_dir(), &n.name)?;
+            Ok(json!({ "name": n.name, "deleted": true }))
+        })
+        .await
+    })?;
+    module.register_async_method("plugin.list", |_p, m, _| async move {
+        blocking(&m, |m| {
+            let p = m.policies();
+            let mut out = vec![plugin_json("placement", &p.placement), plugin_json("hypervisor", &p.hypervisor)];
+            if let Some(g) = &p.grace {
+                out.push(plugin_json("grace", g));
+            }
+            Ok(json!({ "plugins": out }))
+        })
+        .await
+    })?;
+    module.register_async_method("agent.health", |_p, m, _| async move { blocking(&m, |m| Ok(m.health())).await })?;
+    module.register_async_method("agent.metrics", |_p, m, _| async move {
+        blocking(&m, |m| Ok(Value::String(metrics::render(m)))).await
+    })?;
+    module.register_method("rpc.discover", |_p, _m, _| Ok::<Value, ErrorObjectOwned>(openrpc::document()))?;
+    Ok(module)
+}
+
+fn plugin_json(slot: &str, p: &gpuvisor_policy::Plugin) -> Value {
+    let s = p.stats();
+    json!({
+        "slot": slot,
+        "name": p.manifest().name,
+        "version": p.manifest().version,
+        "kinds": p.manifest().kinds,
+        "path": p.path().display().to_string(),
+        "calls_ok": s.calls_ok,
+        "calls_failed": s.calls_failed.values().sum::<u64>(),
+        "failures_by_reason": s.calls_failed,
+    })
+}
+
+/// Serves JSON-RPC on `socket` (created with mode 0600; a stale socket file is replaced)
+/// until `shutdown` resolves.
+pub async fn serve(
+    module: RpcModule<Arc<Manager>>,
+    socket: &Path,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => anyhow::bail!("cannot replace {}: {e}", socket.display()),
+    }
+    let listener = tokio::net::UnixListener::bind(socket)?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    let (stop_handle, server_handle) = jsonrpsee::server::stop_channel();
+    let server_cfg = jsonrpsee::server::ServerConfig::builder()
+        .max_request_body_size(4 * 1024 * 1024)
+        .http_only()
+        .build();
+    let builder = jsonrpsee::server::Server::builder().set_config(server_cfg).to_service_builder();
+    let methods: jsonrpsee::Methods = module.into();
+    tracing::info!(socket = %socket.display(), "JSON-RPC listening");
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            conn = listener.accept() => {
+                let (stream, _) = match conn {
+                    Ok(c) => c,
+                    Err(e) => { tracing::warn!(error = %e, "accept failed"); continue; }
+                };
+                let svc = builder.clone().build(methods.clone(), stop_handle.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = jsonrpsee::server::serve(stream, svc).await {
+                        tracing::debug!(error = %e, "connection ended with an error");
+                    }
+                });
+            }
+        }
+    }
+    let _ = server_handle.stop();
+    let _ = std::fs::remove_file(socket);
+    Ok(())
+}

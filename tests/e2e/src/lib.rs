@@ -1,0 +1,539 @@
+//! # gpuvisor end-to-end harness
+//!
+//! Runs the real `gpuvisor serve` binary against a real `gpuvisor-sim` FUSE mount, with
+//! real QEMU guests (TCG) booting the demo image and real wasm plugins. Every [`Agent`]
+//! has its own temp directory (data dir, socket, config) and simulated host; dropping it
+//! kills the agent, every QEMU it started (found by the data dir in their command line)
+//! and unmounts the simulator.
+//!
+//! Synchronisation is on events (the socket accepting, a line in a guest's serial log, a
+//! state change), polled with short steps and a generous bound — never a bare sleep.
+
+use anyhow::{anyhow, bail, Context};
+pub use gpuvisor_sim::testing::SimMount;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// `target/` of this workspace (from the test executable's location).
+pub fn target_dir() -> PathBuf {
+    if let Some(t) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(t);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/<test-binary>
+    exe.parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.parent())
+        .expect("target dir")
+        .to_path_buf()
+}
+
+/// The workspace root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("repo root")
+}
+
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent()
+        .and_then(|p| p.parent())
+        .expect("profile dir")
+        .to_path_buf()
+}
+
+/// The `gpuvisor` binary built beside this test.
+pub fn agent_binary() -> PathBuf {
+    let p = profile_dir().join("gpuvisor");
+    assert!(
+        p.is_file(),
+        "{} not built (run `cargo build -p gpuvisor`)",
+        p.display()
+    );
+    p
+}
+
+static BUILD_LOCK: Mutex<()> = Mutex::new(());
+
+/// A default plugin built for wasm32 (built on first use with cargo, which serialises
+/// concurrent builds itself).
+pub fn plugin(name: &str) -> PathBuf {
+    let _g = BUILD_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let wasm = target_dir()
+        .join("wasm32-unknown-unknown/release")
+        .join(format!("{}.wasm", name.replace('-', "_")));
+    if !wasm.is_file() {
+        let st = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .current_dir(repo_root())
+            .args([
+                "build",
+                "--release",
+                "--target",
+                "wasm32-unknown-unknown",
+                "-p",
+                name,
+            ])
+            .status()
+            .expect("cargo");
+        assert!(st.success(), "building plugin {name} failed");
+    }
+    wasm
+}
+
+/// A test fixture plugin (`tests/plugins/<file>`, WAT text).
+pub fn fixture_plugin(file: &str) -> PathBuf {
+    repo_root().join("tests/plugins").join(file)
+}
+
+/// The demo image directory (built by `scripts/build-image` on first use).
+pub fn demo_image() -> PathBuf {
+    let _g = BUILD_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = target_dir().join("images/demo");
+    if !dir.join("image.toml").is_file() {
+        let st = Command::new(repo_root().join("scripts/build-image"))
+            .arg(&dir)
+            .status()
+            .expect("build-image");
+        assert!(st.success(), "scripts/build-image failed");
+    }
+    dir
+}
+
+/// A JSON-RPC error as the client sees it.
+#[derive(Debug, Clone)]
+pub struct RpcError {
+    /// Numeric class (400/404/409/500/503) or a standard JSON-RPC code.
+    pub code: i64,
+    /// `data.code`.
+    pub data_code: String,
+    pub message: String,
+    pub data: Value,
+}
+
+impl std::fmt::Display for RpcError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {}", self.code, self.data_code, self.message)
+    }
+}
+
+/// Posts one JSON-RPC request over HTTP/1.1 on a Unix socket (blocking).
+pub fn rpc_raw(socket: &Path, body: &str) -> anyhow::Result<Value> {
+    let mut s =
+        UnixStream::connect(socket).with_context(|| format!("connect {}", socket.display()))?;
+    s.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let req = format!(
+        "POST / HTTP/1.1\r\nHost: gpuvisor\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+        body.len(),
+        body
+    );
+    s.write_all(req.as_bytes())?;
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp)?;
+    let text = String::from_utf8_lossy(&resp);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow!("bad HTTP answer: {text}"))?;
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    serde_json::from_str(&body).with_context(|| format!("not JSON: {body}"))
+}
+
+fn dechunk(s: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some((len, tail)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 || tail.len() < n {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// A running agent on its own simulated host.
+pub struct Agent {
+    pub sim: SimMount,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub data_dir: PathBuf,
+    pub config_path: PathBuf,
+    child: Option<Child>,
+}
+
+/// Options for [`Agent::start_with`].
+pub struct AgentOptions<'a> {
+    /// Simulator preset or TOML model text.
+    pub model: &'a str,
+    /// Placement plugin (default: placement-spread).
+    pub placement: Option<PathBuf>,
+    /// Hypervisor plugin (default: hypervisor-default).
+    pub hypervisor: Option<PathBuf>,
+    /// Extra TOML appended to the generated config (top-level keys).
+    pub extra: &'a str,
+}
+
+impl Default for AgentOptions<'_> {
+    fn default() -> Self {
+        AgentOptions {
+            model: "l40s-2x16",
+            placement: None,
+            hypervisor: None,
+            extra: "",
+        }
+    }
+}
+
+impl Agent {
+    /// Starts a simulator with `model` and an agent with the default plugins.
+    pub fn start(model: &str) -> anyhow::Result<Agent> {
+        Agent::start_with(AgentOptions {
+            model,
+            ..Default::default()
+        })
+    }
+
+    /// Starts a simulator and an agent (hold-fd, tcg, short graces for tests) and imports
+    /// the demo image as `demo`.
+    pub fn start_with(o: AgentOptions<'_>) -> anyhow::Result<Agent> {
+        let image = demo_image();
+        let sim = SimMount::start(o.model)?;
+        let dir = tempfile::Builder::new().prefix("gpuvisor-e2e.").tempdir()?;
+        let data_dir = dir.path().join("data");
+        let socket = dir.path().join("gpuvisor.sock");
+        let placement = o.placement.unwrap_or_else(|| plugin("placement-spread"));
+        let hypervisor = o.hypervisor.unwrap_or_else(|| plugin("hypervisor-default"));
+        let config = format!(
+            "data_dir = {data:?}\nsocket = {sock:?}\nhost_root = {root:?}\naccel = \"tcg\"\nvfio_attach = \"hold-fd\"\n\
+             vfio_term_grace_s = 2\nstop_timeout_s = 10\nrelease_retry_s = 5\n{extra}\n\
+             [plugins.placement]\npath = {pl:?}\n[plugins.hypervisor]\npath = {hv:?}\n",
+            data = data_dir,
+            sock = socket,
+            root = sim.path(),
+            extra = o.extra,
+            pl = placement,
+            hv = hypervisor,
+        );
+        let config_path = dir.path().join("gpuvisor.toml");
+        std::fs::write(&config_path, config)?;
+        let mut agent = Agent {
+            sim,
+            dir,
+            socket,
+            data_dir,
+            config_path,
+            child: None,
+        };
+        agent.spawn()?;
+        agent.call("image.import", json!({
+            "name": "demo",
+            "kernel": image.join("vmlinuz"),
+            "initrd": image.join("initrd.img"),
+            "cmdline": std::fs::read_to_string(image.join("cmdline")).unwrap_or_default().trim(),
+        }))
+        .map_err(|e| anyhow!("image.import: {e}"))?;
+        Ok(agent)
+    }
+
+    /// Spawns `gpuvisor serve` and waits until its socket answers `agent.health`.
+    pub fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("agent.log"))?;
+        let child = Command::new(agent_binary())
+            .args(["serve", "--config"])
+            .arg(&self.config_path)
+            .env("GPUVISOR_LOG", "info,gpuvisor=debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Some(st) = c.try_wait()? {
+                    bail!("agent exited with {st}: {}", self.log());
+                }
+            }
+            if self.call("agent.health", json!({})).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("agent did not answer within 60 s: {}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the agent with SIGKILL (VMs keep running, as after a crash).
+    pub fn kill_agent(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The agent's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    /// Calls a method; `Err` carries the JSON-RPC error.
+    pub fn call(&self, method: &str, params: Value) -> Result<Value, RpcError> {
+        let body =
+            json!({ "jsonrpc": "2.0", "id": 1, "method": method, "params": params }).to_string();
+        let v = rpc_raw(&self.socket, &body).map_err(|e| RpcError {
+            code: 0,
+            data_code: "transport".into(),
+            message: e.to_string(),
+            data: Value::Null,
+        })?;
+        if let Some(err) = v.get("error") {
+            return Err(RpcError {
+                code: err["code"].as_i64().unwrap_or(0),
+                data_code: err["data"]["code"].as_str().unwrap_or("").to_string(),
+                message: err["message"].as_str().unwrap_or("").to_string(),
+                data: err["data"].clone(),
+            });
+        }
+        Ok(v["result"].clone())
+    }
+
+    /// Calls a method that must succeed.
+    pub fn ok(&self, method: &str, params: Value) -> Value {
+        match self.call(method, params.clone()) {
+            Ok(v) => v,
+            Err(e) => panic!(
+                "{method} {params} failed: {e}\n--- agent log ---\n{}",
+                tail(&self.log(), 60)
+            ),
+        }
+    }
+
+    /// Calls a method that must fail; returns the error.
+    pub fn err(&self, method: &str, params: Value) -> RpcError {
+        match self.call(method, params.clone()) {
+            Ok(v) => panic!("{method} {params} unexpectedly succeeded: {v}"),
+            Err(e) => e,
+        }
+    }
+
+    /// Creates a GPU instance of `profile` from the demo image.
+    pub fn create_gpu(&self, name: &str, profile: &str) -> Result<Value, RpcError> {
+        self.call(
+            "instance.create",
+            json!({ "name": name, "image": "demo", "gpu": profile }),
+        )
+    }
+
+    /// Runs the CLI against this agent.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        Command::new(agent_binary())
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("gpuvisor cli")
+    }
+
+    /// The claims directory's records.
+    pub fn claims(&self) -> Vec<Value> {
+        let mut out = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(self.data_dir.join("claims")) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') {
+                    continue;
+                }
+                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                out.push(serde_json::from_str(&text).unwrap_or(Value::Null));
+            }
+        }
+        out
+    }
+
+    /// The simulator's state dump.
+    pub fn state(&self) -> Value {
+        self.sim.state().expect("sim state")
+    }
+
+    /// A VF's current type from the state dump.
+    pub fn vf_type(&self, vf: &str) -> u64 {
+        vf_entry(&self.state(), vf)["type"]
+            .as_u64()
+            .unwrap_or(u64::MAX)
+    }
+
+    /// Waits until the instance's serial log has a line containing `needle`.
+    pub fn wait_serial(
+        &self,
+        instance: &Value,
+        needle: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<String> {
+        let path = PathBuf::from(
+            instance["serial_log"]
+                .as_str()
+                .ok_or_else(|| anyhow!("no serial_log"))?,
+        );
+        let deadline = Instant::now() + timeout;
+        loop {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            if text.contains(needle) {
+                return Ok(text);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{needle:?} not in {} after {timeout:?}:\n{text}",
+                    path.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Pids of QEMU processes started by this agent (their command line names the data dir).
+    pub fn qemu_pids(&self) -> Vec<i32> {
+        processes_mentioning(&self.data_dir)
+    }
+}
+
+/// The state-dump entry of a VF.
+pub fn vf_entry(state: &Value, vf: &str) -> Value {
+    for g in state["gpus"].as_array().cloned().unwrap_or_default() {
+        for v in g["vfs"].as_array().cloned().unwrap_or_default() {
+            if v["bdf"] == vf {
+                return v;
+            }
+        }
+    }
+    Value::Null
+}
+
+/// Every VF of the state dump with a non-zero type: `(bdf, type)`.
+pub fn set_vfs(state: &Value) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    for g in state["gpus"].as_array().cloned().unwrap_or_default() {
+        for v in g["vfs"].as_array().cloned().unwrap_or_default() {
+            let t = v["type"].as_u64().unwrap_or(0);
+            if t != 0 {
+                out.push((v["bdf"].as_str().unwrap_or("").to_string(), t));
+            }
+        }
+    }
+    out
+}
+
+/// Sysfs writes in the simulator's log (`op == "write"`), as `(path, value, result)`.
+pub fn writes(state: &Value) -> Vec<(String, String, String)> {
+    state["log"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|e| e["op"] == "write")
+        .map(|e| {
+            (
+                e["path"].as_str().unwrap_or("").to_string(),
+                e["value"].as_str().unwrap_or("").trim().to_string(),
+                e["result"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Pids of live processes whose command line mentions `needle`.
+pub fn processes_mentioning(needle: &Path) -> Vec<i32> {
+    let needle = needle.to_string_lossy().into_owned();
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            if pid == std::process::id() as i32 {
+                continue;
+            }
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat
+                .rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+                .unwrap_or(true);
+            if !zombie
+                && String::from_utf8_lossy(&cmd).contains(&needle)
+                && String::from_utf8_lossy(&cmd).contains("qemu")
+            {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+/// The `/proc/<pid>/fd` link targets of a process.
+pub fn fd_targets(pid: i32) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        for e in rd.flatten() {
+            if let Ok(t) = std::fs::read_link(e.path()) {
+                out.push(t.to_string_lossy().into_owned());
+            }
+        }
+    }
+    out
+}
+
+/// The last `n` lines of a text.
+pub fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Polls `f` until it returns `Some`, for at most `timeout`.
+pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill_agent();
+        for pid in self.qemu_pids() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        wait_for(Duration::from_secs(10), || {
+            self.qemu_pids().is_empty().then_some(())
+        });
+        if std::thread::panicking() {
+            eprintln!("--- agent log (tail) ---\n{}", tail(&self.log(), 80));
+        }
+    }
+}

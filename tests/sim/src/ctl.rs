@@ -1,0 +1,227 @@
+//! The control channel (§10.5): command syntax and the client side.
+//!
+//! A request is one JSON object `{"argv": ["fail-write", "PATH", "EBUSY", "--times", "2"]}`
+//! written to `DIR/.sim/ctl`; the answer is read back from the same fd. It is
+//! `{"ok": true, ...}` or `{"ok": false, "error": "..."}`. The `state` command answers
+//! `{"ok": true, "state": {<dump>}}`.
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use serde::{Deserialize, Serialize};
+
+/// One control request as sent over `.sim/ctl`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct CtlRequest {
+    /// The command and its arguments, exactly as given to `gpuvisor-sim ctl DIR ...`.
+    pub argv: Vec<String>,
+}
+
+/// Parser wrapper so the server can parse `argv` with clap.
+#[derive(Debug, Parser)]
+#[command(name = "ctl", no_binary_name = true, disable_help_flag = true)]
+pub struct CtlLine {
+    /// The command.
+    #[command(subcommand)]
+    pub cmd: CtlCmd,
+}
+
+/// A fault's target and errno.
+#[derive(Debug, Args, Clone)]
+pub struct FaultArgs {
+    /// Path relative to DIR; `*`, `?` and `[...]` globs are allowed. Any name of the file
+    /// matches (`sys/bus/pci/devices/<BDF>/...`, `sys/devices/...`, `sys/class/mdev_bus/...`).
+    pub path: String,
+    /// Errno name (`EBUSY`, `EIO`, ...) or number.
+    pub errno: String,
+    /// Fail the next N matching operations (default 1).
+    #[arg(long, conflicts_with = "always")]
+    pub times: Option<u32>,
+    /// Fail every matching operation until `clear-faults`.
+    #[arg(long)]
+    pub always: bool,
+}
+
+/// Control commands (§10.5). DEV is a VF/PF BDF or an mdev UUID.
+#[derive(Debug, Subcommand, Clone)]
+pub enum CtlCmd {
+    /// Answer with the state dump (§10.6) under `state`.
+    State,
+    /// The next N writes to PATH fail with ERRNO before any rule runs.
+    FailWrite(FaultArgs),
+    /// The next N reads (also readdir and readlink) of PATH fail with ERRNO.
+    FailRead(FaultArgs),
+    /// The next N opens of PATH fail with ERRNO.
+    FailOpen(FaultArgs),
+    /// Matching writes block for MS milliseconds, then proceed (every write unless --times).
+    DelayWrite {
+        /// Path or glob.
+        path: String,
+        /// Delay in milliseconds.
+        ms: u64,
+        /// Only the next N writes.
+        #[arg(long)]
+        times: Option<u32>,
+    },
+    /// Remove every pending fault and delay.
+    ClearFaults,
+    /// Set the wedged flag of a VF.
+    Wedge {
+        /// VF BDF.
+        dev: String,
+    },
+    /// Clear the wedged flag of a VF.
+    Unwedge {
+        /// VF BDF.
+        dev: String,
+    },
+    /// Set the teardown lag of one device (VF BDF or mdev UUID).
+    ReleaseDelay {
+        /// VF BDF or mdev UUID.
+        dev: String,
+        /// Lag in milliseconds.
+        ms: u64,
+    },
+    /// A foreign tool sets a VF's type (no catalog check; `0` clears). Logged as `set-type`.
+    SetType {
+        /// VF BDF.
+        vf: String,
+        /// Type id (decimal), 0 to clear.
+        id: u32,
+    },
+    /// A foreign tool creates an mdev (no availability check).
+    CreateMdev {
+        /// Parent VF BDF.
+        parent: String,
+        /// Type id or `nvidia-<id>`.
+        #[arg(name = "TYPE")]
+        type_: String,
+        /// Hyphenated UUID.
+        uuid: String,
+    },
+    /// Like `sriov-manage -e PF`: VFs appear after the delay (default: the model's).
+    EnableVfs {
+        /// PF BDF.
+        pf: String,
+        /// Appearance delay in milliseconds.
+        #[arg(long)]
+        delay: Option<u64>,
+    },
+    /// Like `sriov-manage -d PF`: EBUSY while any VF has an open handle.
+    DisableVfs {
+        /// PF BDF.
+        pf: String,
+    },
+    /// New driver version; every type id shifts by K; all VFs are recreated.
+    ReloadDriver {
+        /// New version string.
+        version: String,
+        /// Added to every type id.
+        #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
+        id_shift: i64,
+    },
+    /// Make PATH read CONTENT, or vanish with --absent, until `unoverride`.
+    Override {
+        /// Path or glob.
+        path: String,
+        /// Content to read.
+        #[arg(allow_hyphen_values = true, required_unless_present = "absent")]
+        content: Option<String>,
+        /// Make the path vanish.
+        #[arg(long, conflicts_with = "content")]
+        absent: bool,
+    },
+    /// Undo `override` for exactly this PATH (as given).
+    Unoverride {
+        /// Path or glob, as given to `override`.
+        path: String,
+    },
+    /// Back to the boot state with a new boot id; VFs appear after --vf-delay.
+    Reboot {
+        /// VF appearance delay in milliseconds (default: the model's).
+        #[arg(long)]
+        vf_delay: Option<u64>,
+    },
+}
+
+/// Sends one request to the simulator mounted at `dir` and returns its answer,
+/// whatever `ok` says. Errors are I/O or JSON errors only.
+pub fn request(dir: &Path, argv: &[String]) -> anyhow::Result<serde_json::Value> {
+    let path = dir.join(".sim/ctl");
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let req = serde_json::to_vec(&CtlRequest {
+        argv: argv.to_vec(),
+    })?;
+    f.write_all(&req)
+        .with_context(|| format!("writing {}", path.display()))?;
+    let mut out = Vec::new();
+    f.read_to_end(&mut out)
+        .with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_slice(&out).with_context(|| {
+        format!(
+            "bad answer from {}: {:?}",
+            path.display(),
+            String::from_utf8_lossy(&out)
+        )
+    })
+}
+
+/// Like [`request`] but fails on `{"ok": false}`.
+pub fn request_ok(dir: &Path, argv: &[String]) -> anyhow::Result<serde_json::Value> {
+    let v = request(dir, argv)?;
+    if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
+        bail!(
+            "gpuvisor-sim ctl {}: {}",
+            argv.join(" "),
+            v.get("error").and_then(|e| e.as_str()).unwrap_or("failed")
+        );
+    }
+    Ok(v)
+}
+
+/// Errno names the control channel accepts.
+const ERRNOS: &[(&str, i32)] = &[
+    ("EPERM", libc::EPERM),
+    ("ENOENT", libc::ENOENT),
+    ("ESRCH", libc::ESRCH),
+    ("EINTR", libc::EINTR),
+    ("EIO", libc::EIO),
+    ("ENXIO", libc::ENXIO),
+    ("EAGAIN", libc::EAGAIN),
+    ("ENOMEM", libc::ENOMEM),
+    ("EACCES", libc::EACCES),
+    ("EFAULT", libc::EFAULT),
+    ("EBUSY", libc::EBUSY),
+    ("EEXIST", libc::EEXIST),
+    ("ENODEV", libc::ENODEV),
+    ("EINVAL", libc::EINVAL),
+    ("ENOSPC", libc::ENOSPC),
+    ("EROFS", libc::EROFS),
+    ("ENOTSUP", libc::ENOTSUP),
+    ("EOPNOTSUPP", libc::EOPNOTSUPP),
+    ("ETIMEDOUT", libc::ETIMEDOUT),
+    ("EUSERS", libc::EUSERS),
+    ("ENOTCONN", libc::ENOTCONN),
+];
+
+/// Parses an errno name (case-insensitive) or a positive number.
+pub fn parse_errno(s: &str) -> Option<i32> {
+    if let Ok(n) = s.parse::<i32>() {
+        return (n > 0).then_some(n);
+    }
+    ERRNOS
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(s))
+        .map(|(_, v)| *v)
+}
+
+/// The symbolic name of an errno (`EBUSY`), as used in the log.
+pub fn errno_name(e: i32) -> String {
+    format!("{:?}", nix::errno::Errno::from_raw(e))
+}
