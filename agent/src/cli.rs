@@ -169,7 +169,9 @@ pub struct ServeArgs {
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
-    s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("label {s:?} is not key=value"))
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("label {s:?} is not key=value"))
 }
 
 impl ServeArgs {
@@ -283,7 +285,11 @@ pub async fn run_client(cli: &Cli) -> i32 {
         }
         Err(ClientError::Rpc { message, data, .. }) => {
             if cli.output == Output::Json {
-                println!("{}", serde_json::to_string_pretty(&json!({ "error": { "message": message, "data": data } })).unwrap_or_default());
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({ "error": { "message": message, "data": data } }))
+                        .unwrap_or_default()
+                );
             } else {
                 let code = data.get("code").and_then(|c| c.as_str()).unwrap_or("error");
                 eprintln!("error: {message} [{code}]");
@@ -340,7 +346,8 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) {
         }
     }
     let line = |cells: Vec<String>| {
-        let parts: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{:<width$}", c, width = w[i])).collect();
+        let parts: Vec<String> =
+            cells.iter().enumerate().map(|(i, c)| format!("{:<width$}", c, width = w[i])).collect();
         println!("{}", parts.join("  ").trim_end());
     };
     line(headers.iter().map(|h| h.to_string()).collect());
@@ -452,7 +459,16 @@ fn print_result(cli: &Cli, v: &Value) {
                 .cloned()
                 .unwrap_or_default()
                 .iter()
-                .map(|p| vec![s(&p["slot"]), s(&p["name"]), s(&p["version"]), s(&p["calls_ok"]), s(&p["calls_failed"]), s(&p["path"])])
+                .map(|p| {
+                    vec![
+                        s(&p["slot"]),
+                        s(&p["name"]),
+                        s(&p["version"]),
+                        s(&p["calls_ok"]),
+                        s(&p["calls_failed"]),
+                        s(&p["path"]),
+                    ]
+                })
                 .collect();
             table(&["SLOT", "NAME", "VERSION", "OK", "FAILED", "PATH"], rows);
         }

@@ -119,8 +119,8 @@ impl Default for Config {
 impl Config {
     /// Reads a TOML config file. Errors name the file and the offending key.
     pub fn load(path: &Path) -> anyhow::Result<Config> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
         Config::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
     }
 

@@ -62,8 +62,13 @@ impl ErrorCode {
         match self {
             InvalidRequest | UnknownProfile | HypervisorUnsupported => 400,
             NotFound => 404,
-            NameTaken | InvalidState | NoCapacity | InstanceCleanupPending | UnsupportedWithGpu
-            | GpuReleasePending | DeviceUnhealthy => 409,
+            NameTaken
+            | InvalidState
+            | NoCapacity
+            | InstanceCleanupPending
+            | UnsupportedWithGpu
+            | GpuReleasePending
+            | DeviceUnhealthy => 409,
             VgpuCleanupPending | VmmStartFailed | VmmKillFailed | PolicyFailed | Internal => 500,
             NotReady | VmmLivenessUnknown => 503,
         }

@@ -98,9 +98,7 @@ pub fn import(
     cmdline: Option<String>,
 ) -> Result<Image, ApiError> {
     if !valid_name(name) {
-        return Err(ApiError::invalid(format!(
-            "image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})"
-        )));
+        return Err(ApiError::invalid(format!("image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})")));
     }
     let dir = images_dir.join(name);
     if dir.exists() {

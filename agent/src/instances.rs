@@ -500,9 +500,10 @@ impl Manager {
                                     // Repairable: once this VF is cleared, every other active
                                     // vGPU on the GPU has the requested size (equal-size rule).
                                     self.profile_known(p)
-                                        && active.iter().filter(|(b, _)| *b != vf.bdf).all(|(_, fb)| {
-                                            fb.is_some() && want_fb.is_some() && *fb == want_fb
-                                        })
+                                        && active
+                                            .iter()
+                                            .filter(|(b, _)| *b != vf.bdf)
+                                            .all(|(_, fb)| fb.is_some() && want_fb.is_some() && *fb == want_fb)
                                 }
                                 _ => false,
                             };
@@ -570,7 +571,9 @@ impl Manager {
                         };
                         if let Some(want) = profile {
                             if let Some(t) = p.types.iter().find(|t| {
-                                state == DeviceState::Free && t.available > 0 && gpuvisor_sdk::profile_matches(want, &t.name)
+                                state == DeviceState::Free
+                                    && t.available > 0
+                                    && gpuvisor_sdk::profile_matches(want, &t.name)
                             }) {
                                 candidates.push(Candidate {
                                     device: p.bdf.clone(),
@@ -797,7 +800,9 @@ impl Manager {
             match proc::scan_open_handles(&vendor_vfio::vf_targets(&self.host, &info)) {
                 HandleScan::Clean => {}
                 HandleScan::Held { pids } => return Err((true, format!("dirty and in use by pid {pids:?}"))),
-                HandleScan::Unknown { reason } => return Err((true, format!("dirty and cannot verify holders: {reason}"))),
+                HandleScan::Unknown { reason } => {
+                    return Err((true, format!("dirty and cannot verify holders: {reason}")))
+                }
             }
             vendor_vfio::clear(&self.host, vf, Some(cur)).map_err(|e| (true, format!("repair failed: {e}")))?;
             tracing::info!(gpu.device = %vf, old_type = cur, "dirty VF repaired");
@@ -993,9 +998,8 @@ impl Manager {
     fn spawn(&self, rec: &mut InstanceRecord, claim: Option<&Claim>) -> Result<(), ApiError> {
         let spec = self.vm_spec(rec, claim)?;
         let boot_id = self.boot_id()?;
-        let vmm = hypervisor::spawn(&spec, &boot_id).map_err(|e| {
-            ApiError::new(ErrorCode::VmmStartFailed, format!("the VMM did not start: {e}"))
-        })?;
+        let vmm = hypervisor::spawn(&spec, &boot_id)
+            .map_err(|e| ApiError::new(ErrorCode::VmmStartFailed, format!("the VMM did not start: {e}")))?;
         rec.vmm = Some(VmmRecord { identity: vmm.identity.clone(), control_socket: vmm.qmp_socket.clone() });
         rec.state = InstanceState::Running;
         rec.last_error = None;
@@ -1068,8 +1072,13 @@ impl Manager {
                 return Err(ApiError::invalid(format!("label {k:?} is not valid (key 1..63, value ..255 bytes)")));
             }
         }
-        images::load(&self.store.images_dir(), &req.image)
-            .map_err(|e| if e.code == ErrorCode::NotFound { ApiError::invalid(e.message) } else { e })?;
+        images::load(&self.store.images_dir(), &req.image).map_err(|e| {
+            if e.code == ErrorCode::NotFound {
+                ApiError::invalid(e.message)
+            } else {
+                e
+            }
+        })?;
         let framework = match &req.gpu {
             Some(_) => Some(self.vgpu_framework()?),
             None => None,
@@ -1391,12 +1400,16 @@ impl Manager {
                 let listing = g
                     .devices
                     .iter()
-                    .filter(|d| d.state == DeviceState::Free && d.creatable.iter().any(|c| c.eq_ignore_ascii_case(&name)))
+                    .filter(|d| {
+                        d.state == DeviceState::Free && d.creatable.iter().any(|c| c.eq_ignore_ascii_case(&name))
+                    })
                     .count() as u64;
                 if listing == 0 {
                     continue;
                 }
-                let active = g.devices.iter().filter(|d| matches!(d.state, DeviceState::Claimed | DeviceState::Dirty)).count() as u64;
+                let active =
+                    g.devices.iter().filter(|d| matches!(d.state, DeviceState::Claimed | DeviceState::Dirty)).count()
+                        as u64;
                 let cap = match (g.framebuffer_mib, fb) {
                     (Some(gfb), Some(pfb)) if pfb > 0 => (gfb / pfb).saturating_sub(active),
                     _ => listing,
@@ -1406,7 +1419,8 @@ impl Manager {
             if obs.mode == HostMode::VendorVfio {
                 type_id = self.type_id_of(&name);
             }
-            profiles.push(json!({ "profile": name, "type_id": type_id, "framebuffer_mib": fb, "placeable": placeable }));
+            profiles
+                .push(json!({ "profile": name, "type_id": type_id, "framebuffer_mib": fb, "placeable": placeable }));
         }
         Ok(json!({
             "mode": obs.mode.as_str(),
@@ -1473,7 +1487,10 @@ impl Manager {
         let framework = self.vgpu_framework()?;
         let _ = self.observe(None);
         if !self.profile_known(profile) {
-            return Err(ApiError::new(ErrorCode::UnknownProfile, format!("profile {profile} is not offered by any GPU on this host")));
+            return Err(ApiError::new(
+                ErrorCode::UnknownProfile,
+                format!("profile {profile} is not offered by any GPU on this host"),
+            ));
         }
         let rec = InstanceRecord {
             id: Uuid::nil(),
@@ -1538,9 +1555,7 @@ fn binary_exists(bin: &std::path::Path) -> bool {
     if bin.is_absolute() {
         return bin.exists();
     }
-    std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))
-        .unwrap_or(false)
+    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file())).unwrap_or(false)
 }
 
 /// Serialisable summary used by `plugin.list`.

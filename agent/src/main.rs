@@ -11,9 +11,7 @@ use std::sync::Arc;
 fn init_logging(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("GPUVISOR_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if format == "json" {
         b.json().init();
     } else {
@@ -30,8 +28,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let manager = Arc::new(Manager::new(cfg, store, policies));
     let module = gpuvisor::rpc::module(manager)?;
     let shutdown = async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {},
             _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
@@ -43,11 +40,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
 
 fn main() {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -56,8 +49,7 @@ fn main() {
     };
     let code = match &cli.command {
         Command::Serve(args) => {
-            let explicit_socket = std::env::args()
-                .any(|a| a == "--socket" || a.starts_with("--socket="))
+            let explicit_socket = std::env::args().any(|a| a == "--socket" || a.starts_with("--socket="))
                 || std::env::var_os("GPUVISOR_SOCKET").is_some();
             let cfg = match args.config(explicit_socket.then(|| cli.socket.clone())) {
                 Ok(c) => c,

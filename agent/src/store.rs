@@ -224,8 +224,7 @@ impl Store {
             .mode(0o600)
             .open(&path)
             .map_err(|e| StoreError::io(&path, e))?;
-        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
-            .map_err(|_| StoreError::Locked { path })
+        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| StoreError::Locked { path })
     }
 
     // ----- instances
@@ -526,10 +525,7 @@ mod tests {
         let full = serde_json::to_vec_pretty(&c).unwrap();
         for cut in 0..full.len() - 1 {
             fs::write(d.path().join("claims/0000:41:00.5.json"), &full[..cut]).unwrap();
-            assert!(
-                matches!(s.list_claims(), Err(StoreError::Corrupt { .. })),
-                "cut at {cut} was accepted"
-            );
+            assert!(matches!(s.list_claims(), Err(StoreError::Corrupt { .. })), "cut at {cut} was accepted");
         }
     }
 

@@ -304,30 +304,20 @@ mod tests {
 
     #[test]
     fn pack_and_unpack_round_trip() {
-        assert_eq!(
-            unpack(pack(0x0011_2233, 0xffff_fff0)),
-            (0x0011_2233, 0xffff_fff0)
-        );
+        assert_eq!(unpack(pack(0x0011_2233, 0xffff_fff0)), (0x0011_2233, 0xffff_fff0));
         assert_eq!(pack(1, 2), (1i64 << 32) | 2);
     }
 
     #[test]
     fn undecodable_input_gives_an_error_reply() {
-        let out = dispatch::<PlacementInput, PlacementAnswer, _>(b"{not json", |_| {
-            PlacementAnswer::Ranked(vec![])
-        });
+        let out = dispatch::<PlacementInput, PlacementAnswer, _>(b"{not json", |_| PlacementAnswer::Ranked(vec![]));
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        assert!(v["error"]
-            .as_str()
-            .unwrap()
-            .starts_with("input does not decode"));
+        assert!(v["error"].as_str().unwrap().starts_with("input does not decode"));
     }
 
     #[test]
     fn err_result_becomes_an_error_reply() {
-        let out = dispatch::<serde_json::Value, HypervisorAnswer, _>(b"{}", |_| {
-            Err::<HypervisorAnswer, _>("nope")
-        });
+        let out = dispatch::<serde_json::Value, HypervisorAnswer, _>(b"{}", |_| Err::<HypervisorAnswer, _>("nope"));
         assert_eq!(out, br#"{"error":"nope"}"#);
     }
 }

@@ -12,9 +12,7 @@
 //! (the agent's plugin host, `gpuvisor_policy::run_plugin_file`).
 
 use crate::abi::{dispatch, IntoReply};
-use crate::types::{
-    GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput,
-};
+use crate::types::{GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
@@ -36,10 +34,7 @@ where
 /// Reads the JSON file at `path` and runs `f` on it; see [`run_native_str`].
 ///
 /// Errors: the file cannot be read (`std::io::Error`, naming nothing but the OS cause).
-pub fn run_native_file<I, T, R>(
-    path: impl AsRef<Path>,
-    f: impl FnOnce(&I) -> R,
-) -> std::io::Result<Value>
+pub fn run_native_file<I, T, R>(path: impl AsRef<Path>, f: impl FnOnce(&I) -> R) -> std::io::Result<Value>
 where
     I: DeserializeOwned,
     T: Serialize,
@@ -88,9 +83,7 @@ mod tests {
 
     #[test]
     fn reply_is_the_ok_envelope() {
-        let v = run_native_str::<Value, HypervisorAnswer, _>("{}", |_| {
-            HypervisorAnswer::Hypervisor("qemu".into())
-        });
+        let v = run_native_str::<Value, HypervisorAnswer, _>("{}", |_| HypervisorAnswer::Hypervisor("qemu".into()));
         assert_eq!(v, serde_json::json!({"ok": {"hypervisor": "qemu"}}));
     }
 }

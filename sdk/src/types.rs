@@ -349,11 +349,7 @@ pub fn profile_framebuffer_mib(name: &str) -> Option<u64> {
         return None;
     }
     let gib: u64 = digits.parse().ok()?;
-    Some(if gib == 0 {
-        512
-    } else {
-        gib.checked_mul(1024)?
-    })
+    Some(if gib == 0 { 512 } else { gib.checked_mul(1024)? })
 }
 
 /// True when a user's profile request names the given sysfs/canonical name: compared on
@@ -388,14 +384,8 @@ mod tests {
     #[test]
     fn answers_use_the_documented_wire_shape() {
         let a = PlacementAnswer::Ranked(vec!["0000:41:00.4".into()]);
-        assert_eq!(
-            serde_json::to_string(&a).unwrap(),
-            r#"{"ranked":["0000:41:00.4"]}"#
-        );
+        assert_eq!(serde_json::to_string(&a).unwrap(), r#"{"ranked":["0000:41:00.4"]}"#);
         let r: Reply<HypervisorAnswer> = Reply::Ok(HypervisorAnswer::Hypervisor("qemu".into()));
-        assert_eq!(
-            serde_json::to_string(&r).unwrap(),
-            r#"{"ok":{"hypervisor":"qemu"}}"#
-        );
+        assert_eq!(serde_json::to_string(&r).unwrap(), r#"{"ok":{"hypervisor":"qemu"}}"#);
     }
 }

@@ -65,11 +65,7 @@ fn create() -> Result<Shared, String> {
             Engine::new(&base_config()).map_err(|e| e.to_string())?
         }
     };
-    Ok(Shared {
-        engine,
-        active: AtomicUsize::new(0),
-        ticker: OnceLock::new(),
-    })
+    Ok(Shared { engine, active: AtomicUsize::new(0), ticker: OnceLock::new() })
 }
 
 impl Shared {
@@ -82,16 +78,14 @@ impl Shared {
     }
 
     fn spawn_ticker(&'static self) -> Thread {
-        let spawned = std::thread::Builder::new()
-            .name("gpuvisor-policy-epoch".into())
-            .spawn(move || loop {
-                if self.active.load(Ordering::SeqCst) == 0 {
-                    std::thread::park();
-                    continue;
-                }
-                std::thread::sleep(TICK);
-                self.engine.increment_epoch();
-            });
+        let spawned = std::thread::Builder::new().name("gpuvisor-policy-epoch".into()).spawn(move || loop {
+            if self.active.load(Ordering::SeqCst) == 0 {
+                std::thread::park();
+                continue;
+            }
+            std::thread::sleep(TICK);
+            self.engine.increment_epoch();
+        });
         match spawned {
             Ok(handle) => handle.thread().clone(),
             Err(e) => {

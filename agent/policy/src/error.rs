@@ -27,39 +27,19 @@ pub enum LoadError {
     Compile { path: PathBuf, reason: String },
     /// The module imports WASI; a policy has no files, network, clock or randomness.
     #[error("policy plugin {path}: imports WASI ({module}.{name}); the only allowed import is gpuvisor.log")]
-    WasiImport {
-        path: PathBuf,
-        module: String,
-        name: String,
-    },
+    WasiImport { path: PathBuf, module: String, name: String },
     /// The module imports something other than `gpuvisor.log(i32, i32, i32)`.
     #[error("policy plugin {path}: forbidden import {module}.{name}; the only allowed import is gpuvisor.log(i32, i32, i32)")]
-    ForbiddenImport {
-        path: PathBuf,
-        module: String,
-        name: String,
-    },
+    ForbiddenImport { path: PathBuf, module: String, name: String },
     /// A required export is missing.
     #[error("policy plugin {path}: missing export {export} ({expected})")]
-    MissingExport {
-        path: PathBuf,
-        export: &'static str,
-        expected: &'static str,
-    },
+    MissingExport { path: PathBuf, export: &'static str, expected: &'static str },
     /// An export exists with the wrong kind or signature.
     #[error("policy plugin {path}: export {export} has the wrong type (expected {expected})")]
-    ExportType {
-        path: PathBuf,
-        export: &'static str,
-        expected: &'static str,
-    },
+    ExportType { path: PathBuf, export: &'static str, expected: &'static str },
     /// `gpuvisor_abi_version()` returned something other than 1.
     #[error("policy plugin {path}: ABI version {found} is not supported (this agent speaks ABI version {expected})")]
-    AbiVersion {
-        path: PathBuf,
-        found: i32,
-        expected: i32,
-    },
+    AbiVersion { path: PathBuf, found: i32, expected: i32 },
     /// Calling `gpuvisor_abi_version` or `gpuvisor_manifest` failed (trap, limit, bad pointer).
     #[error("policy plugin {path}: {what} failed at load")]
     Init {
@@ -73,19 +53,10 @@ pub enum LoadError {
     Manifest { path: PathBuf, reason: String },
     /// The manifest's `kinds` do not include the slot the config puts the plugin in.
     #[error("policy plugin {path} ({name}) implements {kinds:?}, not the {slot} slot it is configured for", slot = slot.as_str())]
-    WrongSlot {
-        path: PathBuf,
-        name: String,
-        slot: PolicyKind,
-        kinds: Vec<PolicyKind>,
-    },
+    WrongSlot { path: PathBuf, name: String, slot: PolicyKind, kinds: Vec<PolicyKind> },
     /// No slot was given and the manifest lists zero or several kinds.
     #[error("policy plugin {path} ({name}) implements {kinds:?}; name the kind to run")]
-    AmbiguousKind {
-        path: PathBuf,
-        name: String,
-        kinds: Vec<PolicyKind>,
-    },
+    AmbiguousKind { path: PathBuf, name: String, kinds: Vec<PolicyKind> },
 }
 
 /// One plugin call failed. `plugin` is the manifest name (the file path during load),
@@ -97,85 +68,37 @@ pub enum CallError {
     NotProvided { plugin: String, kind: PolicyKind },
     /// The input JSON is larger than `Limits::max_input_bytes`.
     #[error("policy plugin {plugin} ({}): input of {len} bytes exceeds the {max}-byte limit", kind.as_str())]
-    InputTooLarge {
-        plugin: String,
-        kind: PolicyKind,
-        len: usize,
-        max: usize,
-    },
+    InputTooLarge { plugin: String, kind: PolicyKind, len: usize, max: usize },
     /// The input could not be encoded as JSON (should not happen for the SDK types).
     #[error("policy plugin {plugin} ({}): the input does not encode as JSON: {reason}", kind.as_str())]
-    InputEncode {
-        plugin: String,
-        kind: PolicyKind,
-        reason: String,
-    },
+    InputEncode { plugin: String, kind: PolicyKind, reason: String },
     /// A fresh instance could not be created (e.g. every sandbox slot is in use).
     #[error("policy plugin {plugin} ({}): no sandbox instance could be created: {reason}", kind.as_str())]
-    Instantiate {
-        plugin: String,
-        kind: PolicyKind,
-        reason: String,
-    },
+    Instantiate { plugin: String, kind: PolicyKind, reason: String },
     /// The plugin trapped (e.g. `unreachable`, a panic, an out-of-bounds access).
     #[error("policy plugin {plugin} ({}) trapped: {message}", kind.as_str())]
-    Trap {
-        plugin: String,
-        kind: PolicyKind,
-        message: String,
-    },
+    Trap { plugin: String, kind: PolicyKind, message: String },
     /// The instruction budget ran out.
     #[error("policy plugin {plugin} ({}) ran out of fuel ({fuel} units)", kind.as_str())]
-    OutOfFuel {
-        plugin: String,
-        kind: PolicyKind,
-        fuel: u64,
-    },
+    OutOfFuel { plugin: String, kind: PolicyKind, fuel: u64 },
     /// The wall-clock deadline passed.
     #[error("policy plugin {plugin} ({}) passed its {deadline_ms} ms deadline", kind.as_str())]
-    Deadline {
-        plugin: String,
-        kind: PolicyKind,
-        deadline_ms: u128,
-    },
+    Deadline { plugin: String, kind: PolicyKind, deadline_ms: u128 },
     /// The plugin tried to grow its memory beyond `Limits::memory_bytes`.
     #[error("policy plugin {plugin} ({}) hit its memory limit of {limit_bytes} bytes", kind.as_str())]
-    MemoryLimit {
-        plugin: String,
-        kind: PolicyKind,
-        limit_bytes: usize,
-    },
+    MemoryLimit { plugin: String, kind: PolicyKind, limit_bytes: usize },
     /// The reply is larger than `Limits::max_output_bytes`.
     #[error("policy plugin {plugin} ({}): reply of {len} bytes exceeds the {max}-byte limit", kind.as_str())]
-    OutputTooLarge {
-        plugin: String,
-        kind: PolicyKind,
-        len: usize,
-        max: usize,
-    },
+    OutputTooLarge { plugin: String, kind: PolicyKind, len: usize, max: usize },
     /// A pointer the plugin returned lies outside its memory.
     #[error("policy plugin {plugin} ({}): {what} returned a bad pointer ({ptr:#x}, {len} bytes)", kind.as_str())]
-    BadPointer {
-        plugin: String,
-        kind: PolicyKind,
-        what: &'static str,
-        ptr: u32,
-        len: u32,
-    },
+    BadPointer { plugin: String, kind: PolicyKind, what: &'static str, ptr: u32, len: u32 },
     /// The reply is not `{"ok": <answer of this kind>}` or `{"error": "message"}`.
     #[error("policy plugin {plugin} ({}): reply does not decode: {reason}", kind.as_str())]
-    UndecodableReply {
-        plugin: String,
-        kind: PolicyKind,
-        reason: String,
-    },
+    UndecodableReply { plugin: String, kind: PolicyKind, reason: String },
     /// The plugin answered `{"error": message}`.
     #[error("policy plugin {plugin} ({}) returned an error: {message}", kind.as_str())]
-    Plugin {
-        plugin: String,
-        kind: PolicyKind,
-        message: String,
-    },
+    Plugin { plugin: String, kind: PolicyKind, message: String },
 }
 
 impl CallError {

@@ -29,13 +29,10 @@ mod plugin;
 
 pub use engine::{MAX_MEMORY_BYTES, POOL_INSTANCES, TICK};
 pub use error::{CallError, LoadError, RunError};
-pub use plugin::{
-    Limits, Plugin, PluginStats, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND, LOG_LINE_MAX_BYTES,
-};
+pub use plugin::{Limits, Plugin, PluginStats, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND, LOG_LINE_MAX_BYTES};
 
 use gpuvisor_sdk::{
-    GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput,
-    PolicyKind,
+    GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput, PolicyKind,
 };
 use std::path::Path;
 
@@ -54,10 +51,7 @@ pub fn run_plugin_file(
     input_json: &Path,
     kind: Option<PolicyKind>,
 ) -> Result<serde_json::Value, RunError> {
-    let input_err = |reason: String| RunError::Input {
-        path: input_json.to_path_buf(),
-        reason,
-    };
+    let input_err = |reason: String| RunError::Input { path: input_json.to_path_buf(), reason };
     let text = std::fs::read_to_string(input_json).map_err(|e| input_err(e.to_string()))?;
     let plugin = match kind {
         Some(kind) => Plugin::load(wasm, kind, Limits::default())?,

@@ -4,8 +4,8 @@ use crate::engine::{self, deadline_ticks};
 use crate::error::{CallError, LoadError};
 use gpuvisor_sdk::abi::unpack;
 use gpuvisor_sdk::{
-    GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, Manifest, PlacementAnswer,
-    PlacementInput, PolicyKind, Reply, ABI_VERSION,
+    GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, Manifest, PlacementAnswer, PlacementInput, PolicyKind,
+    Reply, ABI_VERSION,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use wasmtime::{
-    Caller, Engine, ExternType, FuncType, Instance, InstancePre, Linker, Module, ResourceLimiter,
-    Store, Trap, TypedFunc,
+    Caller, Engine, ExternType, FuncType, Instance, InstancePre, Linker, Module, ResourceLimiter, Store, Trap,
+    TypedFunc,
 };
 
 /// Per-plugin limits, applied to every call (and to the load-time manifest call).
@@ -119,11 +119,7 @@ impl Plugin {
         Self::load_inner(path, None, limits)
     }
 
-    fn load_inner(
-        path: &Path,
-        slot: Option<PolicyKind>,
-        limits: Limits,
-    ) -> Result<Plugin, LoadError> {
+    fn load_inner(path: &Path, slot: Option<PolicyKind>, limits: Limits) -> Result<Plugin, LoadError> {
         let p = || path.to_path_buf();
         if limits.memory_bytes > engine::MAX_MEMORY_BYTES {
             return Err(LoadError::Limits {
@@ -136,61 +132,37 @@ impl Plugin {
             });
         }
         if limits.fuel == 0 || limits.deadline.is_zero() {
-            return Err(LoadError::Limits {
-                path: p(),
-                reason: "fuel and deadline must be non-zero".into(),
-            });
+            return Err(LoadError::Limits { path: p(), reason: "fuel and deadline must be non-zero".into() });
         }
         let shared = engine::shared().map_err(|reason| LoadError::Engine { path: p(), reason })?;
         let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: p(), source })?;
-        let module = Module::new(&shared.engine, &bytes).map_err(|e| LoadError::Compile {
-            path: p(),
-            reason: format!("{e:#}"),
-        })?;
+        let module = Module::new(&shared.engine, &bytes)
+            .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
         check_imports(path, &module)?;
         for (export, check, expected) in BASE_EXPORTS {
             check_export(path, &module, export, *check, expected)?;
         }
-        let pre = link(&shared.engine, &module).map_err(|e| LoadError::Compile {
-            path: p(),
-            reason: format!("{e:#}"),
-        })?;
+        let pre =
+            link(&shared.engine, &module).map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
 
         // Ask the module who it is, in a sandbox like any call's.
-        let mut sandbox = Sandbox {
-            label: Arc::from(path.display().to_string()),
-            pre,
-            limits,
-            log: Arc::new(LogLimiter::default()),
-        };
+        let mut sandbox =
+            Sandbox { label: Arc::from(path.display().to_string()), pre, limits, log: Arc::new(LogLimiter::default()) };
         let init = |what: &'static str| {
-            move |source: CallError| LoadError::Init {
-                path: path.to_path_buf(),
-                what,
-                source: Box::new(source),
-            }
+            move |source: CallError| LoadError::Init { path: path.to_path_buf(), what, source: Box::new(source) }
         };
         let kind_for_errors = slot.unwrap_or(PolicyKind::Placement);
         let (version, manifest_bytes) = sandbox
             .with_instance(kind_for_errors, |store, instance, label| {
-                let abi: TypedFunc<(), i32> = typed(
-                    instance,
-                    store,
-                    "gpuvisor_abi_version",
-                    label,
-                    kind_for_errors,
-                )?;
-                let version = abi
-                    .call(&mut *store, ())
-                    .map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
+                let abi: TypedFunc<(), i32> = typed(instance, store, "gpuvisor_abi_version", label, kind_for_errors)?;
+                let version =
+                    abi.call(&mut *store, ()).map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
                 if version != ABI_VERSION {
                     return Ok((version, Vec::new()));
                 }
-                let manifest: TypedFunc<(), i64> =
-                    typed(instance, store, "gpuvisor_manifest", label, kind_for_errors)?;
-                let packed = manifest
-                    .call(&mut *store, ())
-                    .map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
+                let manifest: TypedFunc<(), i64> = typed(instance, store, "gpuvisor_manifest", label, kind_for_errors)?;
+                let packed =
+                    manifest.call(&mut *store, ()).map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
                 let bytes = read_reply(
                     store,
                     instance,
@@ -204,37 +176,19 @@ impl Plugin {
             })
             .map_err(init("calling gpuvisor_abi_version / gpuvisor_manifest"))?;
         if version != ABI_VERSION {
-            return Err(LoadError::AbiVersion {
-                path: p(),
-                found: version,
-                expected: ABI_VERSION,
-            });
+            return Err(LoadError::AbiVersion { path: p(), found: version, expected: ABI_VERSION });
         }
-        let manifest: Manifest =
-            serde_json::from_slice(&manifest_bytes).map_err(|e| LoadError::Manifest {
-                path: p(),
-                reason: e.to_string(),
-            })?;
+        let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
+            .map_err(|e| LoadError::Manifest { path: p(), reason: e.to_string() })?;
         let slot = match slot {
             Some(slot) => slot,
             None => match manifest.kinds.as_slice() {
                 [only] => *only,
-                _ => {
-                    return Err(LoadError::AmbiguousKind {
-                        path: p(),
-                        name: manifest.name,
-                        kinds: manifest.kinds,
-                    })
-                }
+                _ => return Err(LoadError::AmbiguousKind { path: p(), name: manifest.name, kinds: manifest.kinds }),
             },
         };
         if !manifest.kinds.contains(&slot) {
-            return Err(LoadError::WrongSlot {
-                path: p(),
-                name: manifest.name,
-                slot,
-                kinds: manifest.kinds,
-            });
+            return Err(LoadError::WrongSlot { path: p(), name: manifest.name, slot, kinds: manifest.kinds });
         }
         for kind in &manifest.kinds {
             check_entry_point(path, &module, *kind)?;
@@ -247,14 +201,7 @@ impl Plugin {
             path = %path.display(),
             "policy plugin loaded"
         );
-        Ok(Plugin {
-            path: p(),
-            slot,
-            manifest,
-            limits,
-            sandbox,
-            stats: Mutex::new(PluginStats::default()),
-        })
+        Ok(Plugin { path: p(), slot, manifest, limits, sandbox, stats: Mutex::new(PluginStats::default()) })
     }
 
     /// The manifest the module returned at load.
@@ -308,19 +255,11 @@ impl Plugin {
     /// Calls the `kind` entry point with any JSON input and returns the `ok` answer as
     /// JSON, unchecked against the kind's answer type. Errors: as the typed calls
     /// (`{"error": ..}` → [`CallError::Plugin`]).
-    pub fn call_json(
-        &self,
-        kind: PolicyKind,
-        input: &serde_json::Value,
-    ) -> Result<serde_json::Value, CallError> {
+    pub fn call_json(&self, kind: PolicyKind, input: &serde_json::Value) -> Result<serde_json::Value, CallError> {
         self.call_typed(kind, input)
     }
 
-    fn call_typed<I: Serialize, T: DeserializeOwned>(
-        &self,
-        kind: PolicyKind,
-        input: &I,
-    ) -> Result<T, CallError> {
+    fn call_typed<I: Serialize, T: DeserializeOwned>(&self, kind: PolicyKind, input: &I) -> Result<T, CallError> {
         let started = Instant::now();
         let mut fuel_used = 0;
         let result = self.call_inner(kind, input, &mut fuel_used);
@@ -350,10 +289,7 @@ impl Plugin {
     ) -> Result<T, CallError> {
         let label = &self.sandbox.label;
         if !self.manifest.kinds.contains(&kind) {
-            return Err(CallError::NotProvided {
-                plugin: label.to_string(),
-                kind,
-            });
+            return Err(CallError::NotProvided { plugin: label.to_string(), kind });
         }
         let bytes = serde_json::to_vec(input).map_err(|e| CallError::InputEncode {
             plugin: label.to_string(),
@@ -369,62 +305,39 @@ impl Plugin {
             });
         }
         let limits = self.limits;
-        let reply =
-            self.sandbox
-                .with_instance_fuel(kind, fuel_used, |store, instance, label| {
-                    let alloc: TypedFunc<i32, i32> =
-                        typed(instance, store, "gpuvisor_alloc", label, kind)?;
-                    let len = i32::try_from(bytes.len()).map_err(|_| CallError::InputTooLarge {
+        let reply = self.sandbox.with_instance_fuel(kind, fuel_used, |store, instance, label| {
+            let alloc: TypedFunc<i32, i32> = typed(instance, store, "gpuvisor_alloc", label, kind)?;
+            let len = i32::try_from(bytes.len()).map_err(|_| CallError::InputTooLarge {
+                plugin: label.to_string(),
+                kind,
+                len: bytes.len(),
+                max: limits.max_input_bytes,
+            })?;
+            let ptr = alloc.call(&mut *store, len).map_err(|e| classify(e, store, label, kind, &limits))?;
+            let memory = memory(instance, store, label, kind)?;
+            let bad_alloc = |store: &Store<CallState>| {
+                if store_memory_hit(store) {
+                    CallError::MemoryLimit { plugin: label.to_string(), kind, limit_bytes: limits.memory_bytes }
+                } else {
+                    CallError::BadPointer {
                         plugin: label.to_string(),
                         kind,
-                        len: bytes.len(),
-                        max: limits.max_input_bytes,
-                    })?;
-                    let ptr = alloc
-                        .call(&mut *store, len)
-                        .map_err(|e| classify(e, store, label, kind, &limits))?;
-                    let memory = memory(instance, store, label, kind)?;
-                    let bad_alloc = |store: &Store<CallState>| {
-                        if store_memory_hit(store) {
-                            CallError::MemoryLimit {
-                                plugin: label.to_string(),
-                                kind,
-                                limit_bytes: limits.memory_bytes,
-                            }
-                        } else {
-                            CallError::BadPointer {
-                                plugin: label.to_string(),
-                                kind,
-                                what: "gpuvisor_alloc",
-                                ptr: ptr as u32,
-                                len: len as u32,
-                            }
-                        }
-                    };
-                    if ptr == 0 && len > 0 {
-                        return Err(bad_alloc(store));
+                        what: "gpuvisor_alloc",
+                        ptr: ptr as u32,
+                        len: len as u32,
                     }
-                    if memory
-                        .write(&mut *store, ptr as u32 as usize, &bytes)
-                        .is_err()
-                    {
-                        return Err(bad_alloc(store));
-                    }
-                    let entry: TypedFunc<(i32, i32), i64> =
-                        typed(instance, store, kind.export_name(), label, kind)?;
-                    let packed = entry
-                        .call(&mut *store, (ptr, len))
-                        .map_err(|e| classify(e, store, label, kind, &limits))?;
-                    read_reply(
-                        store,
-                        instance,
-                        packed,
-                        limits.max_output_bytes,
-                        kind.export_name(),
-                        label,
-                        kind,
-                    )
-                })?;
+                }
+            };
+            if ptr == 0 && len > 0 {
+                return Err(bad_alloc(store));
+            }
+            if memory.write(&mut *store, ptr as u32 as usize, &bytes).is_err() {
+                return Err(bad_alloc(store));
+            }
+            let entry: TypedFunc<(i32, i32), i64> = typed(instance, store, kind.export_name(), label, kind)?;
+            let packed = entry.call(&mut *store, (ptr, len)).map_err(|e| classify(e, store, label, kind, &limits))?;
+            read_reply(store, instance, packed, limits.max_output_bytes, kind.export_name(), label, kind)
+        })?;
         match serde_json::from_slice::<Reply<T>>(&reply) {
             Ok(Reply::Ok(answer)) => Ok(answer),
             Ok(Reply::Error(message)) => Err(CallError::Plugin {
@@ -435,10 +348,7 @@ impl Plugin {
             Err(e) => Err(CallError::UndecodableReply {
                 plugin: label.to_string(),
                 kind,
-                reason: format!(
-                    "expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}",
-                    kind.as_str()
-                ),
+                reason: format!("expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}", kind.as_str()),
             }),
         }
     }
@@ -463,12 +373,7 @@ struct Limiter {
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 
 impl ResourceLimiter for Limiter {
-    fn memory_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
+    fn memory_growing(&mut self, _current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
         let ok = desired <= self.memory_bytes && maximum.is_none_or(|m| desired <= m);
         if !ok {
             self.memory_hit = true;
@@ -476,12 +381,7 @@ impl ResourceLimiter for Limiter {
         Ok(ok)
     }
 
-    fn table_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
+    fn table_growing(&mut self, _current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
         Ok(desired <= MAX_TABLE_ELEMENTS && maximum.is_none_or(|m| desired <= m))
     }
 
@@ -583,90 +483,49 @@ impl Sandbox {
         f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
         let label: &str = &self.label;
-        let shared = engine::shared().map_err(|reason| CallError::Instantiate {
-            plugin: label.to_string(),
-            kind,
-            reason,
-        })?;
+        let shared =
+            engine::shared().map_err(|reason| CallError::Instantiate { plugin: label.to_string(), kind, reason })?;
         let mut store = Store::new(
             self.pre.module().engine(),
             CallState {
-                limiter: Limiter {
-                    memory_bytes: self.limits.memory_bytes,
-                    memory_hit: false,
-                },
-                log: CallLog {
-                    plugin: self.label.clone(),
-                    left: LOG_LINES_PER_CALL,
-                    shared: self.log.clone(),
-                },
+                limiter: Limiter { memory_bytes: self.limits.memory_bytes, memory_hit: false },
+                log: CallLog { plugin: self.label.clone(), left: LOG_LINES_PER_CALL, shared: self.log.clone() },
             },
         );
         store.limiter(|state| &mut state.limiter);
-        store
-            .set_fuel(self.limits.fuel)
-            .map_err(|e| CallError::Instantiate {
-                plugin: label.to_string(),
-                kind,
-                reason: format!("{e:#}"),
-            })?;
+        store.set_fuel(self.limits.fuel).map_err(|e| CallError::Instantiate {
+            plugin: label.to_string(),
+            kind,
+            reason: format!("{e:#}"),
+        })?;
         store.epoch_deadline_trap();
         let _running = shared.running();
         store.set_epoch_deadline(deadline_ticks(self.limits.deadline));
         let result = match self.pre.instantiate(&mut store) {
             Ok(instance) => f(&mut store, &instance, label),
             Err(e) => Err(match classify(e, &store, label, kind, &self.limits) {
-                CallError::Trap { message, .. } => CallError::Instantiate {
-                    plugin: label.to_string(),
-                    kind,
-                    reason: message,
-                },
+                CallError::Trap { message, .. } => {
+                    CallError::Instantiate { plugin: label.to_string(), kind, reason: message }
+                }
                 other => other,
             }),
         };
-        *fuel_used = self
-            .limits
-            .fuel
-            .saturating_sub(store.get_fuel().unwrap_or(0));
+        *fuel_used = self.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
         result
     }
 }
 
 /// Maps a wasmtime error from instantiation or a call to a [`CallError`].
-fn classify(
-    e: wasmtime::Error,
-    store: &Store<CallState>,
-    label: &str,
-    kind: PolicyKind,
-    limits: &Limits,
-) -> CallError {
+fn classify(e: wasmtime::Error, store: &Store<CallState>, label: &str, kind: PolicyKind, limits: &Limits) -> CallError {
     let plugin = label.to_string();
     match e.downcast_ref::<Trap>() {
-        Some(Trap::OutOfFuel) => CallError::OutOfFuel {
-            plugin,
-            kind,
-            fuel: limits.fuel,
-        },
-        Some(Trap::Interrupt) => CallError::Deadline {
-            plugin,
-            kind,
-            deadline_ms: limits.deadline.as_millis(),
-        },
-        _ if store.data().limiter.memory_hit => CallError::MemoryLimit {
-            plugin,
-            kind,
-            limit_bytes: limits.memory_bytes,
-        },
-        Some(trap) => CallError::Trap {
-            plugin,
-            kind,
-            message: trap.to_string(),
-        },
-        None => CallError::Trap {
-            plugin,
-            kind,
-            message: format!("{e:#}"),
-        },
+        Some(Trap::OutOfFuel) => CallError::OutOfFuel { plugin, kind, fuel: limits.fuel },
+        Some(Trap::Interrupt) => CallError::Deadline { plugin, kind, deadline_ms: limits.deadline.as_millis() },
+        _ if store.data().limiter.memory_hit => {
+            CallError::MemoryLimit { plugin, kind, limit_bytes: limits.memory_bytes }
+        }
+        Some(trap) => CallError::Trap { plugin, kind, message: trap.to_string() },
+        None => CallError::Trap { plugin, kind, message: format!("{e:#}") },
     }
 }
 
@@ -686,13 +545,11 @@ where
     R: wasmtime::WasmResults,
 {
     // Checked at load, so this only fails if the module changed under us.
-    instance
-        .get_typed_func::<P, R>(&mut *store, name)
-        .map_err(|e| CallError::Trap {
-            plugin: label.to_string(),
-            kind,
-            message: format!("export {name}: {e:#}"),
-        })
+    instance.get_typed_func::<P, R>(&mut *store, name).map_err(|e| CallError::Trap {
+        plugin: label.to_string(),
+        kind,
+        message: format!("export {name}: {e:#}"),
+    })
 }
 
 fn memory(
@@ -701,13 +558,11 @@ fn memory(
     label: &str,
     kind: PolicyKind,
 ) -> Result<wasmtime::Memory, CallError> {
-    instance
-        .get_memory(&mut *store, "memory")
-        .ok_or_else(|| CallError::Trap {
-            plugin: label.to_string(),
-            kind,
-            message: "export memory is missing".into(),
-        })
+    instance.get_memory(&mut *store, "memory").ok_or_else(|| CallError::Trap {
+        plugin: label.to_string(),
+        kind,
+        message: "export memory is missing".into(),
+    })
 }
 
 /// Copies the `(ptr << 32) | len` buffer out of the instance's memory, checking the size
@@ -723,28 +578,14 @@ fn read_reply(
 ) -> Result<Vec<u8>, CallError> {
     let (ptr, len) = unpack(packed);
     if len as usize > max {
-        return Err(CallError::OutputTooLarge {
-            plugin: label.to_string(),
-            kind,
-            len: len as usize,
-            max,
-        });
+        return Err(CallError::OutputTooLarge { plugin: label.to_string(), kind, len: len as usize, max });
     }
     let memory = memory(instance, store, label, kind)?;
     let data = memory.data(&*store);
     let start = ptr as usize;
-    match start
-        .checked_add(len as usize)
-        .and_then(|end| data.get(start..end))
-    {
+    match start.checked_add(len as usize).and_then(|end| data.get(start..end)) {
         Some(bytes) => Ok(bytes.to_vec()),
-        None => Err(CallError::BadPointer {
-            plugin: label.to_string(),
-            kind,
-            what,
-            ptr,
-            len,
-        }),
+        None => Err(CallError::BadPointer { plugin: label.to_string(), kind, what, ptr, len }),
     }
 }
 
@@ -819,11 +660,7 @@ fn check_imports(path: &Path, module: &Module) -> Result<(), LoadError> {
             continue;
         }
         if m.starts_with("wasi") {
-            return Err(LoadError::WasiImport {
-                path: path.to_path_buf(),
-                module: m.to_string(),
-                name: n.to_string(),
-            });
+            return Err(LoadError::WasiImport { path: path.to_path_buf(), module: m.to_string(), name: n.to_string() });
         }
         return Err(LoadError::ForbiddenImport {
             path: path.to_path_buf(),
@@ -849,36 +686,14 @@ enum ExportCheck {
 
 const BASE_EXPORTS: &[(&str, ExportCheck, &str)] = &[
     ("memory", ExportCheck::Memory, "a linear memory"),
-    (
-        "gpuvisor_abi_version",
-        ExportCheck::Func(&[], &[I32]),
-        "func () -> i32",
-    ),
-    (
-        "gpuvisor_alloc",
-        ExportCheck::Func(&[I32], &[I32]),
-        "func (i32) -> i32",
-    ),
-    (
-        "gpuvisor_free",
-        ExportCheck::Func(&[I32, I32], &[]),
-        "func (i32, i32)",
-    ),
-    (
-        "gpuvisor_manifest",
-        ExportCheck::Func(&[], &[I64]),
-        "func () -> i64",
-    ),
+    ("gpuvisor_abi_version", ExportCheck::Func(&[], &[I32]), "func () -> i32"),
+    ("gpuvisor_alloc", ExportCheck::Func(&[I32], &[I32]), "func (i32) -> i32"),
+    ("gpuvisor_free", ExportCheck::Func(&[I32, I32], &[]), "func (i32, i32)"),
+    ("gpuvisor_manifest", ExportCheck::Func(&[], &[I64]), "func () -> i64"),
 ];
 
 fn check_entry_point(path: &Path, module: &Module, kind: PolicyKind) -> Result<(), LoadError> {
-    check_export(
-        path,
-        module,
-        kind.export_name(),
-        ExportCheck::Func(&[I32, I32], &[I64]),
-        "func (i32, i32) -> i64",
-    )
+    check_export(path, module, kind.export_name(), ExportCheck::Func(&[I32, I32], &[I64]), "func (i32, i32) -> i64")
 }
 
 fn check_export(
@@ -889,11 +704,7 @@ fn check_export(
     expected: &'static str,
 ) -> Result<(), LoadError> {
     let Some(ty) = module.get_export(export) else {
-        return Err(LoadError::MissingExport {
-            path: path.to_path_buf(),
-            export,
-            expected,
-        });
+        return Err(LoadError::MissingExport { path: path.to_path_buf(), export, expected });
     };
     let ok = match (check, &ty) {
         (ExportCheck::Memory, ExternType::Memory(m)) => !m.is_64() && !m.is_shared(),
@@ -903,11 +714,7 @@ fn check_export(
     if ok {
         Ok(())
     } else {
-        Err(LoadError::ExportType {
-            path: path.to_path_buf(),
-            export,
-            expected,
-        })
+        Err(LoadError::ExportType { path: path.to_path_buf(), export, expected })
     }
 }
 

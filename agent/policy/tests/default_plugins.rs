@@ -7,14 +7,12 @@ use common::{built_plugin, fixture};
 use gpuvisor_policy::{run_plugin_file, Limits, Plugin};
 use gpuvisor_sdk::testing::load_input;
 use gpuvisor_sdk::{
-    GraceAction, GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer,
-    PlacementInput, PolicyKind,
+    GraceAction, GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput,
+    PolicyKind,
 };
 
 fn vfs(domain_bus: &str) -> Vec<String> {
-    (4..20)
-        .map(|n| format!("{domain_bus}:{:02x}.{}", n / 8, n % 8))
-        .collect()
+    (4..20).map(|n| format!("{domain_bus}:{:02x}.{}", n / 8, n % 8)).collect()
 }
 
 fn gpu0() -> Vec<String> {
@@ -25,24 +23,11 @@ fn gpu1() -> Vec<String> {
     vfs("0001:81")
 }
 
-fn placement(
-    plugin: &str,
-    native: fn(&PlacementInput) -> PlacementAnswer,
-    name: &str,
-) -> Vec<String> {
+fn placement(plugin: &str, native: fn(&PlacementInput) -> PlacementAnswer, name: &str) -> Vec<String> {
     let input: PlacementInput = load_input(fixture(name)).unwrap();
-    let wasm = Plugin::load(
-        &built_plugin(plugin),
-        PolicyKind::Placement,
-        Limits::default(),
-    )
-    .unwrap();
+    let wasm = Plugin::load(&built_plugin(plugin), PolicyKind::Placement, Limits::default()).unwrap();
     let through_wasm = wasm.call_placement(&input).unwrap();
-    assert_eq!(
-        through_wasm,
-        native(&input),
-        "{plugin} on {name}: wasm and native differ"
-    );
+    assert_eq!(through_wasm, native(&input), "{plugin} on {name}: wasm and native differ");
     match through_wasm {
         PlacementAnswer::Ranked(r) => r,
         PlacementAnswer::Reject(why) => panic!("{plugin} rejected {name}: {why}"),
@@ -59,45 +44,20 @@ fn the_vf_helper_matches_the_host_layout() {
 #[test]
 fn spread_and_pack_start_an_empty_host_on_the_first_vf() {
     let all: Vec<String> = gpu0().into_iter().chain(gpu1()).collect();
-    assert_eq!(
-        placement(
-            "placement-spread",
-            placement_spread::place,
-            "placement-empty-2q.json"
-        ),
-        all
-    );
-    assert_eq!(
-        placement(
-            "placement-pack",
-            placement_pack::place,
-            "placement-empty-2q.json"
-        ),
-        all
-    );
+    assert_eq!(placement("placement-spread", placement_spread::place, "placement-empty-2q.json"), all);
+    assert_eq!(placement("placement-pack", placement_pack::place, "placement-empty-2q.json"), all);
 }
 
 #[test]
 fn spread_puts_the_second_instance_on_the_other_gpu() {
-    let ranked = placement(
-        "placement-spread",
-        placement_spread::place,
-        "placement-second-2q.json",
-    );
-    let expected: Vec<String> = gpu1()
-        .into_iter()
-        .chain(gpu0().into_iter().skip(1))
-        .collect();
+    let ranked = placement("placement-spread", placement_spread::place, "placement-second-2q.json");
+    let expected: Vec<String> = gpu1().into_iter().chain(gpu0().into_iter().skip(1)).collect();
     assert_eq!(ranked, expected);
 }
 
 #[test]
 fn pack_keeps_the_second_instance_on_the_same_gpu() {
-    let ranked = placement(
-        "placement-pack",
-        placement_pack::place,
-        "placement-second-2q.json",
-    );
+    let ranked = placement("placement-pack", placement_pack::place, "placement-second-2q.json");
     let expected: Vec<String> = gpu0().into_iter().skip(1).chain(gpu1()).collect();
     assert_eq!(ranked, expected);
 }
@@ -110,11 +70,7 @@ fn placement_skips_claimed_quarantined_unreadable_and_incapable_devices_and_rank
     expected.extend_from_slice(&g1[2..15]);
     expected.push(g1[0].clone()); // dirty
     for plugin in ["placement-spread", "placement-pack"] {
-        let native = if plugin == "placement-spread" {
-            placement_spread::place
-        } else {
-            placement_pack::place
-        };
+        let native = if plugin == "placement-spread" { placement_spread::place } else { placement_pack::place };
         let ranked = placement(plugin, native, "placement-mixed-states.json");
         assert_eq!(ranked, expected, "{plugin}");
     }
@@ -122,27 +78,15 @@ fn placement_skips_claimed_quarantined_unreadable_and_incapable_devices_and_rank
 
 fn hypervisor(name: &str) -> HypervisorAnswer {
     let input: HypervisorInput = load_input(fixture(name)).unwrap();
-    let wasm = Plugin::load(
-        &built_plugin("hypervisor-default"),
-        PolicyKind::Hypervisor,
-        Limits::default(),
-    )
-    .unwrap();
+    let wasm = Plugin::load(&built_plugin("hypervisor-default"), PolicyKind::Hypervisor, Limits::default()).unwrap();
     let answer = wasm.call_hypervisor(&input).unwrap();
-    assert_eq!(
-        Ok(answer.clone()),
-        hypervisor_default::choose(&input),
-        "{name}: wasm and native differ"
-    );
+    assert_eq!(Ok(answer.clone()), hypervisor_default::choose(&input), "{name}: wasm and native differ");
     answer
 }
 
 #[test]
 fn hypervisor_default_replaces_a_requested_vmm_that_cannot_carry_the_gpu_by_qemu() {
-    assert_eq!(
-        hypervisor("hypervisor-gpu-requests-ch.json"),
-        HypervisorAnswer::Hypervisor("qemu".into())
-    );
+    assert_eq!(hypervisor("hypervisor-gpu-requests-ch.json"), HypervisorAnswer::Hypervisor("qemu".into()));
 }
 
 #[test]
@@ -163,26 +107,14 @@ fn hypervisor_default_uses_the_site_default_for_plain_instances() {
 
 #[test]
 fn hypervisor_default_rejects_when_nothing_fits() {
-    assert!(matches!(
-        hypervisor("hypervisor-no-fit.json"),
-        HypervisorAnswer::Reject(_)
-    ));
+    assert!(matches!(hypervisor("hypervisor-no-fit.json"), HypervisorAnswer::Reject(_)));
 }
 
 fn grace(name: &str) -> GraceAnswer {
     let input: GraceInput = load_input(fixture(name)).unwrap();
-    let wasm = Plugin::load(
-        &built_plugin("grace-default"),
-        PolicyKind::Grace,
-        Limits::default(),
-    )
-    .unwrap();
+    let wasm = Plugin::load(&built_plugin("grace-default"), PolicyKind::Grace, Limits::default()).unwrap();
     let answer = wasm.call_grace(&input).unwrap();
-    assert_eq!(
-        Ok(answer.clone()),
-        grace_default::decide(&input),
-        "{name}: wasm and native differ"
-    );
+    assert_eq!(Ok(answer.clone()), grace_default::decide(&input), "{name}: wasm and native differ");
     assert_eq!(answer.decisions.len(), input.items.len());
     for (d, item) in answer.decisions.iter().zip(&input.items) {
         assert_eq!(d.device, item.device);
@@ -194,11 +126,8 @@ fn grace(name: &str) -> GraceAnswer {
 #[test]
 fn grace_default_releases_dead_owners_at_once_and_holds_young_claims_and_orphans() {
     use GraceAction::{Keep, Release};
-    let got: Vec<(GraceAction, Option<u64>)> = grace("grace-mixed.json")
-        .decisions
-        .into_iter()
-        .map(|d| (d.action, d.recheck_after_ms))
-        .collect();
+    let got: Vec<(GraceAction, Option<u64>)> =
+        grace("grace-mixed.json").decisions.into_iter().map(|d| (d.action, d.recheck_after_ms)).collect();
     assert_eq!(
         got,
         vec![
@@ -218,22 +147,15 @@ fn grace_default_releases_dead_owners_at_once_and_holds_young_claims_and_orphans
 
 #[test]
 fn grace_default_reads_claim_grace_from_params() {
-    let got: Vec<Option<u64>> = grace("grace-short-grace.json")
-        .decisions
-        .into_iter()
-        .map(|d| d.recheck_after_ms)
-        .collect();
+    let got: Vec<Option<u64>> =
+        grace("grace-short-grace.json").decisions.into_iter().map(|d| d.recheck_after_ms).collect();
     assert_eq!(got, vec![Some(15_000), Some(1_000)]);
 }
 
 #[test]
 fn plugin_test_runs_a_file_with_the_kind_from_the_manifest() {
-    let answer = run_plugin_file(
-        &built_plugin("placement-spread"),
-        &fixture("placement-second-2q.json"),
-        None,
-    )
-    .unwrap();
+    let answer =
+        run_plugin_file(&built_plugin("placement-spread"), &fixture("placement-second-2q.json"), None).unwrap();
     assert_eq!(answer["ranked"][0], "0001:81:00.4");
 }
 
@@ -253,15 +175,8 @@ fn manifests_name_the_plugin_and_its_kind() {
 
 #[test]
 fn undecodable_input_is_the_plugins_error_not_a_crash() {
-    let p = Plugin::load(
-        &built_plugin("placement-spread"),
-        PolicyKind::Placement,
-        Limits::default(),
-    )
-    .unwrap();
-    let err = p
-        .call_json(PolicyKind::Placement, &serde_json::json!({"request": 1}))
-        .unwrap_err();
+    let p = Plugin::load(&built_plugin("placement-spread"), PolicyKind::Placement, Limits::default()).unwrap();
+    let err = p.call_json(PolicyKind::Placement, &serde_json::json!({"request": 1})).unwrap_err();
     assert_eq!(err.reason(), "plugin_error", "{err}");
     assert!(err.to_string().contains("placement-spread"), "{err}");
 }
@@ -271,12 +186,7 @@ fn undecodable_input_is_the_plugins_error_not_a_crash() {
 #[test]
 fn per_call_cost() {
     let input: PlacementInput = load_input(fixture("placement-second-2q.json")).unwrap();
-    let p = Plugin::load(
-        &built_plugin("placement-spread"),
-        PolicyKind::Placement,
-        Limits::default(),
-    )
-    .unwrap();
+    let p = Plugin::load(&built_plugin("placement-spread"), PolicyKind::Placement, Limits::default()).unwrap();
     let n = 200;
     let started = std::time::Instant::now();
     for _ in 0..n {

@@ -75,7 +75,8 @@ fn list_pci(host: &HostRoot) -> Result<Vec<String>, String> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
     };
-    let mut out: Vec<String> = rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    let mut out: Vec<String> =
+        rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
     out.sort();
     Ok(out)
 }
@@ -90,8 +91,7 @@ fn is_vendor_vf(host: &HostRoot, bdf: &str) -> bool {
 /// Reads `current_vgpu_type` (a decimal id and a newline; `0` = none).
 pub fn read_current_type(host: &HostRoot, vf: &str) -> io::Result<u32> {
     let s = read_attr(&nvidia_dir(host, vf).join("current_vgpu_type"))?;
-    s.parse::<u32>()
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("current_vgpu_type reads {s:?}")))
+    s.parse::<u32>().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("current_vgpu_type reads {s:?}")))
 }
 
 /// Reads and parses `creatable_vgpu_types`.
@@ -205,7 +205,8 @@ pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, Configu
     };
     let id = entry.id;
     let write = write_type(host, vf, id);
-    let back = read_current_type(host, vf).map_err(|e| ConfigureError::Io(format!("read-back: {}", errno_or_msg(&e))))?;
+    let back =
+        read_current_type(host, vf).map_err(|e| ConfigureError::Io(format!("read-back: {}", errno_or_msg(&e))))?;
     tracing::debug!(gpu.device = %vf, type_id = id, read_back = back, write = ?write.as_ref().err().map(errno_name), "type write");
     match back {
         v if v == id => Ok(id),

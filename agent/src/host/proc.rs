@@ -116,8 +116,7 @@ pub enum HandleScan {
 
 /// `true` for errors that mean "the process or fd has gone" (ENOENT, ESRCH).
 fn io_vanished(e: &std::io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH))
-        || e.kind() == std::io::ErrorKind::NotFound
+    matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH)) || e.kind() == std::io::ErrorKind::NotFound
 }
 
 /// `true` for procfs errors that mean "the process has gone".
@@ -142,11 +141,7 @@ pub fn identity_of(pid: i32, boot_id: &str) -> Result<Option<ProcessIdentity>, P
         Err(e) if proc_vanished(&e) => return Ok(None),
         Err(source) => return Err(ProcError::Process { pid, source }),
     };
-    Ok(Some(ProcessIdentity {
-        pid,
-        start_time: stat.starttime,
-        boot_id: boot_id.to_string(),
-    }))
+    Ok(Some(ProcessIdentity { pid, start_time: stat.starttime, boot_id: boot_id.to_string() }))
 }
 
 /// Liveness of the recorded identity alone (the first half of "provably dead").
@@ -156,38 +151,24 @@ fn identity_liveness(rec: &ProcessIdentity, current_boot_id: &str) -> Liveness {
         return Liveness::Dead;
     }
     if rec.pid <= 0 {
-        return Liveness::MaybeAlive {
-            reason: format!("the recorded VMM pid {} is not a process id", rec.pid),
-        };
+        return Liveness::MaybeAlive { reason: format!("the recorded VMM pid {} is not a process id", rec.pid) };
     }
     let pid = rec.pid;
     match nix::sys::signal::kill(Pid::from_raw(pid), None) {
         Err(Errno::ESRCH) => return Liveness::Dead,
         // EPERM: the pid exists but belongs to someone we may not signal: never "dead".
         Ok(()) | Err(Errno::EPERM) => {}
-        Err(e) => {
-            return Liveness::MaybeAlive {
-                reason: format!("kill({pid}, 0) failed: {e}"),
-            }
-        }
+        Err(e) => return Liveness::MaybeAlive { reason: format!("kill({pid}, 0) failed: {e}") },
     }
     let process = match procfs::process::Process::new(pid) {
         Ok(p) => p,
         Err(e) if proc_vanished(&e) => return Liveness::Dead,
-        Err(e) => {
-            return Liveness::MaybeAlive {
-                reason: format!("/proc/{pid} could not be opened: {e}"),
-            }
-        }
+        Err(e) => return Liveness::MaybeAlive { reason: format!("/proc/{pid} could not be opened: {e}") },
     };
     let stat = match process.stat() {
         Ok(s) => s,
         Err(e) if proc_vanished(&e) => return Liveness::Dead,
-        Err(e) => {
-            return Liveness::MaybeAlive {
-                reason: format!("/proc/{pid}/stat could not be read: {e}"),
-            }
-        }
+        Err(e) => return Liveness::MaybeAlive { reason: format!("/proc/{pid}/stat could not be read: {e}") },
     };
     if stat.starttime != rec.start_time {
         // A recycled pid: not our VMM.
@@ -197,9 +178,9 @@ fn identity_liveness(rec: &ProcessIdentity, current_boot_id: &str) -> Liveness {
         return match thread_group_has_live_task(pid) {
             Ok(true) => Liveness::Alive { pid },
             Ok(false) => Liveness::Dead,
-            Err(e) => Liveness::MaybeAlive {
-                reason: format!("the threads of zombie process {pid} could not be read: {e}"),
-            },
+            Err(e) => {
+                Liveness::MaybeAlive { reason: format!("the threads of zombie process {pid} could not be read: {e}") }
+            }
         };
     }
     Liveness::Alive { pid }
@@ -222,9 +203,7 @@ fn thread_group_has_live_task(pid: i32) -> Result<bool, ProcError> {
         let Some(tid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
-        let stat = procfs::process::Process::new(pid)
-            .and_then(|p| p.task_from_tid(tid))
-            .and_then(|t| t.stat());
+        let stat = procfs::process::Process::new(pid).and_then(|p| p.task_from_tid(tid)).and_then(|t| t.stat());
         match stat {
             Ok(s) if !matches!(s.state, 'Z' | 'X') => return Ok(true),
             Ok(_) => {}
@@ -266,10 +245,7 @@ pub fn vmm_liveness(
                 }
             }
             Err(e) => {
-                let reason = format!(
-                    "the owner of control socket {} could not be determined: {e}",
-                    sock.display()
-                );
+                let reason = format!("the owner of control socket {} could not be determined: {e}", sock.display());
                 maybe = Some(match maybe {
                     Some(m) => format!("{m}; {reason}"),
                     None => reason,
@@ -285,16 +261,10 @@ pub fn vmm_liveness(
 
 /// Lists the numeric entries of `/proc` (all thread-group ids visible to us).
 fn all_pids() -> Result<Vec<i32>, ProcError> {
-    let entries = std::fs::read_dir(PROC).map_err(|source| ProcError::Io {
-        path: PathBuf::from(PROC),
-        source,
-    })?;
+    let entries = std::fs::read_dir(PROC).map_err(|source| ProcError::Io { path: PathBuf::from(PROC), source })?;
     let mut pids = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(|source| ProcError::Io {
-            path: PathBuf::from(PROC),
-            source,
-        })?;
+        let entry = entry.map_err(|source| ProcError::Io { path: PathBuf::from(PROC), source })?;
         if let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) {
             pids.push(pid);
         }
@@ -309,24 +279,14 @@ fn fd_links_in(dir: &Path) -> Result<Option<Vec<OsString>>, ProcError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if io_vanished(&e) => return Ok(None),
-        Err(source) => {
-            return Err(ProcError::Io {
-                path: dir.to_path_buf(),
-                source,
-            })
-        }
+        Err(source) => return Err(ProcError::Io { path: dir.to_path_buf(), source }),
     };
     let mut links = Vec::new();
     for entry in entries {
         let entry = match entry {
             Ok(e) => e,
             Err(e) if io_vanished(&e) => return Ok(None),
-            Err(source) => {
-                return Err(ProcError::Io {
-                    path: dir.to_path_buf(),
-                    source,
-                })
-            }
+            Err(source) => return Err(ProcError::Io { path: dir.to_path_buf(), source }),
         };
         let path = entry.path();
         match std::fs::read_link(&path) {
@@ -354,24 +314,14 @@ fn fd_links_of(pid: i32) -> Result<Vec<OsString>, ProcError> {
     let tasks = match std::fs::read_dir(&task_dir) {
         Ok(t) => t,
         Err(e) if io_vanished(&e) => return Ok(Vec::new()),
-        Err(source) => {
-            return Err(ProcError::Io {
-                path: task_dir,
-                source,
-            })
-        }
+        Err(source) => return Err(ProcError::Io { path: task_dir, source }),
     };
     let mut all = Vec::new();
     for task in tasks {
         let task = match task {
             Ok(t) => t,
             Err(e) if io_vanished(&e) => continue,
-            Err(source) => {
-                return Err(ProcError::Io {
-                    path: task_dir,
-                    source,
-                })
-            }
+            Err(source) => return Err(ProcError::Io { path: task_dir, source }),
         };
         if task.file_name().to_str() == Some(&pid.to_string()) {
             continue;
@@ -412,45 +362,29 @@ fn canonical_forms(target: &Path) -> Vec<PathBuf> {
 /// the result [`HandleScan::Unknown`] (fail closed). The calling process is scanned too:
 /// if the agent itself holds a node, it is in use.
 pub fn scan_open_handles(targets: &[PathBuf]) -> HandleScan {
-    let wanted: BTreeSet<Vec<u8>> = targets
-        .iter()
-        .flat_map(|t| canonical_forms(t))
-        .map(|p| p.into_os_string().into_vec_bytes())
-        .collect();
+    let wanted: BTreeSet<Vec<u8>> =
+        targets.iter().flat_map(|t| canonical_forms(t)).map(|p| p.into_os_string().into_vec_bytes()).collect();
     if wanted.is_empty() {
         return HandleScan::Clean;
     }
     let pids = match all_pids() {
         Ok(p) => p,
-        Err(e) => {
-            return HandleScan::Unknown {
-                reason: e.to_string(),
-            }
-        }
+        Err(e) => return HandleScan::Unknown { reason: e.to_string() },
     };
     let mut holders = BTreeSet::new();
     for pid in pids {
         let links = match fd_links_of(pid) {
             Ok(l) => l,
-            Err(e) => {
-                return HandleScan::Unknown {
-                    reason: e.to_string(),
-                }
-            }
+            Err(e) => return HandleScan::Unknown { reason: e.to_string() },
         };
-        if links
-            .iter()
-            .any(|l| wanted.contains(strip_deleted(l).as_bytes()))
-        {
+        if links.iter().any(|l| wanted.contains(strip_deleted(l).as_bytes())) {
             holders.insert(pid);
         }
     }
     if holders.is_empty() {
         HandleScan::Clean
     } else {
-        HandleScan::Held {
-            pids: holders.into_iter().collect(),
-        }
+        HandleScan::Held { pids: holders.into_iter().collect() }
     }
 }
 
@@ -460,10 +394,7 @@ pub fn scan_open_handles(targets: &[PathBuf]) -> HandleScan {
 /// `Ok(vec![])` when the process has gone. Errors: the fd table could not be read for a
 /// reason other than the process having exited.
 pub fn open_paths_of(pid: i32) -> Result<Vec<PathBuf>, ProcError> {
-    Ok(fd_links_of(pid)?
-        .iter()
-        .map(|l| PathBuf::from(strip_deleted(l)))
-        .collect())
+    Ok(fd_links_of(pid)?.iter().map(|l| PathBuf::from(strip_deleted(l))).collect())
 }
 
 /// Small helper: `OsString` → bytes without a lossy conversion.
@@ -485,14 +416,9 @@ impl IntoVecBytes for OsString {
 /// Columns: `Num RefCount Protocol Flags Type St Inode Path` (`net/unix/af_unix.c`).
 pub fn unix_listener_inodes(path: &Path) -> Result<BTreeSet<u64>, ProcError> {
     let table = Path::new(PROC).join("net/unix");
-    let text = std::fs::read(&table).map_err(|source| ProcError::Io {
-        path: table.clone(),
-        source,
-    })?;
-    let wanted: BTreeSet<Vec<u8>> = canonical_forms(path)
-        .into_iter()
-        .map(|p| p.into_os_string().into_vec_bytes())
-        .collect();
+    let text = std::fs::read(&table).map_err(|source| ProcError::Io { path: table.clone(), source })?;
+    let wanted: BTreeSet<Vec<u8>> =
+        canonical_forms(path).into_iter().map(|p| p.into_os_string().into_vec_bytes()).collect();
     let mut inodes = BTreeSet::new();
     for line in text.split(|&b| b == b'\n').skip(1) {
         if line.is_empty() {
@@ -504,28 +430,19 @@ pub fn unix_listener_inodes(path: &Path) -> Result<BTreeSet<u64>, ProcError> {
             let start = rest.iter().position(|b| !b.is_ascii_whitespace());
             let Some(start) = start else { break };
             rest = &rest[start..];
-            let end = rest
-                .iter()
-                .position(|b| b.is_ascii_whitespace())
-                .unwrap_or(rest.len());
+            let end = rest.iter().position(|b| b.is_ascii_whitespace()).unwrap_or(rest.len());
             fields.push(&rest[..end]);
             rest = &rest[end..];
         }
         if fields.len() < 7 {
-            return Err(ProcError::Malformed {
-                path: table,
-                detail: format!("a line has {} columns", fields.len()),
-            });
+            return Err(ProcError::Malformed { path: table, detail: format!("a line has {} columns", fields.len()) });
         }
         // The path is the rest of the line after one space (it may itself contain spaces).
         let bound = rest.strip_prefix(b" ").unwrap_or(rest);
         if bound.is_empty() || !wanted.contains(bound) {
             continue;
         }
-        let malformed = |what: &str| ProcError::Malformed {
-            path: table.clone(),
-            detail: format!("bad {what} column"),
-        };
+        let malformed = |what: &str| ProcError::Malformed { path: table.clone(), detail: format!("bad {what} column") };
         let flags = std::str::from_utf8(fields[3])
             .ok()
             .and_then(|s| u64::from_str_radix(s, 16).ok())
@@ -578,28 +495,20 @@ pub fn unix_listener_owners(path: &Path) -> Result<Vec<i32>, ProcError> {
 /// Used for claim ages (`claimed_boottime_ms`, LIFECYCLE.md). Returns 0 only if the clock
 /// cannot be read, which Linux >= 2.6.39 never does.
 pub fn boottime_ms() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_BOOTTIME exists since Linux 2.6.39.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
     if rc != 0 {
         return 0;
     }
-    (ts.tv_sec as u64)
-        .saturating_mul(1000)
-        .saturating_add(ts.tv_nsec as u64 / 1_000_000)
+    (ts.tv_sec as u64).saturating_mul(1000).saturating_add(ts.tv_nsec as u64 / 1_000_000)
 }
 
 /// Sets `/proc/<pid>/oom_score_adj` (-1000..=1000; negative values need CAP_SYS_RESOURCE).
 ///
 /// Errors: the write failed (e.g. EACCES without the capability, ESRCH when gone).
 pub fn set_oom_score_adj(pid: i32, value: i32) -> std::io::Result<()> {
-    std::fs::write(
-        Path::new(PROC).join(pid.to_string()).join("oom_score_adj"),
-        value.to_string(),
-    )
+    std::fs::write(Path::new(PROC).join(pid.to_string()).join("oom_score_adj"), value.to_string())
 }
 
 /// A pidfd (`pidfd_open(2)`, Linux >= 5.3): a handle on one process that can never refer to
@@ -688,12 +597,7 @@ pub fn confirm_identity(
     let pidfd = match PidFd::open(pid) {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(None),
-        Err(source) => {
-            return Err(ProcError::Io {
-                path: Path::new(PROC).join(pid.to_string()),
-                source,
-            })
-        }
+        Err(source) => return Err(ProcError::Io { path: Path::new(PROC).join(pid.to_string()), source }),
     };
     let stat = match procfs::process::Process::new(pid).and_then(|p| p.stat()) {
         Ok(s) => s,
@@ -703,10 +607,7 @@ pub fn confirm_identity(
     if stat.starttime != identity.start_time {
         return Ok(None);
     }
-    Ok(Some(ConfirmedProcess {
-        pidfd,
-        pgrp: stat.pgrp,
-    }))
+    Ok(Some(ConfirmedProcess { pidfd, pgrp: stat.pgrp }))
 }
 
 /// Opens pidfds on the current owners of the listening socket at `path`, each confirmed
@@ -726,12 +627,7 @@ pub fn confirm_listener_owners(path: &Path, exclude: &[i32]) -> Result<Vec<PidFd
         let pidfd = match PidFd::open(pid) {
             Ok(Some(p)) => p,
             Ok(None) => continue,
-            Err(source) => {
-                return Err(ProcError::Io {
-                    path: Path::new(PROC).join(pid.to_string()),
-                    source,
-                })
-            }
+            Err(source) => return Err(ProcError::Io { path: Path::new(PROC).join(pid.to_string()), source }),
         };
         if links_hold_socket(&fd_links_of(pid)?, &inodes) {
             confirmed.push(pidfd);
@@ -792,11 +688,7 @@ mod tests {
     const BOOT: &str = "test-boot-id";
 
     fn sleep_child() -> Child {
-        Command::new("sleep")
-            .arg("60")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn sleep")
+        Command::new("sleep").arg("60").stdin(Stdio::null()).spawn().expect("spawn sleep")
     }
 
     fn kill_and_reap(mut c: Child) {
@@ -871,10 +763,7 @@ mod tests {
         let rec = identity_of(pid, BOOT).unwrap().unwrap();
         // let it exit without waiting: it stays a zombie.
         assert!(wait_until(|| {
-            procfs::process::Process::new(pid)
-                .and_then(|p| p.stat())
-                .map(|s| s.state == 'Z')
-                .unwrap_or(false)
+            procfs::process::Process::new(pid).and_then(|p| p.stat()).map(|s| s.state == 'Z').unwrap_or(false)
         }));
 
         assert_eq!(vmm_liveness(Some(&rec), None, BOOT), Liveness::Dead);
@@ -903,12 +792,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let node = dir.path().join("node");
         std::fs::write(&node, b"x").unwrap();
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg("exec 7<\"$0\"; exec sleep 60")
-            .arg(&node)
-            .spawn()
-            .unwrap();
+        let mut child = Command::new("sh").arg("-c").arg("exec 7<\"$0\"; exec sleep 60").arg(&node).spawn().unwrap();
         let pid = child.id() as i32;
         let targets = vec![node.clone()];
 
@@ -951,10 +835,7 @@ mod tests {
         let me = std::process::id() as i32;
 
         assert_eq!(unix_listener_owners(&sock).unwrap(), vec![me]);
-        assert_eq!(
-            vmm_liveness(None, Some(&sock), BOOT),
-            Liveness::Alive { pid: me }
-        );
+        assert_eq!(vmm_liveness(None, Some(&sock), BOOT), Liveness::Alive { pid: me });
 
         drop(listener);
         assert!(unix_listener_owners(&sock).unwrap().is_empty());
@@ -987,24 +868,14 @@ mod tests {
         let pid = child.id() as i32;
 
         assert_eq!(unix_listener_owners(&sock).unwrap(), vec![pid]);
-        let stale = ProcessIdentity {
-            pid: 1,
-            start_time: u64::MAX,
-            boot_id: BOOT.into(),
-        };
-        assert_eq!(
-            vmm_liveness(Some(&stale), Some(&sock), BOOT),
-            Liveness::Alive { pid }
-        );
+        let stale = ProcessIdentity { pid: 1, start_time: u64::MAX, boot_id: BOOT.into() };
+        assert_eq!(vmm_liveness(Some(&stale), Some(&sock), BOOT), Liveness::Alive { pid });
         let owners = confirm_listener_owners(&sock, &[]).unwrap();
         assert_eq!(owners.iter().map(PidFd::pid).collect::<Vec<_>>(), vec![pid]);
 
         child.kill().unwrap();
         child.wait().unwrap();
-        assert_eq!(
-            vmm_liveness(Some(&stale), Some(&sock), BOOT),
-            Liveness::Dead
-        );
+        assert_eq!(vmm_liveness(Some(&stale), Some(&sock), BOOT), Liveness::Dead);
     }
 
     #[test]

@@ -70,11 +70,7 @@ impl HypervisorKind {
                 Capability::Standby,
                 Capability::Snapshot,
             ],
-            HypervisorKind::CloudHypervisor => &[
-                Capability::Passthrough,
-                Capability::Standby,
-                Capability::Snapshot,
-            ],
+            HypervisorKind::CloudHypervisor => &[Capability::Passthrough, Capability::Standby, Capability::Snapshot],
         }
     }
 }

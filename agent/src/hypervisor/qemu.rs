@@ -1,8 +1,7 @@
 //! # hypervisor::qemu — the QEMU command line and process start
 //!
 //! [`qemu_command_line`] is pure; [`spawn`] starts QEMU in its own process group, records
-//! its identity, reaps it from a thread, and returns once its QMP socket accepts
-//! connections.
+//! its identity, reaps it from a thread, and returns once it answers on QMP.
 //!
 //! **Hold-fd (simulated host).** The VFIO group node is opened in the child between fork
 //! and exec, so the handle belongs to QEMU's own pid from the start and QEMU is the only
@@ -17,17 +16,17 @@ use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::qmp::QmpClient;
 use super::HypervisorError;
 use crate::host::proc::{self as hostproc, ProcessIdentity};
 
-/// How long [`spawn`] waits for the QMP socket to accept a connection.
+/// How long [`spawn`] waits for QEMU to answer QMP `query-status`.
 pub const QMP_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// `oom_score_adj` given to QEMU (best effort): a kill from the OOM killer during vGPU
@@ -115,10 +114,7 @@ fn path_str(p: &Path) -> String {
 
 /// The fdset opaque string for a held node: `vfio-group-<basename>`.
 fn hold_fd_opaque(node: &Path) -> String {
-    let g = node
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let g = node.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     format!("vfio-group-{g}")
 }
 
@@ -153,23 +149,15 @@ pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
         }
     }
     push(&["-serial", &format!("file:{}", path_str(&spec.serial_log()))]);
-    push(&[
-        "-qmp",
-        &format!("unix:{},server=on,wait=off", opt_escape(&path_str(&spec.qmp_socket()))),
-    ]);
+    push(&["-qmp", &format!("unix:{},server=on,wait=off", opt_escape(&path_str(&spec.qmp_socket())))]);
     match &spec.vfio {
         None => {}
-        Some(VfioAttach::Device { sysfsdev }) => push(&[
-            "-device",
-            &format!("vfio-pci,sysfsdev={}", opt_escape(&path_str(sysfsdev))),
-        ]),
-        Some(VfioAttach::HoldFd { node }) => push(&[
-            "-add-fd",
-            &format!(
-                "fd={HOLD_FD_FDSET},set=1,opaque={}",
-                opt_escape(&hold_fd_opaque(node))
-            ),
-        ]),
+        Some(VfioAttach::Device { sysfsdev }) => {
+            push(&["-device", &format!("vfio-pci,sysfsdev={}", opt_escape(&path_str(sysfsdev)))])
+        }
+        Some(VfioAttach::HoldFd { node }) => {
+            push(&["-add-fd", &format!("fd={HOLD_FD_FDSET},set=1,opaque={}", opt_escape(&hold_fd_opaque(node)))])
+        }
     }
     a
 }
@@ -242,10 +230,8 @@ fn log_tail(path: &Path, from: u64, max: u64) -> String {
 /// Adds the hold-fd `pre_exec` hook: open `node` O_RDWR in the child and place it on fds
 /// [`HOLD_FD_FDSET`] and [`HOLD_FD_KEEP`] (both inherited across exec).
 fn add_hold_fd(cmd: &mut Command, node: &Path) -> Result<(), HypervisorError> {
-    let cpath = CString::new(node.as_os_str().as_bytes()).map_err(|_| {
-        HypervisorError::StartFailed {
-            reason: format!("the VFIO node path {} contains a NUL byte", node.display()),
-        }
+    let cpath = CString::new(node.as_os_str().as_bytes()).map_err(|_| HypervisorError::StartFailed {
+        reason: format!("the VFIO node path {} contains a NUL byte", node.display()),
     })?;
     // SAFETY: the closure runs in the child between fork and exec and only calls
     // async-signal-safe functions (open, fcntl, dup2, close) on data prepared before fork.
@@ -273,7 +259,7 @@ fn add_hold_fd(cmd: &mut Command, node: &Path) -> Result<(), HypervisorError> {
     Ok(())
 }
 
-/// Starts QEMU for `spec` and waits until its QMP socket accepts a connection.
+/// Starts QEMU for `spec` and waits until it answers QMP `query-status`.
 ///
 /// QEMU runs in its own process group with stdin from `/dev/null` and stdout/stderr
 /// appended to `<run_dir>/qemu.log`; its `oom_score_adj` is set to [`QEMU_OOM_SCORE_ADJ`]
@@ -292,9 +278,7 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str) -> Result<RunningVmm, Hypervisor
 }
 
 fn start_failed(reason: impl Into<String>) -> HypervisorError {
-    HypervisorError::StartFailed {
-        reason: reason.into(),
-    }
+    HypervisorError::StartFailed { reason: reason.into() }
 }
 
 /// [`spawn`] with an explicit QMP readiness timeout.
@@ -304,10 +288,7 @@ pub fn spawn_with_timeout(
     qmp_timeout: Duration,
 ) -> Result<RunningVmm, HypervisorError> {
     if spec.accel != "tcg" && spec.accel != "kvm" {
-        return Err(start_failed(format!(
-            "accelerator `{}` is not tcg or kvm",
-            spec.accel
-        )));
+        return Err(start_failed(format!("accelerator `{}` is not tcg or kvm", spec.accel)));
     }
     std::fs::create_dir_all(&spec.run_dir)?;
     let qmp_socket = spec.qmp_socket();
@@ -322,10 +303,7 @@ pub fn spawn_with_timeout(
         }
         Err(e) => {
             return Err(HypervisorError::LivenessUnknown {
-                reason: format!(
-                    "the owner of control socket {} could not be determined: {e}",
-                    qmp_socket.display()
-                ),
+                reason: format!("the owner of control socket {} could not be determined: {e}", qmp_socket.display()),
             })
         }
     }
@@ -336,20 +314,13 @@ pub fn spawn_with_timeout(
     }
 
     let log_path = spec.qemu_log();
-    let log = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)?;
+    let log = OpenOptions::new().create(true).append(true).open(&log_path)?;
     let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
     let log_err = log.try_clone()?;
 
     let args = qemu_command_line(spec);
     let mut cmd = Command::new(&spec.qemu_binary);
-    cmd.args(&args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log_err))
-        .process_group(0);
+    cmd.args(&args).stdin(Stdio::null()).stdout(Stdio::from(log)).stderr(Stdio::from(log_err)).process_group(0);
     if let Some(VfioAttach::HoldFd { node }) = &spec.vfio {
         add_hold_fd(&mut cmd, node)?;
     }
@@ -361,26 +332,15 @@ pub fn spawn_with_timeout(
             spec.qemu_binary.display(),
             node.display()
         )),
-        _ => start_failed(format!(
-            "starting {} failed: {e}",
-            spec.qemu_binary.display()
-        )),
+        _ => start_failed(format!("starting {} failed: {e}", spec.qemu_binary.display())),
     })?;
     let pid = child.id() as i32;
 
     // The child is not reaped yet, so its /proc entry exists even if it already exited.
     let identity = match hostproc::identity_of(pid, host_boot_id) {
         Ok(Some(id)) => id,
-        Ok(None) => {
-            return Err(start_failed(format!(
-                "process {pid} vanished before its identity was read"
-            )))
-        }
-        Err(e) => {
-            return Err(start_failed(format!(
-                "the identity of process {pid} could not be read: {e}"
-            )))
-        }
+        Ok(None) => return Err(start_failed(format!("process {pid} vanished before its identity was read"))),
+        Err(e) => return Err(start_failed(format!("the identity of process {pid} could not be read: {e}"))),
     };
     if let Err(e) = hostproc::set_oom_score_adj(pid, QEMU_OOM_SCORE_ADJ) {
         tracing::debug!(pid, error = %e, "could not lower QEMU's oom_score_adj");
@@ -390,31 +350,21 @@ pub fn spawn_with_timeout(
     {
         let exit = exit.clone();
         let mut child = child;
-        std::thread::Builder::new()
-            .name(format!("vmm-reaper-{pid}"))
-            .spawn(move || match child.wait() {
-                Ok(status) => {
-                    tracing::info!(pid, %status, "VMM exited");
-                    exit.set(status);
-                }
-                Err(e) => tracing::error!(pid, error = %e, "waiting for the VMM failed"),
-            })?;
+        std::thread::Builder::new().name(format!("vmm-reaper-{pid}")).spawn(move || match child.wait() {
+            Ok(status) => {
+                tracing::info!(pid, %status, "VMM exited");
+                exit.set(status);
+            }
+            Err(e) => tracing::error!(pid, error = %e, "waiting for the VMM failed"),
+        })?;
     }
 
-    let running = RunningVmm {
-        identity,
-        qmp_socket,
-        exit,
-    };
+    let running = RunningVmm { identity, qmp_socket, exit };
     match wait_for_qmp(&running, qmp_timeout) {
         Ok(()) => Ok(running),
         Err(reason) => {
             let tail = log_tail(&log_path, log_start, 2048);
-            let reason = if tail.is_empty() {
-                reason
-            } else {
-                format!("{reason}; qemu.log: {tail}")
-            };
+            let reason = if tail.is_empty() { reason } else { format!("{reason}; qemu.log: {tail}") };
             if running.exit.exited().is_none() {
                 if let Err(e) = super::stop::kill(
                     &running.identity,
@@ -431,8 +381,11 @@ pub fn spawn_with_timeout(
     }
 }
 
-/// Polls until the QMP socket accepts a connection (backoff 5 ms doubling to 100 ms).
-/// Fails fast when the process exits. Returns the failure as one sentence.
+/// Polls (backoff 5 ms doubling to 100 ms) until QMP answers `query-status`, which QEMU
+/// dispatches from its main loop, i.e. only once the machine is initialised and its signal
+/// handlers are installed. The socket alone is not enough: QEMU creates it before loading
+/// the kernel and may still exit after accepting a connection. Fails fast when the process
+/// exits. Returns the failure as one sentence.
 fn wait_for_qmp(vmm: &RunningVmm, timeout: Duration) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     let mut step = Duration::from_millis(5);
@@ -440,11 +393,17 @@ fn wait_for_qmp(vmm: &RunningVmm, timeout: Duration) -> Result<(), String> {
         if let Some(status) = vmm.exit.exited() {
             return Err(format!("QEMU exited during start ({status})"));
         }
-        match UnixStream::connect(&vmm.qmp_socket) {
-            Ok(_) => return Ok(()),
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let io_timeout = remaining.max(Duration::from_millis(100));
+        let attempt = QmpClient::connect(&vmm.qmp_socket, io_timeout).and_then(|mut qmp| qmp.query_status());
+        match attempt {
+            Ok(status) => {
+                tracing::debug!(pid = vmm.identity.pid, %status, "QMP is up");
+                return Ok(());
+            }
             Err(e) if Instant::now() >= deadline => {
                 return Err(format!(
-                    "QMP socket {} did not accept a connection within {} ms ({e})",
+                    "QMP on {} did not answer within {} ms ({e})",
                     vmm.qmp_socket.display(),
                     timeout.as_millis()
                 ))
@@ -498,16 +457,8 @@ mod tests {
         assert!(has_pair(&args, "-kernel", "/images/vmlinuz"));
         assert!(has_pair(&args, "-initrd", "/images/initrd.img"));
         assert!(has_pair(&args, "-append", "console=ttyS0"));
-        assert!(has_pair(
-            &args,
-            "-serial",
-            "file:/var/lib/gpuvisor/instances/x/serial.log"
-        ));
-        assert!(has_pair(
-            &args,
-            "-qmp",
-            "unix:/var/lib/gpuvisor/instances/x/qmp.sock,server=on,wait=off"
-        ));
+        assert!(has_pair(&args, "-serial", "file:/var/lib/gpuvisor/instances/x/serial.log"));
+        assert!(has_pair(&args, "-qmp", "unix:/var/lib/gpuvisor/instances/x/qmp.sock,server=on,wait=off"));
         assert!(!args.contains(&"-S".to_string()));
         assert!(!args.iter().any(|a| a == "-device" || a == "-add-fd"));
     }
@@ -529,41 +480,25 @@ mod tests {
 
     #[test]
     fn device_attach_passes_sysfsdev() {
-        let args = qemu_command_line(&spec(Some(VfioAttach::Device {
-            sysfsdev: "/sys/bus/pci/devices/0001:81:00.4".into(),
-        })));
+        let args =
+            qemu_command_line(&spec(Some(VfioAttach::Device { sysfsdev: "/sys/bus/pci/devices/0001:81:00.4".into() })));
 
-        assert!(has_pair(
-            &args,
-            "-device",
-            "vfio-pci,sysfsdev=/sys/bus/pci/devices/0001:81:00.4"
-        ));
+        assert!(has_pair(&args, "-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0001:81:00.4"));
     }
 
     #[test]
     fn mdev_attach_passes_the_mdev_directory_and_escapes_commas() {
-        let args = qemu_command_line(&spec(Some(VfioAttach::Device {
-            sysfsdev: "/sim,1/sys/bus/mdev/devices/aa-bb".into(),
-        })));
+        let args =
+            qemu_command_line(&spec(Some(VfioAttach::Device { sysfsdev: "/sim,1/sys/bus/mdev/devices/aa-bb".into() })));
 
-        assert!(has_pair(
-            &args,
-            "-device",
-            "vfio-pci,sysfsdev=/sim,,1/sys/bus/mdev/devices/aa-bb"
-        ));
+        assert!(has_pair(&args, "-device", "vfio-pci,sysfsdev=/sim,,1/sys/bus/mdev/devices/aa-bb"));
     }
 
     #[test]
     fn hold_fd_attach_adds_fd_3_to_an_fdset() {
-        let args = qemu_command_line(&spec(Some(VfioAttach::HoldFd {
-            node: "/sim/dev/vfio/41".into(),
-        })));
+        let args = qemu_command_line(&spec(Some(VfioAttach::HoldFd { node: "/sim/dev/vfio/41".into() })));
 
-        assert!(has_pair(
-            &args,
-            "-add-fd",
-            "fd=3,set=1,opaque=vfio-group-41"
-        ));
+        assert!(has_pair(&args, "-add-fd", "fd=3,set=1,opaque=vfio-group-41"));
         assert!(!args.contains(&"-device".to_string()));
     }
 }

@@ -59,10 +59,7 @@ impl QmpClient {
         stream.set_read_timeout(Some(io_timeout))?;
         stream.set_write_timeout(Some(io_timeout))?;
         let writer = stream.try_clone()?;
-        let mut client = QmpClient {
-            reader: BufReader::new(stream),
-            writer,
-        };
+        let mut client = QmpClient { reader: BufReader::new(stream), writer };
         let greeting = client.read_message()?;
         if greeting.get("QMP").is_none() {
             return Err(QmpError::Protocol(format!("expected a greeting, got {greeting}")));
@@ -84,8 +81,7 @@ impl QmpClient {
                 break;
             }
         }
-        serde_json::from_str(line.trim())
-            .map_err(|e| QmpError::Protocol(format!("{e}: {}", line.trim())))
+        serde_json::from_str(line.trim()).map_err(|e| QmpError::Protocol(format!("{e}: {}", line.trim())))
     }
 
     /// Sends `command` (with optional `arguments`) and returns its `return` value, skipping
@@ -141,10 +137,7 @@ impl QmpClient {
         match self.execute("quit", None) {
             Ok(_) | Err(QmpError::Closed) => Ok(()),
             Err(QmpError::Io(e))
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-                ) =>
+                if matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe) =>
             {
                 Ok(())
             }

@@ -45,11 +45,7 @@ pub struct StopOptions {
 
 impl Default for StopOptions {
     fn default() -> Self {
-        StopOptions {
-            graceful: true,
-            stop_timeout: Duration::from_secs(30),
-            term_grace: DEFAULT_TERM_GRACE,
-        }
+        StopOptions { graceful: true, stop_timeout: Duration::from_secs(30), term_grace: DEFAULT_TERM_GRACE }
     }
 }
 
@@ -100,7 +96,9 @@ pub fn stop(
                 }
                 tracing::info!(pid = identity.pid, "guest did not power off in time; asking QEMU to quit");
             }
-            Err(e) => tracing::info!(pid = identity.pid, error = %e, "system_powerdown failed; asking QEMU to quit"),
+            Err(e) => {
+                tracing::info!(pid = identity.pid, error = %e, "system_powerdown failed; asking QEMU to quit")
+            }
         }
         match QmpClient::connect(qmp_socket, io_timeout).and_then(|mut c| c.quit()) {
             Ok(()) => {
@@ -110,7 +108,9 @@ pub fn stop(
                 }
                 tracing::info!(pid = identity.pid, "QEMU did not quit in time; sending SIGTERM");
             }
-            Err(e) => tracing::info!(pid = identity.pid, error = %e, "QMP quit failed; sending SIGTERM"),
+            Err(e) => {
+                tracing::info!(pid = identity.pid, error = %e, "QMP quit failed; sending SIGTERM")
+            }
         }
     }
     kill_path(identity, qmp_socket, opts.term_grace, current_boot_id, &mut report)?;
@@ -130,11 +130,7 @@ pub fn kill(
     stop(
         identity,
         qmp_socket,
-        StopOptions {
-            graceful: false,
-            stop_timeout: Duration::ZERO,
-            term_grace,
-        },
+        StopOptions { graceful: false, stop_timeout: Duration::ZERO, term_grace },
         current_boot_id,
     )
 }
@@ -175,13 +171,7 @@ fn kill_path(
 /// any other confirmed owner of the control socket listener. With `group`, also SIGKILLs the
 /// process group led by the confirmed recorded process. Unconfirmed pids are never
 /// signalled. Returns the pids signalled.
-fn signal_vmm(
-    identity: &ProcessIdentity,
-    qmp_socket: &Path,
-    boot_id: &str,
-    signal: Signal,
-    group: bool,
-) -> Vec<i32> {
+fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, signal: Signal, group: bool) -> Vec<i32> {
     let mut sent = Vec::new();
     let mut exclude = Vec::new();
     match hostproc::confirm_identity(identity, boot_id) {
@@ -190,7 +180,9 @@ fn signal_vmm(
             match confirmed.pidfd.send_signal(signal) {
                 Ok(true) => sent.push(identity.pid),
                 Ok(false) => {}
-                Err(e) => tracing::warn!(pid = identity.pid, ?signal, error = %e, "signalling the VMM failed"),
+                Err(e) => {
+                    tracing::warn!(pid = identity.pid, ?signal, error = %e, "signalling the VMM failed")
+                }
             }
             // The group is only signalled while its leader is held by a confirmed pidfd:
             // the process group id cannot be reused while the leader lives.
@@ -198,14 +190,22 @@ fn signal_vmm(
                 match nix::sys::signal::killpg(Pid::from_raw(confirmed.pgrp), signal) {
                     Ok(()) => {}
                     Err(nix::errno::Errno::ESRCH) => {}
-                    Err(e) => tracing::warn!(pgrp = confirmed.pgrp, ?signal, error = %e, "signalling the VMM's process group failed"),
+                    Err(e) => {
+                        tracing::warn!(pgrp = confirmed.pgrp, ?signal, error = %e, "signalling the VMM's process group failed")
+                    }
                 }
             } else if group {
-                tracing::warn!(pid = identity.pid, pgrp = confirmed.pgrp, "the VMM left its own process group; signalling the process only");
+                tracing::warn!(
+                    pid = identity.pid,
+                    pgrp = confirmed.pgrp,
+                    "the VMM left its own process group; signalling the process only"
+                );
             }
         }
         Ok(None) => {}
-        Err(e) => tracing::warn!(pid = identity.pid, error = %e, "the VMM identity could not be confirmed; not signalling it"),
+        Err(e) => {
+            tracing::warn!(pid = identity.pid, error = %e, "the VMM identity could not be confirmed; not signalling it")
+        }
     }
     match hostproc::confirm_listener_owners(qmp_socket, &exclude) {
         Ok(owners) => {
@@ -213,11 +213,15 @@ fn signal_vmm(
                 match owner.send_signal(signal) {
                     Ok(true) => sent.push(owner.pid()),
                     Ok(false) => {}
-                    Err(e) => tracing::warn!(pid = owner.pid(), ?signal, error = %e, "signalling the control socket owner failed"),
+                    Err(e) => {
+                        tracing::warn!(pid = owner.pid(), ?signal, error = %e, "signalling the control socket owner failed")
+                    }
                 }
             }
         }
-        Err(e) => tracing::warn!(socket = %qmp_socket.display(), error = %e, "the control socket owner could not be confirmed; not signalling it"),
+        Err(e) => {
+            tracing::warn!(socket = %qmp_socket.display(), error = %e, "the control socket owner could not be confirmed; not signalling it")
+        }
     }
     tracing::debug!(?signal, pids = ?sent, "signalled VMM");
     sent

@@ -65,15 +65,25 @@ pub fn render(m: &Manager) -> String {
     reg.register("gpuvisor_vgpu_releases", "Release guard outcomes", releases);
     let policy_calls = Family::<Labels, Counter>::default();
     let p = m.policies();
-    for (kind, plugin) in [("placement", Some(&p.placement)), ("hypervisor", Some(&p.hypervisor)), ("grace", p.grace.as_ref())] {
+    for (kind, plugin) in
+        [("placement", Some(&p.placement)), ("hypervisor", Some(&p.hypervisor)), ("grace", p.grace.as_ref())]
+    {
         if let Some(plugin) = plugin {
             let s = plugin.stats();
             let name = plugin.manifest().name.clone();
             policy_calls
-                .get_or_create(&vec![("plugin".into(), name.clone()), ("kind".into(), kind.into()), ("result".into(), "ok".into())])
+                .get_or_create(&vec![
+                    ("plugin".into(), name.clone()),
+                    ("kind".into(), kind.into()),
+                    ("result".into(), "ok".into()),
+                ])
                 .inc_by(s.calls_ok);
             policy_calls
-                .get_or_create(&vec![("plugin".into(), name), ("kind".into(), kind.into()), ("result".into(), "failed".into())])
+                .get_or_create(&vec![
+                    ("plugin".into(), name),
+                    ("kind".into(), kind.into()),
+                    ("result".into(), "failed".into()),
+                ])
                 .inc_by(s.calls_failed.values().sum());
         }
     }

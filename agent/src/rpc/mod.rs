@@ -87,7 +87,11 @@ struct DeviceParams {
 fn parse<T: serde::de::DeserializeOwned>(p: &jsonrpsee::types::Params<'_>) -> Result<T, ErrorObjectOwned> {
     if p.as_str().is_none() {
         return serde_json::from_value(json!({})).map_err(|e| {
-            ErrorObjectOwned::owned(jsonrpsee::types::error::INVALID_PARAMS_CODE, format!("invalid params: {e}"), None::<()>)
+            ErrorObjectOwned::owned(
+                jsonrpsee::types::error::INVALID_PARAMS_CODE,
+                format!("invalid params: {e}"),
+                None::<()>,
+            )
         });
     }
     p.parse::<T>()
@@ -130,13 +134,8 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     module.register_async_method("image.import", |p, m, _| async move {
         let i: ImportParams = parse(&p)?;
         blocking(&m, move |m| {
-            let img = crate::images::import(
-                &m.store().images_dir(),
-                &i.name,
-                &i.kernel,
-                i.initrd.as_deref(),
-                i.cmdline,
-            )?;
+            let img =
+                crate::images::import(&m.store().images_dir(), &i.name, &i.kernel, i.initrd.as_deref(), i.cmdline)?;
             Ok(serde_json::to_value(img).unwrap_or(Value::Null))
         })
         .await
@@ -203,10 +202,8 @@ pub async fn serve(
     let listener = tokio::net::UnixListener::bind(socket)?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
     let (stop_handle, server_handle) = jsonrpsee::server::stop_channel();
-    let server_cfg = jsonrpsee::server::ServerConfig::builder()
-        .max_request_body_size(4 * 1024 * 1024)
-        .http_only()
-        .build();
+    let server_cfg =
+        jsonrpsee::server::ServerConfig::builder().max_request_body_size(4 * 1024 * 1024).http_only().build();
     let builder = jsonrpsee::server::Server::builder().set_config(server_cfg).to_service_builder();
     let methods: jsonrpsee::Methods = module.into();
     tracing::info!(socket = %socket.display(), "JSON-RPC listening");

@@ -27,17 +27,41 @@ pub const METHODS: &[Method] = &[
             ("memory_mib", r#"{"type":"integer","minimum":64}"#, false),
             ("hypervisor", r#"{"type":"string","enum":["qemu","cloud-hypervisor"]}"#, false),
         ],
-        errors: &["invalid_request", "unknown_profile", "hypervisor_unsupported", "name_taken", "no_capacity",
-                  "not_ready", "policy_failed", "vmm_start_failed", "vgpu_cleanup_pending", "internal"],
+        errors: &[
+            "invalid_request",
+            "unknown_profile",
+            "hypervisor_unsupported",
+            "name_taken",
+            "no_capacity",
+            "not_ready",
+            "policy_failed",
+            "vmm_start_failed",
+            "vgpu_cleanup_pending",
+            "internal",
+        ],
     },
-    Method { name: "instance.get", summary: "One instance, with `gpu` derived from its claim.", params: &[REF], errors: &["not_found"] },
+    Method {
+        name: "instance.get",
+        summary: "One instance, with `gpu` derived from its claim.",
+        params: &[REF],
+        errors: &["not_found"],
+    },
     Method { name: "instance.list", summary: "Every instance.", params: &[], errors: &["internal"] },
     Method {
         name: "instance.start",
         summary: "Start a stopped instance (claims a device again).",
         params: &[REF],
-        errors: &["not_found", "invalid_state", "instance_cleanup_pending", "gpu_release_pending", "no_capacity",
-                  "not_ready", "policy_failed", "vmm_start_failed", "vgpu_cleanup_pending"],
+        errors: &[
+            "not_found",
+            "invalid_state",
+            "instance_cleanup_pending",
+            "gpu_release_pending",
+            "no_capacity",
+            "not_ready",
+            "policy_failed",
+            "vmm_start_failed",
+            "vgpu_cleanup_pending",
+        ],
     },
     Method {
         name: "instance.stop",
@@ -51,8 +75,18 @@ pub const METHODS: &[Method] = &[
         params: &[REF],
         errors: &["not_found", "vmm_liveness_unknown", "vmm_kill_failed", "vgpu_cleanup_pending"],
     },
-    Method { name: "resources.get", summary: "GPU mode, device counts, placeable count per profile.", params: &[], errors: &[] },
-    Method { name: "gpu.list", summary: "Every GPU and device: address, current type, claim owner, quarantine.", params: &[], errors: &["not_ready"] },
+    Method {
+        name: "resources.get",
+        summary: "GPU mode, device counts, placeable count per profile.",
+        params: &[],
+        errors: &[],
+    },
+    Method {
+        name: "gpu.list",
+        summary: "Every GPU and device: address, current type, claim owner, quarantine.",
+        params: &[],
+        errors: &["not_ready"],
+    },
     Method {
         name: "gpu.unquarantine",
         summary: "Clear a device's quarantine mark after repair.",
@@ -81,7 +115,12 @@ pub const METHODS: &[Method] = &[
         errors: &["invalid_request", "name_taken"],
     },
     Method { name: "image.list", summary: "Every image.", params: &[], errors: &[] },
-    Method { name: "image.delete", summary: "Delete an image.", params: &[("name", r#"{"type":"string"}"#, true)], errors: &["not_found"] },
+    Method {
+        name: "image.delete",
+        summary: "Delete an image.",
+        params: &[("name", r#"{"type":"string"}"#, true)],
+        errors: &["not_found"],
+    },
     Method { name: "plugin.list", summary: "The loaded policy plugins with call counts.", params: &[], errors: &[] },
     Method { name: "agent.health", summary: "Liveness and readiness.", params: &[], errors: &[] },
     Method { name: "agent.metrics", summary: "Prometheus text exposition.", params: &[], errors: &[] },
@@ -93,8 +132,12 @@ fn error_class(code: &str) -> i64 {
         "invalid_request" | "unknown_profile" | "hypervisor_unsupported" => 400,
         "not_found" => 404,
         "not_ready" | "vmm_liveness_unknown" => 503,
-        "vgpu_cleanup_pending" | "vmm_start_failed" | "vmm_kill_failed" | "passthrough_bind_failed"
-        | "policy_failed" | "internal" => 500,
+        "vgpu_cleanup_pending"
+        | "vmm_start_failed"
+        | "vmm_kill_failed"
+        | "passthrough_bind_failed"
+        | "policy_failed"
+        | "internal" => 500,
         _ => 409,
     }
 }

@@ -29,13 +29,7 @@ const RELEASE_STATES: [&str; 4] = ["stopped", "cleanup_pending", "deleting", "ab
 /// Decides release or keep for every item; see the crate docs.
 pub fn decide(input: &GraceInput) -> Result<GraceAnswer, String> {
     let grace_ms = claim_grace_ms(&input.params)?;
-    Ok(GraceAnswer {
-        decisions: input
-            .items
-            .iter()
-            .map(|item| decide_item(item, grace_ms))
-            .collect(),
-    })
+    Ok(GraceAnswer { decisions: input.items.iter().map(|item| decide_item(item, grace_ms)).collect() })
 }
 
 fn claim_grace_ms(params: &serde_json::Value) -> Result<u64, String> {
@@ -44,9 +38,7 @@ fn claim_grace_ms(params: &serde_json::Value) -> Result<u64, String> {
         Some(v) => match (v.as_u64(), v.as_f64()) {
             (Some(s), _) => Ok(s.saturating_mul(1000)),
             (None, Some(s)) if s.is_finite() && s >= 0.0 => Ok((s * 1000.0) as u64),
-            _ => Err(format!(
-                "params.claim_grace_s must be a non-negative number of seconds, found {v}"
-            )),
+            _ => Err(format!("params.claim_grace_s must be a non-negative number of seconds, found {v}")),
         },
     }
 }
@@ -75,9 +67,7 @@ fn decide_item(item: &GraceItem, grace_ms: u64) -> GraceDecision {
             }
             item.claimed_age_ms
         }
-        GraceItemKind::OrphanVf | GraceItemKind::OrphanMdev => {
-            item.dirty_age_ms.or(item.claimed_age_ms)
-        }
+        GraceItemKind::OrphanVf | GraceItemKind::OrphanMdev => item.dirty_age_ms.or(item.claimed_age_ms),
     };
     let what = match item.kind {
         GraceItemKind::StaleClaim => "claim without a recorded VMM",
@@ -91,18 +81,12 @@ fn decide_item(item: &GraceItem, grace_ms: u64) -> GraceDecision {
         reason,
     };
     match age_ms {
-        Some(age) if age >= grace_ms => release(format!(
-            "{what} is {} s old, past the {} s claim grace",
-            age / 1000,
-            grace_ms / 1000
-        )),
+        Some(age) if age >= grace_ms => {
+            release(format!("{what} is {} s old, past the {} s claim grace", age / 1000, grace_ms / 1000))
+        }
         Some(age) => keep(
             grace_ms - age,
-            format!(
-                "{what} is {} s old, within the {} s claim grace",
-                age / 1000,
-                grace_ms / 1000
-            ),
+            format!("{what} is {} s old, within the {} s claim grace", age / 1000, grace_ms / 1000),
         ),
         None => keep(grace_ms, format!("{what} has no known age")),
     }
@@ -143,9 +127,6 @@ mod tests {
         let mut input: GraceInput = load_input(format!("{FIXTURES}grace-mixed.json")).unwrap();
         input.items[7].dirty_age_ms = None;
         let d = &decide(&input).unwrap().decisions[7];
-        assert_eq!(
-            (d.action, d.recheck_after_ms),
-            (GraceAction::Keep, Some(300_000))
-        );
+        assert_eq!((d.action, d.recheck_after_ms), (GraceAction::Keep, Some(300_000)));
     }
 }

@@ -25,29 +25,16 @@ pub const QEMU: &str = "qemu";
 /// Chooses the hypervisor for `input.request`; see the crate docs.
 pub fn choose(input: &HypervisorInput) -> Result<HypervisorAnswer, String> {
     let request = &input.request;
-    let needed =
-        request
-            .framework
-            .map(Capability::for_framework)
-            .or(if request.devices.is_empty() {
-                None
-            } else {
-                Some(Capability::Passthrough)
-            });
-    let fits = |name: &str| -> bool {
-        input
-            .hypervisors
-            .iter()
-            .any(|h| h.name == name && capable(h, needed))
-    };
+    let needed = request.framework.map(Capability::for_framework).or(if request.devices.is_empty() {
+        None
+    } else {
+        Some(Capability::Passthrough)
+    });
+    let fits = |name: &str| -> bool { input.hypervisors.iter().any(|h| h.name == name && capable(h, needed)) };
     let default = match input.params.get("default_hypervisor") {
         None | Some(serde_json::Value::Null) => QEMU,
         Some(serde_json::Value::String(s)) => s.as_str(),
-        Some(other) => {
-            return Err(format!(
-                "params.default_hypervisor must be a string, found {other}"
-            ))
-        }
+        Some(other) => return Err(format!("params.default_hypervisor must be a string, found {other}")),
     };
 
     if let Some(requested) = request.requested_hypervisor.as_deref() {
@@ -63,11 +50,7 @@ pub fn choose(input: &HypervisorInput) -> Result<HypervisorAnswer, String> {
         );
     }
     let gpu_instance = needed.is_some();
-    let order: &[&str] = if gpu_instance {
-        &[QEMU, default]
-    } else {
-        &[default, QEMU]
-    };
+    let order: &[&str] = if gpu_instance { &[QEMU, default] } else { &[default, QEMU] };
     match order.iter().find(|name| fits(name)) {
         Some(name) => Ok(HypervisorAnswer::Hypervisor((*name).to_string())),
         None => Ok(HypervisorAnswer::Reject(format!(
@@ -126,20 +109,14 @@ mod tests {
         input.request.devices = vec!["0000:82:00.0".into()];
         input.hypervisors[0].available = false; // qemu
                                                 // cloud-hypervisor has passthrough in the fixture.
-        assert_eq!(
-            choose(&input),
-            Ok(HypervisorAnswer::Hypervisor("cloud-hypervisor".into()))
-        );
+        assert_eq!(choose(&input), Ok(HypervisorAnswer::Hypervisor("cloud-hypervisor".into())));
     }
 
     #[test]
     fn an_unavailable_request_falls_back_to_qemu_for_a_gpu_instance() {
         let mut input = fixture("hypervisor-gpu-requests-ch.json");
         input.hypervisors[1].available = false;
-        assert_eq!(
-            choose(&input),
-            Ok(HypervisorAnswer::Hypervisor("qemu".into()))
-        );
+        assert_eq!(choose(&input), Ok(HypervisorAnswer::Hypervisor("qemu".into())));
     }
 
     #[test]
@@ -152,8 +129,6 @@ mod tests {
     #[test]
     fn a_reject_names_the_missing_capability() {
         let input = fixture("hypervisor-no-fit.json");
-        assert!(
-            matches!(choose(&input), Ok(HypervisorAnswer::Reject(why)) if why.contains("mdev"))
-        );
+        assert!(matches!(choose(&input), Ok(HypervisorAnswer::Reject(why)) if why.contains("mdev")));
     }
 }

@@ -16,8 +16,7 @@
 //! The plugin reads no `params`.
 
 use gpuvisor_sdk::{
-    profile_matches, DeviceState, DeviceView, Framework, GpuView, PlacementAnswer, PlacementInput,
-    PlacementRequest,
+    profile_matches, DeviceState, DeviceView, Framework, GpuView, PlacementAnswer, PlacementInput, PlacementRequest,
 };
 
 /// Ranks the candidate devices for `input.request`, best first; see the crate docs.
@@ -29,15 +28,9 @@ pub fn place(input: &PlacementInput) -> PlacementAnswer {
             .then_with(|| b.load_known.cmp(&a.load_known))
             .then_with(|| address_key(&a.address).cmp(&address_key(&b.address)))
     });
-    let ranked: Vec<String> = gpus
-        .into_iter()
-        .flat_map(|gpu| ranked_devices(gpu, &input.request))
-        .collect();
+    let ranked: Vec<String> = gpus.into_iter().flat_map(|gpu| ranked_devices(gpu, &input.request)).collect();
     if ranked.is_empty() {
-        PlacementAnswer::Reject(format!(
-            "no free or dirty device can take profile {}",
-            input.request.profile
-        ))
+        PlacementAnswer::Reject(format!("no free or dirty device can take profile {}", input.request.profile))
     } else {
         PlacementAnswer::Ranked(ranked)
     }
@@ -45,11 +38,7 @@ pub fn place(input: &PlacementInput) -> PlacementAnswer {
 
 /// The candidate devices of one GPU, free before dirty, then by address.
 fn ranked_devices(gpu: &GpuView, request: &PlacementRequest) -> Vec<String> {
-    let mut devices: Vec<&DeviceView> = gpu
-        .devices
-        .iter()
-        .filter(|d| is_candidate(d, request))
-        .collect();
+    let mut devices: Vec<&DeviceView> = gpu.devices.iter().filter(|d| is_candidate(d, request)).collect();
     devices.sort_by(|a, b| {
         (a.state == DeviceState::Dirty)
             .cmp(&(b.state == DeviceState::Dirty))
@@ -63,10 +52,7 @@ fn is_candidate(device: &DeviceView, request: &PlacementRequest) -> bool {
     match device.state {
         DeviceState::Free => {
             request.framework == Framework::Passthrough
-                || device
-                    .creatable
-                    .iter()
-                    .any(|p| profile_matches(&request.profile, p))
+                || device.creatable.iter().any(|p| profile_matches(&request.profile, p))
         }
         DeviceState::Dirty => request.framework != Framework::Passthrough,
         DeviceState::Claimed | DeviceState::Quarantined | DeviceState::Unreadable => false,
@@ -93,27 +79,22 @@ mod tests {
 
     #[test]
     fn second_instance_goes_to_the_other_gpu() {
-        let reply =
-            run_native_placement(format!("{FIXTURES}placement-second-2q.json"), place).unwrap();
+        let reply = run_native_placement(format!("{FIXTURES}placement-second-2q.json"), place).unwrap();
         assert_eq!(reply["ok"]["ranked"][0], "0001:81:00.4");
         assert_eq!(reply["ok"]["ranked"][16], "0000:41:00.5");
     }
 
     #[test]
     fn known_load_ranks_before_unknown_load_of_the_same_size() {
-        let mut input: PlacementInput =
-            load_input(format!("{FIXTURES}placement-empty-2q.json")).unwrap();
+        let mut input: PlacementInput = load_input(format!("{FIXTURES}placement-empty-2q.json")).unwrap();
         input.inventory.gpus[0].load_known = false;
-        let PlacementAnswer::Ranked(r) = place(&input) else {
-            panic!("rejected")
-        };
+        let PlacementAnswer::Ranked(r) = place(&input) else { panic!("rejected") };
         assert_eq!(r[0], "0001:81:00.4");
     }
 
     #[test]
     fn nothing_to_rank_is_a_reject_with_the_profile() {
-        let mut input: PlacementInput =
-            load_input(format!("{FIXTURES}placement-empty-2q.json")).unwrap();
+        let mut input: PlacementInput = load_input(format!("{FIXTURES}placement-empty-2q.json")).unwrap();
         input.request.profile = "L40S-3Q".into();
         assert!(matches!(place(&input), PlacementAnswer::Reject(why) if why.contains("L40S-3Q")));
     }

@@ -26,37 +26,23 @@ pub fn target_dir() -> PathBuf {
     }
     let exe = std::env::current_exe().expect("current exe");
     // target/<profile>/deps/<test-binary>
-    exe.parent()
-        .and_then(|p| p.parent())
-        .and_then(|p| p.parent())
-        .expect("target dir")
-        .to_path_buf()
+    exe.parent().and_then(|p| p.parent()).and_then(|p| p.parent()).expect("target dir").to_path_buf()
 }
 
 /// The workspace root.
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .expect("repo root")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repo root")
 }
 
 fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    exe.parent()
-        .and_then(|p| p.parent())
-        .expect("profile dir")
-        .to_path_buf()
+    exe.parent().and_then(|p| p.parent()).expect("profile dir").to_path_buf()
 }
 
 /// The `gpuvisor` binary built beside this test.
 pub fn agent_binary() -> PathBuf {
     let p = profile_dir().join("gpuvisor");
-    assert!(
-        p.is_file(),
-        "{} not built (run `cargo build -p gpuvisor`)",
-        p.display()
-    );
+    assert!(p.is_file(), "{} not built (run `cargo build -p gpuvisor`)", p.display());
     p
 }
 
@@ -66,20 +52,11 @@ static BUILD_LOCK: Mutex<()> = Mutex::new(());
 /// concurrent builds itself).
 pub fn plugin(name: &str) -> PathBuf {
     let _g = BUILD_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    let wasm = target_dir()
-        .join("wasm32-unknown-unknown/release")
-        .join(format!("{}.wasm", name.replace('-', "_")));
+    let wasm = target_dir().join("wasm32-unknown-unknown/release").join(format!("{}.wasm", name.replace('-', "_")));
     if !wasm.is_file() {
         let st = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
             .current_dir(repo_root())
-            .args([
-                "build",
-                "--release",
-                "--target",
-                "wasm32-unknown-unknown",
-                "-p",
-                name,
-            ])
+            .args(["build", "--release", "--target", "wasm32-unknown-unknown", "-p", name])
             .status()
             .expect("cargo");
         assert!(st.success(), "building plugin {name} failed");
@@ -97,10 +74,7 @@ pub fn demo_image() -> PathBuf {
     let _g = BUILD_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let dir = target_dir().join("images/demo");
     if !dir.join("image.toml").is_file() {
-        let st = Command::new(repo_root().join("scripts/build-image"))
-            .arg(&dir)
-            .status()
-            .expect("build-image");
+        let st = Command::new(repo_root().join("scripts/build-image")).arg(&dir).status().expect("build-image");
         assert!(st.success(), "scripts/build-image failed");
     }
     dir
@@ -125,8 +99,7 @@ impl std::fmt::Display for RpcError {
 
 /// Posts one JSON-RPC request over HTTP/1.1 on a Unix socket (blocking).
 pub fn rpc_raw(socket: &Path, body: &str) -> anyhow::Result<Value> {
-    let mut s =
-        UnixStream::connect(socket).with_context(|| format!("connect {}", socket.display()))?;
+    let mut s = UnixStream::connect(socket).with_context(|| format!("connect {}", socket.display()))?;
     s.set_read_timeout(Some(Duration::from_secs(300)))?;
     let req = format!(
         "POST / HTTP/1.1\r\nHost: gpuvisor\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
@@ -137,17 +110,9 @@ pub fn rpc_raw(socket: &Path, body: &str) -> anyhow::Result<Value> {
     let mut resp = Vec::new();
     s.read_to_end(&mut resp)?;
     let text = String::from_utf8_lossy(&resp);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow!("bad HTTP answer: {text}"))?;
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
+    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| anyhow!("bad HTTP answer: {text}"))?;
+    let body =
+        if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.to_string() };
     serde_json::from_str(&body).with_context(|| format!("not JSON: {body}"))
 }
 
@@ -165,9 +130,61 @@ fn dechunk(s: &str) -> String {
     out
 }
 
+/// A private PID namespace (with its own `/proc`) that the agent, its QEMUs and any test
+/// "holder" processes run in.
+///
+/// Why: the agent's open-handle scan reads every `/proc/<pid>/fd` and fails closed on any
+/// unreadable one (NVIDIA-HOST.md §5). Sandboxed machines (CI here) hide some processes'
+/// fds even from root, so tests run the agent "in their own PID namespace with a private
+/// `/proc`" as NVIDIA-HOST.md §5 says. Pid 1 of the namespace is `sleep infinity` (it does
+/// not reap: a VMM orphaned by a killed agent stays a zombie, which the agent's liveness
+/// check counts as dead); dropping the namespace kills every process in it.
+pub struct PidNs {
+    holder: Child,
+    /// Root-namespace pid of the namespace's init (the `nsenter` target).
+    pub init_pid: i32,
+}
+
+impl PidNs {
+    /// Creates the namespace and waits until its init runs.
+    pub fn new() -> anyhow::Result<PidNs> {
+        let holder = Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "--kill-child", "sleep", "infinity"])
+            .stdin(Stdio::null())
+            .spawn()
+            .context("spawning unshare")?;
+        let upid = holder.id();
+        let init_pid = wait_for(Duration::from_secs(10), || {
+            let children = std::fs::read_to_string(format!("/proc/{upid}/task/{upid}/children")).ok()?;
+            let pid: i32 = children.split_whitespace().next()?.parse().ok()?;
+            // nsenter needs the child to be in its new namespace already.
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+            exe.to_string_lossy().contains("sleep").then_some(pid)
+        })
+        .ok_or_else(|| anyhow!("the PID namespace init did not start"))?;
+        Ok(PidNs { holder, init_pid })
+    }
+
+    /// A command that runs `program` inside the namespace (pid and mount namespaces).
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg("-t").arg(self.init_pid.to_string()).args(["-p", "-m", "--"]).arg(program);
+        c
+    }
+}
+
+impl Drop for PidNs {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
 /// A running agent on its own simulated host.
 pub struct Agent {
     pub sim: SimMount,
+    /// The agent's PID namespace (dropped after everything else).
+    pub ns: PidNs,
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     pub data_dir: PathBuf,
@@ -189,22 +206,14 @@ pub struct AgentOptions<'a> {
 
 impl Default for AgentOptions<'_> {
     fn default() -> Self {
-        AgentOptions {
-            model: "l40s-2x16",
-            placement: None,
-            hypervisor: None,
-            extra: "",
-        }
+        AgentOptions { model: "l40s-2x16", placement: None, hypervisor: None, extra: "" }
     }
 }
 
 impl Agent {
     /// Starts a simulator with `model` and an agent with the default plugins.
     pub fn start(model: &str) -> anyhow::Result<Agent> {
-        Agent::start_with(AgentOptions {
-            model,
-            ..Default::default()
-        })
+        Agent::start_with(AgentOptions { model, ..Default::default() })
     }
 
     /// Starts a simulator and an agent (hold-fd, tcg, short graces for tests) and imports
@@ -230,32 +239,29 @@ impl Agent {
         );
         let config_path = dir.path().join("gpuvisor.toml");
         std::fs::write(&config_path, config)?;
-        let mut agent = Agent {
-            sim,
-            dir,
-            socket,
-            data_dir,
-            config_path,
-            child: None,
-        };
+        let ns = PidNs::new()?;
+        let mut agent = Agent { sim, ns, dir, socket, data_dir, config_path, child: None };
         agent.spawn()?;
-        agent.call("image.import", json!({
-            "name": "demo",
-            "kernel": image.join("vmlinuz"),
-            "initrd": image.join("initrd.img"),
-            "cmdline": std::fs::read_to_string(image.join("cmdline")).unwrap_or_default().trim(),
-        }))
-        .map_err(|e| anyhow!("image.import: {e}"))?;
+        agent
+            .call(
+                "image.import",
+                json!({
+                    "name": "demo",
+                    "kernel": image.join("vmlinuz"),
+                    "initrd": image.join("initrd.img"),
+                    "cmdline": std::fs::read_to_string(image.join("cmdline")).unwrap_or_default().trim(),
+                }),
+            )
+            .map_err(|e| anyhow!("image.import: {e}"))?;
         Ok(agent)
     }
 
     /// Spawns `gpuvisor serve` and waits until its socket answers `agent.health`.
     pub fn spawn(&mut self) -> anyhow::Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("agent.log"))?;
-        let child = Command::new(agent_binary())
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("agent.log"))?;
+        let child = self
+            .ns
+            .command(agent_binary())
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("GPUVISOR_LOG", "info,gpuvisor=debug")
@@ -283,8 +289,12 @@ impl Agent {
 
     /// Kills the agent with SIGKILL (VMs keep running, as after a crash).
     pub fn kill_agent(&mut self) {
+        // `self.child` is nsenter; the agent is its child inside the namespace.
+        let cfg = self.config_path.to_string_lossy().into_owned();
+        for pid in pids_where(|cmd| cmd.contains(&cfg) && cmd.contains("serve") && !cmd.starts_with("nsenter")) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
         if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
             let _ = c.wait();
         }
     }
@@ -296,8 +306,7 @@ impl Agent {
 
     /// Calls a method; `Err` carries the JSON-RPC error.
     pub fn call(&self, method: &str, params: Value) -> Result<Value, RpcError> {
-        let body =
-            json!({ "jsonrpc": "2.0", "id": 1, "method": method, "params": params }).to_string();
+        let body = json!({ "jsonrpc": "2.0", "id": 1, "method": method, "params": params }).to_string();
         let v = rpc_raw(&self.socket, &body).map_err(|e| RpcError {
             code: 0,
             data_code: "transport".into(),
@@ -319,10 +328,7 @@ impl Agent {
     pub fn ok(&self, method: &str, params: Value) -> Value {
         match self.call(method, params.clone()) {
             Ok(v) => v,
-            Err(e) => panic!(
-                "{method} {params} failed: {e}\n--- agent log ---\n{}",
-                tail(&self.log(), 60)
-            ),
+            Err(e) => panic!("{method} {params} failed: {e}\n--- agent log ---\n{}", tail(&self.log(), 60)),
         }
     }
 
@@ -336,20 +342,12 @@ impl Agent {
 
     /// Creates a GPU instance of `profile` from the demo image.
     pub fn create_gpu(&self, name: &str, profile: &str) -> Result<Value, RpcError> {
-        self.call(
-            "instance.create",
-            json!({ "name": name, "image": "demo", "gpu": profile }),
-        )
+        self.call("instance.create", json!({ "name": name, "image": "demo", "gpu": profile }))
     }
 
     /// Runs the CLI against this agent.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
-        Command::new(agent_binary())
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(args)
-            .output()
-            .expect("gpuvisor cli")
+        Command::new(agent_binary()).arg("--socket").arg(&self.socket).args(args).output().expect("gpuvisor cli")
     }
 
     /// The claims directory's records.
@@ -375,23 +373,12 @@ impl Agent {
 
     /// A VF's current type from the state dump.
     pub fn vf_type(&self, vf: &str) -> u64 {
-        vf_entry(&self.state(), vf)["type"]
-            .as_u64()
-            .unwrap_or(u64::MAX)
+        vf_entry(&self.state(), vf)["type"].as_u64().unwrap_or(u64::MAX)
     }
 
     /// Waits until the instance's serial log has a line containing `needle`.
-    pub fn wait_serial(
-        &self,
-        instance: &Value,
-        needle: &str,
-        timeout: Duration,
-    ) -> anyhow::Result<String> {
-        let path = PathBuf::from(
-            instance["serial_log"]
-                .as_str()
-                .ok_or_else(|| anyhow!("no serial_log"))?,
-        );
+    pub fn wait_serial(&self, instance: &Value, needle: &str, timeout: Duration) -> anyhow::Result<String> {
+        let path = PathBuf::from(instance["serial_log"].as_str().ok_or_else(|| anyhow!("no serial_log"))?);
         let deadline = Instant::now() + timeout;
         loop {
             let text = std::fs::read_to_string(&path).unwrap_or_default();
@@ -399,10 +386,7 @@ impl Agent {
                 return Ok(text);
             }
             if Instant::now() > deadline {
-                bail!(
-                    "{needle:?} not in {} after {timeout:?}:\n{text}",
-                    path.display()
-                );
+                bail!("{needle:?} not in {} after {timeout:?}:\n{text}", path.display());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -458,33 +442,33 @@ pub fn writes(state: &Value) -> Vec<(String, String, String)> {
         .collect()
 }
 
-/// Pids of live processes whose command line mentions `needle`.
-pub fn processes_mentioning(needle: &Path) -> Vec<i32> {
-    let needle = needle.to_string_lossy().into_owned();
+/// Root-namespace pids of live (non-zombie) processes whose command line (NULs as spaces)
+/// satisfies `f`.
+pub fn pids_where(f: impl Fn(&str) -> bool) -> Vec<i32> {
     let mut out = Vec::new();
     if let Ok(rd) = std::fs::read_dir("/proc") {
         for e in rd.flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
             if pid == std::process::id() as i32 {
                 continue;
             }
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rsplit_once(')')
-                .map(|(_, r)| r.trim_start().starts_with('Z'))
-                .unwrap_or(true);
-            if !zombie
-                && String::from_utf8_lossy(&cmd).contains(&needle)
-                && String::from_utf8_lossy(&cmd).contains("qemu")
-            {
+            let zombie = stat.rsplit_once(')').map(|(_, r)| r.trim_start().starts_with('Z')).unwrap_or(true);
+            if !zombie && f(&cmd) {
                 out.push(pid);
             }
         }
     }
+    out.sort();
     out
+}
+
+/// Root-namespace pids of live QEMU processes whose command line mentions `needle`.
+pub fn processes_mentioning(needle: &Path) -> Vec<i32> {
+    let needle = needle.to_string_lossy().into_owned();
+    pids_where(|cmd| cmd.contains(&needle) && cmd.contains("qemu-system"))
 }
 
 /// The `/proc/<pid>/fd` link targets of a process.
@@ -524,14 +508,9 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.kill_agent();
         for pid in self.qemu_pids() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
         }
-        wait_for(Duration::from_secs(10), || {
-            self.qemu_pids().is_empty().then_some(())
-        });
+        wait_for(Duration::from_secs(10), || self.qemu_pids().is_empty().then_some(()));
         if std::thread::panicking() {
             eprintln!("--- agent log (tail) ---\n{}", tail(&self.log(), 80));
         }

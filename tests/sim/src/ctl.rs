@@ -155,32 +155,19 @@ pub fn request(dir: &Path, argv: &[String]) -> anyhow::Result<serde_json::Value>
         .write(true)
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
-    let req = serde_json::to_vec(&CtlRequest {
-        argv: argv.to_vec(),
-    })?;
-    f.write_all(&req)
-        .with_context(|| format!("writing {}", path.display()))?;
+    let req = serde_json::to_vec(&CtlRequest { argv: argv.to_vec() })?;
+    f.write_all(&req).with_context(|| format!("writing {}", path.display()))?;
     let mut out = Vec::new();
-    f.read_to_end(&mut out)
-        .with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_slice(&out).with_context(|| {
-        format!(
-            "bad answer from {}: {:?}",
-            path.display(),
-            String::from_utf8_lossy(&out)
-        )
-    })
+    f.read_to_end(&mut out).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_slice(&out)
+        .with_context(|| format!("bad answer from {}: {:?}", path.display(), String::from_utf8_lossy(&out)))
 }
 
 /// Like [`request`] but fails on `{"ok": false}`.
 pub fn request_ok(dir: &Path, argv: &[String]) -> anyhow::Result<serde_json::Value> {
     let v = request(dir, argv)?;
     if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
-        bail!(
-            "gpuvisor-sim ctl {}: {}",
-            argv.join(" "),
-            v.get("error").and_then(|e| e.as_str()).unwrap_or("failed")
-        );
+        bail!("gpuvisor-sim ctl {}: {}", argv.join(" "), v.get("error").and_then(|e| e.as_str()).unwrap_or("failed"));
     }
     Ok(v)
 }
@@ -215,10 +202,7 @@ pub fn parse_errno(s: &str) -> Option<i32> {
     if let Ok(n) = s.parse::<i32>() {
         return (n > 0).then_some(n);
     }
-    ERRNOS
-        .iter()
-        .find(|(n, _)| n.eq_ignore_ascii_case(s))
-        .map(|(_, v)| *v)
+    ERRNOS.iter().find(|(n, _)| n.eq_ignore_ascii_case(s)).map(|(_, v)| *v)
 }
 
 /// The symbolic name of an errno (`EBUSY`), as used in the log.

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use fuser::{
-    FileAttr, FileType, Filesystem, MountOption, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request, TimeOrNow,
+    FileAttr, FileType, Filesystem, MountOption, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyOpen, ReplyWrite, Request, TimeOrNow,
 };
 
 use crate::state::{FaultKind, State};
@@ -28,10 +28,7 @@ pub struct SimFs {
 impl SimFs {
     /// Wraps a booted state.
     pub fn new(state: State) -> SimFs {
-        SimFs {
-            state: Arc::new(Mutex::new(state)),
-            started: SystemTime::now(),
-        }
+        SimFs { state: Arc::new(Mutex::new(state)), started: SystemTime::now() }
     }
 
     /// Locks the state (the driver lock) and applies pending time-based changes.
@@ -76,11 +73,7 @@ fn lock_state(m: &Mutex<State>) -> MutexGuard<'_, State> {
 fn tgid(tid: u32) -> u32 {
     std::fs::read_to_string(format!("/proc/{tid}/status"))
         .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Tgid:"))
-                .and_then(|v| v.trim().parse().ok())
-        })
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok()))
         .unwrap_or(tid)
 }
 
@@ -183,10 +176,7 @@ impl Filesystem for SimFs {
         reply: ReplyData,
     ) {
         let mut st = self.lock();
-        let is_ctl = st
-            .handles
-            .get(&fh)
-            .is_some_and(|h| matches!(h.kind, FileKind::Ctl));
+        let is_ctl = st.handles.get(&fh).is_some_and(|h| matches!(h.kind, FileKind::Ctl));
         match st.read_file(fh) {
             Ok(data) if is_ctl => {
                 // The answer is read with a cursor of its own: the file position is past the
@@ -274,14 +264,7 @@ impl Filesystem for SimFs {
         }
     }
 
-    fn readdir(
-        &mut self,
-        _req: &Request<'_>,
-        ino: u64,
-        _fh: u64,
-        offset: i64,
-        mut reply: ReplyDirectory,
-    ) {
+    fn readdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, offset: i64, mut reply: ReplyDirectory) {
         let mut st = self.lock();
         let Some(path) = st.path_of(ino) else {
             return reply.error(libc::ENOENT);
@@ -296,10 +279,8 @@ impl Filesystem for SimFs {
             Some(_) => return reply.error(libc::ENOTDIR),
             None => return reply.error(libc::ENOENT),
         };
-        let mut entries: Vec<(u64, FileType, String)> = vec![
-            (ino, FileType::Directory, ".".into()),
-            (ino, FileType::Directory, "..".into()),
-        ];
+        let mut entries: Vec<(u64, FileType, String)> =
+            vec![(ino, FileType::Directory, ".".into()), (ino, FileType::Directory, "..".into())];
         for c in children {
             let p = join(&path, &c);
             let ft = match st.tree().nodes.get(&p) {

@@ -46,8 +46,8 @@ fn mount(model: &str, dir: PathBuf) -> anyhow::Result<()> {
     set.add(Signal::SIGTERM);
     set.add(Signal::SIGINT);
     set.thread_block().context("blocking signals")?;
-    let session = fs::mount(fs::SimFs::new(State::new(model)), &dir)
-        .with_context(|| format!("mounting on {}", dir.display()))?;
+    let session =
+        fs::mount(fs::SimFs::new(State::new(model)), &dir).with_context(|| format!("mounting on {}", dir.display()))?;
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{READY_PREFIX}{}", dir.display())?;

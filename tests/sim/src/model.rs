@@ -166,12 +166,7 @@ fn default_table() -> String {
 }
 
 fn t(id: u32, name: &str, fb_mib: u64, max: u32) -> TypeDef {
-    TypeDef {
-        id,
-        name: name.into(),
-        fb_mib,
-        max,
-    }
+    TypeDef { id, name: name.into(), fb_mib, max }
 }
 
 /// The built-in type tables (`l40s`, `h200`) of §10.7.
@@ -242,12 +237,7 @@ pub const PRESETS: &[&str] = &["l40s-2x16", "h200-1x8", "l40s-mdev"];
 impl Model {
     /// A preset of §10.7, or `None` for an unknown name.
     pub fn preset(name: &str) -> Option<Model> {
-        let l40s2 = || {
-            vec![
-                l40s_gpu("0000:41:00.0", 40, 0),
-                l40s_gpu("0001:81:00.0", 60, 1),
-            ]
-        };
+        let l40s2 = || vec![l40s_gpu("0000:41:00.0", 40, 0), l40s_gpu("0001:81:00.0", 60, 1)];
         match name {
             "l40s-2x16" => Some(base(name, Framework::VendorVfio, l40s2())),
             "l40s-mdev" => Some(base(name, Framework::Mdev, l40s2())),
@@ -285,9 +275,8 @@ impl Model {
         if let Some(m) = Model::preset(arg) {
             return Ok(m);
         }
-        let text = std::fs::read_to_string(arg).with_context(|| {
-            format!("{arg:?} is neither a preset ({PRESETS:?}) nor a readable model file")
-        })?;
+        let text = std::fs::read_to_string(arg)
+            .with_context(|| format!("{arg:?} is neither a preset ({PRESETS:?}) nor a readable model file"))?;
         Model::from_toml(&text)
     }
 
@@ -311,8 +300,7 @@ impl Model {
         for g in &self.gpu {
             parse_bdf(&g.bdf)?;
             parse_pci_id(&g.pci_id)?;
-            self.table(&g.type_table)
-                .ok_or_else(|| anyhow!("gpu {}: unknown type_table {:?}", g.bdf, g.type_table))?;
+            self.table(&g.type_table).ok_or_else(|| anyhow!("gpu {}: unknown type_table {:?}", g.bdf, g.type_table))?;
         }
         Ok(())
     }
@@ -339,22 +327,13 @@ impl Bdf {
 
     /// The address with the same domain and the given routing id.
     pub fn with_rid(self, rid: u32) -> Bdf {
-        Bdf {
-            domain: self.domain,
-            bus: ((rid >> 8) & 0xff) as u8,
-            dev: ((rid >> 3) & 31) as u8,
-            func: (rid & 7) as u8,
-        }
+        Bdf { domain: self.domain, bus: ((rid >> 8) & 0xff) as u8, dev: ((rid >> 3) & 31) as u8, func: (rid & 7) as u8 }
     }
 }
 
 impl std::fmt::Display for Bdf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{:04x}:{:02x}:{:02x}.{:x}",
-            self.domain, self.bus, self.dev, self.func
-        )
+        write!(f, "{:04x}:{:02x}:{:02x}.{:x}", self.domain, self.bus, self.dev, self.func)
     }
 }
 
@@ -369,19 +348,12 @@ pub fn parse_bdf(s: &str) -> anyhow::Result<Bdf> {
     if bus > 255 || dev > 31 || func > 7 {
         return Err(err());
     }
-    Ok(Bdf {
-        domain: dom,
-        bus: bus as u8,
-        dev: dev as u8,
-        func: func as u8,
-    })
+    Ok(Bdf { domain: dom, bus: bus as u8, dev: dev as u8, func: func as u8 })
 }
 
 /// Parses `10de:26b9` into (vendor, device).
 pub fn parse_pci_id(s: &str) -> anyhow::Result<(u16, u16)> {
-    let (v, d) = s
-        .split_once(':')
-        .ok_or_else(|| anyhow!("bad pci_id {s:?} (want vvvv:dddd)"))?;
+    let (v, d) = s.split_once(':').ok_or_else(|| anyhow!("bad pci_id {s:?} (want vvvv:dddd)"))?;
     Ok((
         u16::from_str_radix(v, 16).with_context(|| format!("bad pci_id {s:?}"))?,
         u16::from_str_radix(d, 16).with_context(|| format!("bad pci_id {s:?}"))?,

@@ -254,11 +254,7 @@ impl State {
                 Gpu {
                     model: g.clone(),
                     pci_dir: bdf.unwrap_or_else(|_| "pci0000:00".into()),
-                    table: self
-                        .model
-                        .table(&g.type_table)
-                        .map(|t| t.types)
-                        .unwrap_or_default(),
+                    table: self.model.table(&g.type_table).map(|t| t.types).unwrap_or_default(),
                     vfs: Vec::new(),
                     vfs_at: self.model.vfs_at_boot.then_some(now + vf_delay),
                 }
@@ -286,9 +282,7 @@ impl State {
             let before = self.mdevs.len();
             let handles = &self.handles;
             self.mdevs.retain(|m| {
-                let held = handles
-                    .values()
-                    .any(|h| h.kind == FileKind::Node(DevRef::MdevGroup(m.uuid.clone())));
+                let held = handles.values().any(|h| h.kind == FileKind::Node(DevRef::MdevGroup(m.uuid.clone())));
                 held || m.last_release.is_none_or(|t| now < t + MDEV_SELF_REMOVE_MS)
             });
             if self.mdevs.len() != before {
@@ -330,10 +324,7 @@ impl State {
 
     /// (gpu index, vf index) of the VF with this uid.
     pub fn vf_pos(&self, uid: u64) -> Option<(usize, usize)> {
-        self.gpus
-            .iter()
-            .enumerate()
-            .find_map(|(g, gpu)| gpu.vfs.iter().position(|v| v.uid == uid).map(|i| (g, i)))
+        self.gpus.iter().enumerate().find_map(|(g, gpu)| gpu.vfs.iter().position(|v| v.uid == uid).map(|i| (g, i)))
     }
 
     fn vf(&self, uid: u64) -> Option<&Vf> {
@@ -345,10 +336,7 @@ impl State {
     }
 
     fn vf_by_bdf(&self, bdf: &str) -> Option<(usize, usize)> {
-        self.gpus
-            .iter()
-            .enumerate()
-            .find_map(|(g, gpu)| gpu.vfs.iter().position(|v| v.bdf == bdf).map(|i| (g, i)))
+        self.gpus.iter().enumerate().find_map(|(g, gpu)| gpu.vfs.iter().position(|v| v.bdf == bdf).map(|i| (g, i)))
     }
 
     fn gpu_by_bdf(&self, bdf: &str) -> Option<usize> {
@@ -362,21 +350,9 @@ impl State {
     /// Framebuffer sizes of the vGPUs (VF types and mdevs) on GPU `g`.
     fn active_fbs(&self, g: usize) -> Vec<u64> {
         let gpu = &self.gpus[g];
-        let mut ids: Vec<u32> = gpu
-            .vfs
-            .iter()
-            .filter(|v| v.type_id != 0)
-            .map(|v| v.type_id)
-            .collect();
-        ids.extend(
-            self.mdevs
-                .iter()
-                .filter(|m| gpu.vfs.iter().any(|v| v.uid == m.parent))
-                .map(|m| m.type_id),
-        );
-        ids.iter()
-            .map(|id| self.type_def(g, *id).map(|t| t.fb_mib).unwrap_or(0))
-            .collect()
+        let mut ids: Vec<u32> = gpu.vfs.iter().filter(|v| v.type_id != 0).map(|v| v.type_id).collect();
+        ids.extend(self.mdevs.iter().filter(|m| gpu.vfs.iter().any(|v| v.uid == m.parent)).map(|m| m.type_id));
+        ids.iter().map(|id| self.type_def(g, *id).map(|t| t.fb_mib).unwrap_or(0)).collect()
     }
 
     /// Rule 1: the types GPU `g` can create now on a free VF.
@@ -386,9 +362,7 @@ impl State {
         self.gpus[g]
             .table
             .iter()
-            .filter(|t| {
-                fbs.iter().all(|fb| *fb == t.fb_mib) && (fbs.len() as u32) < t.max.min(vf_count)
-            })
+            .filter(|t| fbs.iter().all(|fb| *fb == t.fb_mib) && (fbs.len() as u32) < t.max.min(vf_count))
             .cloned()
             .collect()
     }
@@ -400,9 +374,7 @@ impl State {
     /// Rule 1 for one VF: empty if the VF holds a type (or an mdev).
     pub fn vf_catalog(&self, uid: u64) -> Vec<TypeDef> {
         match self.vf_pos(uid) {
-            Some((g, i)) if self.gpus[g].vfs[i].type_id == 0 && !self.vf_has_mdev(uid) => {
-                self.free_catalog(g)
-            }
+            Some((g, i)) if self.gpus[g].vfs[i].type_id == 0 && !self.vf_has_mdev(uid) => self.free_catalog(g),
             _ => Vec::new(),
         }
     }
@@ -416,14 +388,11 @@ impl State {
     }
 
     fn dev_handles<'a>(&'a self, dev: &'a DevRef) -> impl Iterator<Item = &'a Handle> + 'a {
-        self.handles
-            .values()
-            .filter(move |h| matches!(&h.kind, FileKind::Node(d) if d == dev))
+        self.handles.values().filter(move |h| matches!(&h.kind, FileKind::Node(d) if d == dev))
     }
 
     fn vf_handle_count(&self, uid: u64) -> usize {
-        self.dev_handles(&DevRef::VfGroup(uid)).count()
-            + self.dev_handles(&DevRef::VfCdev(uid)).count()
+        self.dev_handles(&DevRef::VfGroup(uid)).count() + self.dev_handles(&DevRef::VfCdev(uid)).count()
     }
 
     fn vf_busy(&self, uid: u64) -> bool {
@@ -431,17 +400,11 @@ impl State {
     }
 
     fn mdev_busy(&self, m: &Mdev) -> bool {
-        self.dev_handles(&DevRef::MdevGroup(m.uuid.clone()))
-            .next()
-            .is_some()
-            || self.now() < m.busy_until
+        self.dev_handles(&DevRef::MdevGroup(m.uuid.clone())).next().is_some() || self.now() < m.busy_until
     }
 
     fn release_delay(&self, key: &str) -> u64 {
-        self.release_delays
-            .get(key)
-            .copied()
-            .unwrap_or(self.model.release_delay_ms)
+        self.release_delays.get(key).copied().unwrap_or(self.model.release_delay_ms)
     }
 
     // ---- tree ----------------------------------------------------------------------------
@@ -465,27 +428,13 @@ impl State {
         let mdev = self.model.framework == Framework::Mdev;
         t.file(".sim/ctl", FileKind::Ctl, 0o600);
         t.file(".sim/state.json", FileKind::StateJson, 0o444);
-        t.text(
-            "proc/sys/kernel/random/boot_id",
-            format!("{}\n", self.boot_id),
-        );
-        t.text(
-            "sys/module/nvidia/version",
-            format!("{}\n", self.driver_version),
-        );
+        t.text("proc/sys/kernel/random/boot_id", format!("{}\n", self.boot_id));
+        t.text("sys/module/nvidia/version", format!("{}\n", self.driver_version));
         t.dir("sys/bus/pci/devices");
         t.dir("sys/kernel/iommu_groups");
         t.dir("sys/class/mdev_bus");
-        t.file(
-            "sys/bus/pci/drivers/nvidia/bind",
-            FileKind::DriverBind,
-            0o200,
-        );
-        t.file(
-            "sys/bus/pci/drivers/nvidia/unbind",
-            FileKind::DriverUnbind,
-            0o200,
-        );
+        t.file("sys/bus/pci/drivers/nvidia/bind", FileKind::DriverBind, 0o200);
+        t.file("sys/bus/pci/drivers/nvidia/unbind", FileKind::DriverUnbind, 0o200);
         t.file("sys/bus/pci/drivers_probe", FileKind::DriversProbe, 0o200);
         t.file("dev/vfio/vfio", FileKind::Node(DevRef::Container), 0o666);
         t.dir("dev/vfio/devices");
@@ -504,37 +453,17 @@ impl State {
                 t.text(&format!("{dir}/device"), format!("0x{device_id:04x}\n"));
                 t.text(&format!("{dir}/class"), format!("{}\n", gm.class));
                 t.text(&format!("{dir}/numa_node"), format!("{}\n", gm.numa_node));
-                t.link(
-                    &format!("{dir}/iommu_group"),
-                    format!("../../../kernel/iommu_groups/{group}"),
-                );
+                t.link(&format!("{dir}/iommu_group"), format!("../../../kernel/iommu_groups/{group}"));
             };
             common(&mut t, &pfd, gm.iommu_group);
             t.link(&format!("{pfd}/driver"), "../../../bus/pci/drivers/nvidia");
-            t.text(
-                &format!("{pfd}/sriov_totalvfs"),
-                format!("{}\n", gm.vf_count),
-            );
-            t.file(
-                &format!("{pfd}/sriov_numvfs"),
-                FileKind::SriovNumvfs(g),
-                0o644,
-            );
+            t.text(&format!("{pfd}/sriov_totalvfs"), format!("{}\n", gm.vf_count));
+            t.file(&format!("{pfd}/sriov_numvfs"), FileKind::SriovNumvfs(g), 0o644);
             if self.model.pf_catalog {
-                t.file(
-                    &format!("{pfd}/nvidia/creatable_vgpu_types"),
-                    FileKind::Catalog(u64::MAX - g as u64),
-                    0o444,
-                );
+                t.file(&format!("{pfd}/nvidia/creatable_vgpu_types"), FileKind::Catalog(u64::MAX - g as u64), 0o444);
             }
-            t.link(
-                &format!("sys/bus/pci/devices/{pf}"),
-                format!("../../../devices/{pci}/{pf}"),
-            );
-            t.link(
-                &format!("sys/bus/pci/drivers/nvidia/{pf}"),
-                format!("../../../../devices/{pci}/{pf}"),
-            );
+            t.link(&format!("sys/bus/pci/devices/{pf}"), format!("../../../devices/{pci}/{pf}"));
+            t.link(&format!("sys/bus/pci/drivers/nvidia/{pf}"), format!("../../../../devices/{pci}/{pf}"));
             t.link(
                 &format!("sys/kernel/iommu_groups/{}/devices/{pf}", gm.iommu_group),
                 format!("../../../../devices/{pci}/{pf}"),
@@ -547,20 +476,10 @@ impl State {
                 t.link(&format!("{d}/physfn"), format!("../{pf}"));
                 if !vf.unbound {
                     t.link(&format!("{d}/driver"), "../../../bus/pci/drivers/nvidia");
-                    t.link(
-                        &format!("sys/bus/pci/drivers/nvidia/{b}"),
-                        format!("../../../../devices/{pci}/{b}"),
-                    );
+                    t.link(&format!("sys/bus/pci/drivers/nvidia/{b}"), format!("../../../../devices/{pci}/{b}"));
                 }
-                t.file(
-                    &format!("{d}/driver_override"),
-                    FileKind::DriverOverride(vf.uid),
-                    0o644,
-                );
-                t.link(
-                    &format!("sys/bus/pci/devices/{b}"),
-                    format!("../../../devices/{pci}/{b}"),
-                );
+                t.file(&format!("{d}/driver_override"), FileKind::DriverOverride(vf.uid), 0o644);
+                t.link(&format!("sys/bus/pci/devices/{b}"), format!("../../../devices/{pci}/{b}"));
                 t.link(
                     &format!("sys/kernel/iommu_groups/{}/devices/{b}", vf.group),
                     format!("../../../../devices/{pci}/{b}"),
@@ -568,49 +487,22 @@ impl State {
                 if vendor && !vf.broken {
                     let n = format!("{d}/nvidia");
                     let u = vf.uid;
-                    t.file(
-                        &format!("{n}/creatable_vgpu_types"),
-                        FileKind::Catalog(u),
-                        0o444,
-                    );
-                    t.file(
-                        &format!("{n}/current_vgpu_type"),
-                        FileKind::CurrentType(u),
-                        0o644,
-                    );
+                    t.file(&format!("{n}/creatable_vgpu_types"), FileKind::Catalog(u), 0o444);
+                    t.file(&format!("{n}/current_vgpu_type"), FileKind::CurrentType(u), 0o644);
                     t.file(&format!("{n}/vgpu_params"), FileKind::Params(u), 0o644);
-                    t.file(
-                        &format!("{n}/placement_id"),
-                        FileKind::PlacementId(u),
-                        0o644,
-                    );
-                    t.file(
-                        &format!("{n}/gpu_instance_id"),
-                        FileKind::GpuInstanceId(u),
-                        0o644,
-                    );
+                    t.file(&format!("{n}/placement_id"), FileKind::PlacementId(u), 0o644);
+                    t.file(&format!("{n}/gpu_instance_id"), FileKind::GpuInstanceId(u), 0o644);
                     t.file(&format!("{n}/warm_update"), FileKind::WarmUpdate(u), 0o644);
                     if let Some(c) = vf.cdev {
                         t.text(&format!("{d}/vfio-dev/vfio{c}/dev"), format!("511:{c}\n"));
-                        t.file(
-                            &format!("dev/vfio/devices/vfio{c}"),
-                            FileKind::Node(DevRef::VfCdev(u)),
-                            0o600,
-                        );
+                        t.file(&format!("dev/vfio/devices/vfio{c}"), FileKind::Node(DevRef::VfCdev(u)), 0o600);
                     }
                 }
                 if vendor {
-                    t.file(
-                        &format!("dev/vfio/{}", vf.group),
-                        FileKind::Node(DevRef::VfGroup(vf.uid)),
-                        0o600,
-                    );
+                    t.file(&format!("dev/vfio/{}", vf.group), FileKind::Node(DevRef::VfGroup(vf.uid)), 0o600);
                 }
                 if mdev && !vf.broken {
-                    t.link(
-                        &format!("sys/class/mdev_bus/{b}"),
-                        format!("../../devices/{pci}/{b}"),
-                    );
+                    t.link(&format!("sys/class/mdev_bus/{b}"), format!("../../devices/{pci}/{b}"));
                     for ty in &gpu.table {
                         let td = format!("{d}/mdev_supported_types/nvidia-{}", ty.id);
                         t.text(&format!("{td}/name"), format!("{}\n", ty.name));
@@ -622,16 +514,8 @@ impl State {
                             ),
                         );
                         t.text(&format!("{td}/device_api"), "vfio-pci\n");
-                        t.file(
-                            &format!("{td}/available_instances"),
-                            FileKind::MdevAvailable(vf.uid, ty.id),
-                            0o444,
-                        );
-                        t.file(
-                            &format!("{td}/create"),
-                            FileKind::MdevCreate(vf.uid, ty.id),
-                            0o200,
-                        );
+                        t.file(&format!("{td}/available_instances"), FileKind::MdevAvailable(vf.uid, ty.id), 0o444);
+                        t.file(&format!("{td}/create"), FileKind::MdevCreate(vf.uid, ty.id), 0o200);
                         t.dir(&format!("{td}/devices"));
                     }
                     for m in self.mdevs.iter().filter(|m| m.parent == vf.uid) {
@@ -641,60 +525,34 @@ impl State {
                             &format!("{md}/mdev_type"),
                             format!("../../{b}/mdev_supported_types/nvidia-{}", m.type_id),
                         );
-                        t.link(
-                            &format!("{md}/iommu_group"),
-                            format!("../../../../kernel/iommu_groups/{}", m.group),
-                        );
-                        t.file(
-                            &format!("{md}/remove"),
-                            FileKind::MdevRemove(u.clone()),
-                            0o200,
-                        );
-                        t.file(
-                            &format!("{md}/nvidia/vgpu_params"),
-                            FileKind::MdevParams(u.clone()),
-                            0o644,
-                        );
+                        t.link(&format!("{md}/iommu_group"), format!("../../../../kernel/iommu_groups/{}", m.group));
+                        t.file(&format!("{md}/remove"), FileKind::MdevRemove(u.clone()), 0o200);
+                        t.file(&format!("{md}/nvidia/vgpu_params"), FileKind::MdevParams(u.clone()), 0o644);
                         t.link(
                             &format!("{d}/mdev_supported_types/nvidia-{}/devices/{u}", m.type_id),
                             format!("../../../{u}"),
                         );
-                        t.link(
-                            &format!("sys/bus/mdev/devices/{u}"),
-                            format!("../../../devices/{pci}/{b}/{u}"),
-                        );
+                        t.link(&format!("sys/bus/mdev/devices/{u}"), format!("../../../devices/{pci}/{b}/{u}"));
                         t.link(
                             &format!("sys/kernel/iommu_groups/{}/devices/{u}", m.group),
                             format!("../../../../devices/{pci}/{b}/{u}"),
                         );
-                        t.file(
-                            &format!("dev/vfio/{}", m.group),
-                            FileKind::Node(DevRef::MdevGroup(u.clone())),
-                            0o600,
-                        );
+                        t.file(&format!("dev/vfio/{}", m.group), FileKind::Node(DevRef::MdevGroup(u.clone())), 0o600);
                     }
                 }
             }
         }
         // Overrides: absent ones remove, content ones add missing literal paths.
         for o in &self.overrides {
-            let matching: Vec<String> = t
-                .nodes
-                .keys()
-                .filter(|k| aliases(k).iter().any(|a| o.pattern.matches(a)))
-                .cloned()
-                .collect();
+            let matching: Vec<String> =
+                t.nodes.keys().filter(|k| aliases(k).iter().any(|a| o.pattern.matches(a))).cloned().collect();
             match &o.content {
                 None => matching.iter().for_each(|k| t.remove(k)),
                 Some(c) if matching.is_empty() && !is_glob_meta(&o.path) => {
                     let p = o.path.trim_start_matches('/');
                     let (parent, name) = p.rsplit_once('/').unwrap_or(("", p));
                     if let Some(real) = t.resolve(parent) {
-                        let full = if real.is_empty() {
-                            name.to_string()
-                        } else {
-                            format!("{real}/{name}")
-                        };
+                        let full = if real.is_empty() { name.to_string() } else { format!("{real}/{name}") };
                         t.text(&full, c.clone());
                     }
                 }
@@ -725,10 +583,7 @@ impl State {
     /// Consumes a matching fault of `kind` for `path`; returns (errno, delay ms).
     pub fn take_fault(&mut self, kind: FaultKind, path: &str) -> Option<(Errno, u64)> {
         let names = aliases(path);
-        let i = self
-            .faults
-            .iter()
-            .position(|f| f.kind == kind && names.iter().any(|n| f.pattern.matches(n)))?;
+        let i = self.faults.iter().position(|f| f.kind == kind && names.iter().any(|n| f.pattern.matches(n)))?;
         let f = &mut self.faults[i];
         let out = (f.errno, f.ms);
         if let Some(r) = f.remaining.as_mut() {
@@ -741,14 +596,7 @@ impl State {
     }
 
     /// Appends a log entry.
-    pub fn log(
-        &mut self,
-        pid: u32,
-        op: &str,
-        path: &str,
-        value: Option<&str>,
-        res: Result<(), Errno>,
-    ) {
+    pub fn log(&mut self, pid: u32, op: &str, path: &str, value: Option<&str>, res: Result<(), Errno>) {
         let seq = self.log.len() as u64 + 1;
         let t_ms = self.now();
         self.log.push(LogEntry {
@@ -767,10 +615,7 @@ impl State {
 
     fn override_for(&self, path: &str) -> Option<&Override> {
         let names = aliases(path);
-        self.overrides
-            .iter()
-            .rev()
-            .find(|o| names.iter().any(|n| o.pattern.matches(n)))
+        self.overrides.iter().rev().find(|o| names.iter().any(|n| o.pattern.matches(n)))
     }
 
     // ---- handles -------------------------------------------------------------------------
@@ -806,15 +651,7 @@ impl State {
         let since = self.now();
         self.handles.insert(
             fh,
-            Handle {
-                path: path.to_string(),
-                kind,
-                pid,
-                since,
-                ctl_in: Vec::new(),
-                ctl_out: None,
-                cursor: 0,
-            },
+            Handle { path: path.to_string(), kind, pid, since, ctl_in: Vec::new(), ctl_out: None, cursor: 0 },
         );
         Ok(fh)
     }
@@ -852,10 +689,7 @@ impl State {
             FileKind::Node(DevRef::VfGroup(uid)) | FileKind::Node(DevRef::VfCdev(uid))
                 if self.vf_handle_count(uid) == 0 =>
             {
-                let delay = self
-                    .vf(uid)
-                    .map(|v| self.release_delay(&v.bdf))
-                    .unwrap_or(0);
+                let delay = self.vf(uid).map(|v| self.release_delay(&v.bdf)).unwrap_or(0);
                 if let Some(v) = self.vf_mut(uid) {
                     v.busy_until = now + delay;
                 }
@@ -929,16 +763,11 @@ impl State {
             FileKind::WarmUpdate(_) => "0\n".into(),
             FileKind::DriverOverride(_) => "(null)\n".into(),
             FileKind::MdevAvailable(uid, id) => {
-                let avail =
-                    !self.vf_has_mdev(*uid) && self.vf_catalog(*uid).iter().any(|t| t.id == *id);
+                let avail = !self.vf_has_mdev(*uid) && self.vf_catalog(*uid).iter().any(|t| t.id == *id);
                 format!("{}\n", u8::from(avail))
             }
             FileKind::MdevParams(u) => {
-                let m = self
-                    .mdevs
-                    .iter()
-                    .find(|m| &m.uuid == u)
-                    .ok_or(libc::ENODEV)?;
+                let m = self.mdevs.iter().find(|m| &m.uuid == u).ok_or(libc::ENODEV)?;
                 if m.params.is_empty() {
                     String::new()
                 } else {
@@ -991,10 +820,7 @@ impl State {
             self.log(pid, "write", &h.path, Some(&value), Err(e));
             return Err(e);
         }
-        Ok(self
-            .take_fault(FaultKind::DelayWrite, &h.path)
-            .map(|(_, ms)| ms)
-            .unwrap_or(0))
+        Ok(self.take_fault(FaultKind::DelayWrite, &h.path).map(|(_, ms)| ms).unwrap_or(0))
     }
 
     /// A `write(2)` on `fh`, after faults: runs the rules and logs the result.
@@ -1026,16 +852,10 @@ impl State {
                     return Err(libc::EBUSY);
                 }
                 let vf = self.vf_mut(uid).ok_or(libc::ENODEV)?;
-                vf.params = if v.trim().is_empty() {
-                    String::new()
-                } else {
-                    v.to_string()
-                };
+                vf.params = if v.trim().is_empty() { String::new() } else { v.to_string() };
                 Ok(())
             }
-            FileKind::PlacementId(_) | FileKind::GpuInstanceId(_) | FileKind::WarmUpdate(_) => {
-                Err(libc::EPERM)
-            }
+            FileKind::PlacementId(_) | FileKind::GpuInstanceId(_) | FileKind::WarmUpdate(_) => Err(libc::EPERM),
             FileKind::SriovNumvfs(_) => Err(libc::EPERM),
             FileKind::DriverOverride(uid) => {
                 let vf = self.vf_mut(*uid).ok_or(libc::ENODEV)?;
@@ -1063,11 +883,7 @@ impl State {
                 if let Some((g, i)) = self.vf_by_bdf(b) {
                     let vf = &mut self.gpus[g].vfs[i];
                     if !vf.unbound {
-                        return if matches!(kind, FileKind::DriverBind) {
-                            Err(libc::EBUSY)
-                        } else {
-                            Ok(())
-                        };
+                        return if matches!(kind, FileKind::DriverBind) { Err(libc::EBUSY) } else { Ok(()) };
                     }
                     vf.unbound = false;
                     Ok(())
@@ -1086,11 +902,7 @@ impl State {
                 if v.trim() != "1" {
                     return Err(libc::EINVAL);
                 }
-                let m = self
-                    .mdevs
-                    .iter()
-                    .find(|m| &m.uuid == u)
-                    .ok_or(libc::ENODEV)?;
+                let m = self.mdevs.iter().find(|m| &m.uuid == u).ok_or(libc::ENODEV)?;
                 if self.mdev_busy(m) {
                     return Err(libc::EBUSY);
                 }
@@ -1098,23 +910,12 @@ impl State {
                 Ok(())
             }
             FileKind::MdevParams(u) => {
-                let busy = self
-                    .dev_handles(&DevRef::MdevGroup(u.clone()))
-                    .next()
-                    .is_some();
+                let busy = self.dev_handles(&DevRef::MdevGroup(u.clone())).next().is_some();
                 if busy {
                     return Err(libc::EBUSY);
                 }
-                let m = self
-                    .mdevs
-                    .iter_mut()
-                    .find(|m| &m.uuid == u)
-                    .ok_or(libc::ENODEV)?;
-                m.params = if v.trim().is_empty() {
-                    String::new()
-                } else {
-                    v.to_string()
-                };
+                let m = self.mdevs.iter_mut().find(|m| &m.uuid == u).ok_or(libc::ENODEV)?;
+                m.params = if v.trim().is_empty() { String::new() } else { v.to_string() };
                 Ok(())
             }
             FileKind::Node(_) => Err(libc::EINVAL),
@@ -1237,41 +1038,23 @@ impl State {
         self.gpu_by_bdf(bdf).ok_or_else(|| format!("no PF {bdf}"))
     }
 
-    fn add_fault(
-        &mut self,
-        kind: FaultKind,
-        a: &FaultArgs,
-    ) -> Result<Vec<(String, String)>, String> {
+    fn add_fault(&mut self, kind: FaultKind, a: &FaultArgs) -> Result<Vec<(String, String)>, String> {
         let errno = parse_errno(&a.errno).ok_or_else(|| format!("unknown errno {:?}", a.errno))?;
-        let remaining = if a.always {
-            None
-        } else {
-            Some(a.times.unwrap_or(1))
-        };
+        let remaining = if a.always { None } else { Some(a.times.unwrap_or(1)) };
         if remaining == Some(0) {
             return Err("--times must be at least 1".into());
         }
-        self.faults.push(Fault {
-            kind,
-            path: a.path.clone(),
-            pattern: pattern(&a.path)?,
-            errno,
-            remaining,
-            ms: 0,
-        });
+        self.faults.push(Fault { kind, path: a.path.clone(), pattern: pattern(&a.path)?, errno, remaining, ms: 0 });
         Ok(vec![])
     }
 
     fn gpu_busy(&self, g: usize) -> bool {
         self.gpus[g].vfs.iter().any(|v| {
             self.vf_handle_count(v.uid) > 0
-                || self.mdevs.iter().any(|m| {
-                    m.parent == v.uid
-                        && self
-                            .dev_handles(&DevRef::MdevGroup(m.uuid.clone()))
-                            .next()
-                            .is_some()
-                })
+                || self
+                    .mdevs
+                    .iter()
+                    .any(|m| m.parent == v.uid && self.dev_handles(&DevRef::MdevGroup(m.uuid.clone())).next().is_some())
         })
     }
 
@@ -1335,35 +1118,23 @@ impl State {
                     return Err(format!("type {id} is not in the type table of {vf}"));
                 }
                 self.set_type(g, i, id);
-                let path = format!(
-                    "sys/devices/{}/{vf}/nvidia/current_vgpu_type",
-                    self.gpus[g].pci_dir
-                );
+                let path = format!("sys/devices/{}/{vf}/nvidia/current_vgpu_type", self.gpus[g].pci_dir);
                 self.log(pid, "set-type", &path, Some(&id.to_string()), Ok(()));
                 Ok(vec![])
             }
-            CtlCmd::CreateMdev {
-                parent,
-                type_,
-                uuid,
-            } => {
+            CtlCmd::CreateMdev { parent, type_, uuid } => {
                 if self.model.framework != Framework::Mdev {
                     return Err("create-mdev needs framework = \"mdev\"".into());
                 }
                 let (g, i) = self.find_vf(&parent)?;
-                let id: u32 = type_
-                    .trim_start_matches("nvidia-")
-                    .parse()
-                    .map_err(|_| format!("bad type {type_:?}"))?;
+                let id: u32 = type_.trim_start_matches("nvidia-").parse().map_err(|_| format!("bad type {type_:?}"))?;
                 if self.type_def(g, id).is_none() {
                     return Err(format!("type {id} is not in the type table of {parent}"));
                 }
                 let uid = self.gpus[g].vfs[i].uid;
                 let r = self.mdev_create(uid, id, &uuid, true);
-                let path = format!(
-                    "sys/devices/{}/{parent}/mdev_supported_types/nvidia-{id}/create",
-                    self.gpus[g].pci_dir
-                );
+                let path =
+                    format!("sys/devices/{}/{parent}/mdev_supported_types/nvidia-{id}/create", self.gpus[g].pci_dir);
                 self.log(pid, "create-mdev", &path, Some(&uuid), r);
                 r.map_err(errno_name)?;
                 Ok(vec![])
@@ -1404,18 +1175,10 @@ impl State {
                 self.tick();
                 Ok(vec![])
             }
-            CtlCmd::Override {
-                path,
-                content,
-                absent,
-            } => {
+            CtlCmd::Override { path, content, absent } => {
                 let pattern = pattern(&path)?;
                 self.overrides.retain(|o| o.path != path);
-                self.overrides.push(Override {
-                    path,
-                    pattern,
-                    content: if absent { None } else { content },
-                });
+                self.overrides.push(Override { path, pattern, content: if absent { None } else { content } });
                 Ok(vec![])
             }
             CtlCmd::Unoverride { path } => {
@@ -1430,10 +1193,7 @@ impl State {
                 self.boot_id = uuid::Uuid::new_v4().to_string();
                 self.overrides.clear();
                 self.boot(vf_delay.unwrap_or(self.model.vf_appear_delay_ms));
-                Ok(vec![(
-                    "boot_id".into(),
-                    Value::String(self.boot_id.clone()).to_string(),
-                )])
+                Ok(vec![("boot_id".into(), Value::String(self.boot_id.clone()).to_string())])
             }
         }
     }
@@ -1447,11 +1207,7 @@ impl State {
             self.handles
                 .values()
                 .filter(|h| matches!(&h.kind, FileKind::Node(d) if devs.contains(d)))
-                .map(|h| HandleDump {
-                    pid: h.pid,
-                    node: display(&h.path),
-                    since_ms: h.since,
-                })
+                .map(|h| HandleDump { pid: h.pid, node: display(&h.path), since_ms: h.since })
                 .collect()
         };
         let busy = |until: u64| (until > now).then_some(until);
@@ -1496,9 +1252,7 @@ impl State {
                     uuid: m.uuid.clone(),
                     parent: m.parent_bdf.clone(),
                     type_id: m.type_id,
-                    name: g
-                        .and_then(|g| self.type_def(g, m.type_id))
-                        .map(|t| t.name.clone()),
+                    name: g.and_then(|g| self.type_def(g, m.type_id)).map(|t| t.name.clone()),
                     group: m.group,
                     foreign: m.foreign,
                     params: m.params.clone(),
@@ -1531,11 +1285,7 @@ impl State {
             overrides: self
                 .overrides
                 .iter()
-                .map(|o| OverrideDump {
-                    path: o.path.clone(),
-                    content: o.content.clone(),
-                    absent: o.content.is_none(),
-                })
+                .map(|o| OverrideDump { path: o.path.clone(), content: o.content.clone(), absent: o.content.is_none() })
                 .collect(),
             log: self.log.clone(),
         }

@@ -64,10 +64,8 @@ impl SimMount {
     /// or TOML model text (anything containing a newline or `=`), or a path to a model file.
     /// Returns once the mount has printed its ready line (or fails after 30 s).
     pub fn start(model: &str) -> anyhow::Result<SimMount> {
-        let dir = tempfile::Builder::new()
-            .prefix("gpuvisor-sim.")
-            .tempdir()
-            .context("creating a temporary directory")?;
+        let dir =
+            tempfile::Builder::new().prefix("gpuvisor-sim.").tempdir().context("creating a temporary directory")?;
         let root = dir.path().join("root");
         std::fs::create_dir(&root)?;
         let model_arg = if model.contains('\n') || model.contains('=') {
@@ -87,10 +85,7 @@ impl SimMount {
             .stdout(Stdio::piped())
             .spawn()
             .with_context(|| format!("spawning {}", bin.display()))?;
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| anyhow!("no stdout pipe"))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout pipe"))?;
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             let mut ready = Some(tx);
@@ -141,8 +136,7 @@ impl SimMount {
             return false;
         };
         let me = self.root.to_string_lossy();
-        m.lines()
-            .any(|l| l.split_whitespace().nth(1) == Some(me.as_ref()))
+        m.lines().any(|l| l.split_whitespace().nth(1) == Some(me.as_ref()))
     }
 }
 
@@ -163,11 +157,7 @@ impl Drop for SimMount {
             }
         }
         if self.mounted() {
-            let _ = Command::new("fusermount3")
-                .arg("-uz")
-                .arg(&self.root)
-                .stderr(Stdio::null())
-                .status();
+            let _ = Command::new("fusermount3").arg("-uz").arg(&self.root).stderr(Stdio::null()).status();
         }
         let _ = &self.dir;
     }

@@ -137,19 +137,14 @@ impl Tree {
             children.retain(|c| c != name);
         }
         let prefix = format!("{path}/");
-        self.nodes
-            .retain(|k, _| k.as_str() != path && !k.starts_with(&prefix));
+        self.nodes.retain(|k, _| k.as_str() != path && !k.starts_with(&prefix));
     }
 
     /// Resolves symlinks in `path` (relative to the mount), following at most 40 links.
     /// Returns `None` if a component is missing.
     pub fn resolve(&self, path: &str) -> Option<String> {
-        let mut todo: Vec<String> = path
-            .split('/')
-            .filter(|c| !c.is_empty() && *c != ".")
-            .rev()
-            .map(String::from)
-            .collect();
+        let mut todo: Vec<String> =
+            path.split('/').filter(|c| !c.is_empty() && *c != ".").rev().map(String::from).collect();
         let mut cur: Vec<String> = Vec::new();
         let mut hops = 0;
         while let Some(c) = todo.pop() {
@@ -229,13 +224,9 @@ mod tests {
     fn resolve_follows_relative_links() {
         let mut t = Tree::new();
         t.dir("sys/devices/pci0000:41/0000:41:00.4/nvidia");
-        t.link(
-            "sys/bus/pci/devices/0000:41:00.4",
-            "../../../devices/pci0000:41/0000:41:00.4",
-        );
+        t.link("sys/bus/pci/devices/0000:41:00.4", "../../../devices/pci0000:41/0000:41:00.4");
         assert_eq!(
-            t.resolve("sys/bus/pci/devices/0000:41:00.4/nvidia")
-                .as_deref(),
+            t.resolve("sys/bus/pci/devices/0000:41:00.4/nvidia").as_deref(),
             Some("sys/devices/pci0000:41/0000:41:00.4/nvidia")
         );
         assert_eq!(t.resolve("sys/bus/pci/devices/0000:41:00.5"), None);

@@ -14,93 +14,43 @@ fn tree_shape_links_modes_and_sizes() {
     let sim = SimMount::start("l40s-2x16").unwrap();
     let r = sim.path();
     let ready = std::fs::read_link(r.join("sys/bus/pci/devices/0001:81:00.4")).unwrap();
-    assert_eq!(
-        ready.to_str().unwrap(),
-        "../../../devices/pci0001:81/0001:81:00.4"
-    );
+    assert_eq!(ready.to_str().unwrap(), "../../../devices/pci0001:81/0001:81:00.4");
     let pf = r.join("sys/bus/pci/devices/0000:41:00.0");
     assert_eq!(read(&pf.join("vendor")).unwrap(), "0x10de\n");
     assert_eq!(read(&pf.join("device")).unwrap(), "0x26b9\n");
     assert_eq!(read(&pf.join("class")).unwrap(), "0x030200\n");
     assert_eq!(read(&pf.join("sriov_totalvfs")).unwrap(), "16\n");
     assert_eq!(read(&pf.join("sriov_numvfs")).unwrap(), "16\n");
-    assert_eq!(
-        std::fs::read_link(pf.join("virtfn15")).unwrap().to_str(),
-        Some("../0000:41:02.3")
-    );
-    assert_eq!(
-        std::fs::read_link(pf.join("driver")).unwrap().to_str(),
-        Some("../../../bus/pci/drivers/nvidia")
-    );
+    assert_eq!(std::fs::read_link(pf.join("virtfn15")).unwrap().to_str(), Some("../0000:41:02.3"));
+    assert_eq!(std::fs::read_link(pf.join("driver")).unwrap().to_str(), Some("../../../bus/pci/drivers/nvidia"));
     let vf = r.join("sys/bus/pci/devices/0001:81:02.3");
-    assert_eq!(
-        std::fs::read_link(vf.join("physfn")).unwrap().to_str(),
-        Some("../0001:81:00.0")
-    );
-    assert_eq!(
-        std::fs::read_link(vf.join("iommu_group")).unwrap().to_str(),
-        Some("../../../kernel/iommu_groups/76")
-    );
+    assert_eq!(std::fs::read_link(vf.join("physfn")).unwrap().to_str(), Some("../0001:81:00.0"));
+    assert_eq!(std::fs::read_link(vf.join("iommu_group")).unwrap().to_str(), Some("../../../kernel/iommu_groups/76"));
     // Links resolve inside the mount.
-    assert_eq!(
-        std::fs::canonicalize(vf.join("driver")).unwrap(),
-        r.join("sys/bus/pci/drivers/nvidia")
-    );
-    assert!(r
-        .join("sys/kernel/iommu_groups/76/devices/0001:81:02.3/nvidia")
-        .is_dir());
+    assert_eq!(std::fs::canonicalize(vf.join("driver")).unwrap(), r.join("sys/bus/pci/drivers/nvidia"));
+    assert!(r.join("sys/kernel/iommu_groups/76/devices/0001:81:02.3/nvidia").is_dir());
     assert!(vf.join("vfio-dev/vfio31").is_dir());
     assert!(r.join("dev/vfio/devices/vfio31").is_file());
     assert!(r.join("dev/vfio/76").is_file());
     assert!(r.join("dev/vfio/vfio").is_file());
-    assert_eq!(
-        read(&r.join("sys/module/nvidia/version")).unwrap(),
-        "580.82.07\n"
-    );
+    assert_eq!(read(&r.join("sys/module/nvidia/version")).unwrap(), "580.82.07\n");
     let boot = read(&r.join("proc/sys/kernel/random/boot_id")).unwrap();
     assert_eq!(boot.trim().len(), 36);
-    assert_eq!(
-        std::fs::read_dir(r.join("sys/class/mdev_bus"))
-            .unwrap()
-            .count(),
-        0
-    );
+    assert_eq!(std::fs::read_dir(r.join("sys/class/mdev_bus")).unwrap().count(), 0);
     let mode = |p: &str| vf.join(p).metadata().unwrap().mode() & 0o7777;
     assert_eq!(mode("nvidia/creatable_vgpu_types"), 0o444);
     assert_eq!(mode("nvidia/current_vgpu_type"), 0o644);
-    assert_eq!(
-        vf.join("nvidia/current_vgpu_type")
-            .metadata()
-            .unwrap()
-            .len(),
-        4096
-    );
-    assert_eq!(
-        r.join("sys/bus/pci/drivers/nvidia/unbind")
-            .metadata()
-            .unwrap()
-            .mode()
-            & 0o7777,
-        0o200
-    );
+    assert_eq!(vf.join("nvidia/current_vgpu_type").metadata().unwrap().len(), 4096);
+    assert_eq!(r.join("sys/bus/pci/drivers/nvidia/unbind").metadata().unwrap().mode() & 0o7777, 0o200);
     // Read-only files refuse a write open.
-    assert_eq!(
-        write(&vf.join("nvidia/creatable_vgpu_types"), "1"),
-        Err(EACCES)
-    );
+    assert_eq!(write(&vf.join("nvidia/creatable_vgpu_types"), "1"), Err(EACCES));
     // h200 preset addresses.
     drop(sim);
     let h = SimMount::start("h200-1x8").unwrap();
     let vf = h.path().join("sys/bus/pci/devices/0000:18:01.3");
     assert_eq!(read(&vf.join("device")).unwrap(), "0x2335\n");
-    assert_eq!(
-        std::fs::read_link(vf.join("iommu_group")).unwrap().to_str(),
-        Some("../../../kernel/iommu_groups/28")
-    );
-    assert_eq!(
-        catalog_ids(&h, "0000:18:01.3"),
-        vec![1428, 1427, 1426, 1424, 1420]
-    );
+    assert_eq!(std::fs::read_link(vf.join("iommu_group")).unwrap().to_str(), Some("../../../kernel/iommu_groups/28"));
+    assert_eq!(catalog_ids(&h, "0000:18:01.3"), vec![1428, 1427, 1426, 1424, 1420]);
 }
 
 #[test]
@@ -169,10 +119,7 @@ fn rule2_errno_order() {
     let st = sim.state().unwrap();
     let w = writes(&st);
     let results: Vec<&str> = w.iter().map(|(_, _, r)| r.as_str()).collect();
-    assert_eq!(
-        &results[..9],
-        &["EINVAL", "EINVAL", "EPERM", "EINVAL", "ok", "EPERM", "EPERM", "EINVAL", "EIO"]
-    );
+    assert_eq!(&results[..9], &["EINVAL", "EINVAL", "EPERM", "EINVAL", "ok", "EPERM", "EPERM", "EINVAL", "EIO"]);
 }
 
 #[test]
@@ -187,19 +134,13 @@ fn rule3_params_placement_and_other_files() {
     assert_eq!(write(&p("warm_update"), "1"), Err(EPERM));
     write(&ty(&sim, VF1), "1148").unwrap();
     write(&p("current_vgpu_type"), "1148").unwrap();
-    assert_eq!(
-        read(&vf_file(&sim, VF1, "nvidia/placement_id")).unwrap(),
-        "0\n"
-    );
+    assert_eq!(read(&vf_file(&sim, VF1, "nvidia/placement_id")).unwrap(), "0\n");
     assert_eq!(read(&p("placement_id")).unwrap(), "1\n");
     assert_eq!(read(&p("gpu_instance_id")), Err(ENXIO));
     assert_eq!(write(&p("placement_id"), "3"), Err(EPERM));
     assert_eq!(write(&p("gpu_instance_id"), "3"), Err(EPERM));
     write(&p("vgpu_params"), "frame_rate_limiter=0,disable_vnc=1\n").unwrap();
-    assert_eq!(
-        read(&p("vgpu_params")).unwrap(),
-        "frame_rate_limiter=0,disable_vnc=1\n"
-    );
+    assert_eq!(read(&p("vgpu_params")).unwrap(), "frame_rate_limiter=0,disable_vnc=1\n");
     write(&p("vgpu_params"), " ").unwrap();
     assert_eq!(read(&p("vgpu_params")).unwrap(), "");
     write(&p("vgpu_params"), "a=1").unwrap();
@@ -208,11 +149,7 @@ fn rule3_params_placement_and_other_files() {
         assert_eq!(write(&p("vgpu_params"), "a=2"), Err(EBUSY));
     }
     sim.ctl(&["release-delay", VF0, "0"]).unwrap();
-    assert!(poll(Duration::from_secs(3), || write(
-        &p("current_vgpu_type"),
-        "0"
-    )
-    .is_ok()));
+    assert!(poll(Duration::from_secs(3), || write(&p("current_vgpu_type"), "0").is_ok()));
     // Clearing the type empties the params.
     assert_eq!(read(&p("vgpu_params")).unwrap(), "");
 }
@@ -261,10 +198,7 @@ fn rule5_node_opens() {
         .filter(|e| e["op"] == "open")
         .map(|e| e["result"].as_str().unwrap())
         .collect();
-    assert_eq!(
-        opens,
-        vec!["ENODEV", "ENODEV", "ok", "ok", "EBUSY", "ok", "ok"]
-    );
+    assert_eq!(opens, vec!["ENODEV", "ENODEV", "ok", "ok", "EBUSY", "ok", "ok"]);
     assert_eq!(vf_state(&st, VF0)["handles"].as_array().unwrap().len(), 3);
     drop((a, c1, c2));
     // The group can be opened again once released.
@@ -290,8 +224,7 @@ fn handles_real_pids_and_release_delay() {
     let closed = Instant::now();
     // The release arrives asynchronously after the kill; until the lag ends, EBUSY.
     assert_eq!(write(&ty(&sim, VF0), "0"), Err(EBUSY));
-    assert!(poll(Duration::from_secs(5), || write(&ty(&sim, VF0), "0")
-        .is_ok()));
+    assert!(poll(Duration::from_secs(5), || write(&ty(&sim, VF0), "0").is_ok()));
     let took = closed.elapsed();
     assert!(took >= Duration::from_millis(700), "cleared after {took:?}");
     let st = sim.state().unwrap();
@@ -309,8 +242,7 @@ fn flush_does_not_release() {
     drop(dup);
     assert_eq!(write(&ty(&sim, VF0), "0"), Err(EBUSY));
     drop(f);
-    assert!(poll(Duration::from_secs(3), || write(&ty(&sim, VF0), "0")
-        .is_ok()));
+    assert!(poll(Duration::from_secs(3), || write(&ty(&sim, VF0), "0").is_ok()));
 }
 
 #[test]
@@ -323,15 +255,9 @@ fn rule11_missing_paths_and_vanished_fds() {
     assert_eq!(read(&ty(&sim, VF0)), Err(ENOENT));
     use std::io::Read;
     let mut s = String::new();
-    assert_eq!(
-        f.read_to_string(&mut s).unwrap_err().raw_os_error(),
-        Some(ENODEV)
-    );
+    assert_eq!(f.read_to_string(&mut s).unwrap_err().raw_os_error(), Some(ENODEV));
     // Even after the VF comes back, the old fd stays dead.
     sim.ctl(&["enable-vfs", "0000:41:00.0"]).unwrap();
-    assert_eq!(
-        f.read_to_string(&mut s).unwrap_err().raw_os_error(),
-        Some(ENODEV)
-    );
+    assert_eq!(f.read_to_string(&mut s).unwrap_err().raw_os_error(), Some(ENODEV));
     assert_eq!(read(&ty(&sim, VF0)).unwrap(), "0\n");
 }

@@ -20,34 +20,20 @@ pub fn wat(name: &str) -> PathBuf {
     root().join("tests/plugins").join(name)
 }
 
-const DEFAULT_PLUGINS: [&str; 4] = [
-    "placement-spread",
-    "placement-pack",
-    "hypervisor-default",
-    "grace-default",
-];
+const DEFAULT_PLUGINS: [&str; 4] = ["placement-spread", "placement-pack", "hypervisor-default", "grace-default"];
 
 /// The release wasm32 build of a default plugin, built once per test run
 /// (`cargo build --target wasm32-unknown-unknown --release -p ...`; a no-op when fresh).
 pub fn built_plugin(name: &str) -> PathBuf {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let dir = BUILT
-        .get_or_init(build_plugins)
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let dir = BUILT.get_or_init(build_plugins).as_ref().unwrap_or_else(|e| panic!("{e}"));
     let file = dir.join(format!("{}.wasm", name.replace('-', "_")));
-    assert!(
-        file.exists(),
-        "{} is missing after the build; run scripts/build-plugins",
-        file.display()
-    );
+    assert!(file.exists(), "{} is missing after the build; run scripts/build-plugins", file.display());
     file
 }
 
 fn build_plugins() -> Result<PathBuf, String> {
-    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target"));
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(root())
@@ -57,9 +43,9 @@ fn build_plugins() -> Result<PathBuf, String> {
     for p in DEFAULT_PLUGINS {
         cmd.args(["-p", p]);
     }
-    let status = cmd.status().map_err(|e| {
-        format!("cannot run cargo to build the plugins ({e}); run scripts/build-plugins first")
-    })?;
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot run cargo to build the plugins ({e}); run scripts/build-plugins first"))?;
     if !status.success() {
         return Err(format!(
             "building the plugins for wasm32-unknown-unknown failed ({status}); \

@@ -46,10 +46,7 @@ pub fn ty(sim: &SimMount, vf: &str) -> PathBuf {
 
 /// One write(2) on a freshly opened fd; the errno on failure.
 pub fn write(path: &Path, value: &str) -> Result<(), i32> {
-    let mut f = OpenOptions::new()
-        .write(true)
-        .open(path)
-        .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+    let mut f = OpenOptions::new().write(true).open(path).map_err(|e| e.raw_os_error().unwrap_or(-1))?;
     match f.write(value.as_bytes()) {
         Ok(n) if n == value.len() => Ok(()),
         Ok(n) => panic!("short write {n}"),
@@ -58,13 +55,9 @@ pub fn write(path: &Path, value: &str) -> Result<(), i32> {
 }
 
 pub fn read(path: &Path) -> Result<String, i32> {
-    let mut f = OpenOptions::new()
-        .read(true)
-        .open(path)
-        .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+    let mut f = OpenOptions::new().read(true).open(path).map_err(|e| e.raw_os_error().unwrap_or(-1))?;
     let mut s = String::new();
-    f.read_to_string(&mut s)
-        .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+    f.read_to_string(&mut s).map_err(|e| e.raw_os_error().unwrap_or(-1))?;
     Ok(s)
 }
 
@@ -72,17 +65,11 @@ pub fn catalog_ids(sim: &SimMount, vf: &str) -> Vec<u32> {
     let text = read(&vf_file(sim, vf, "nvidia/creatable_vgpu_types")).unwrap();
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some("ID    : vGPU Name"));
-    lines
-        .map(|l| l.split(':').next().unwrap().trim().parse().unwrap())
-        .collect()
+    lines.map(|l| l.split(':').next().unwrap().trim().parse().unwrap()).collect()
 }
 
 pub fn open_rw(path: &Path) -> Result<std::fs::File, i32> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|e| e.raw_os_error().unwrap_or(-1))
+    OpenOptions::new().read(true).write(true).open(path).map_err(|e| e.raw_os_error().unwrap_or(-1))
 }
 
 /// A process holding `path` open on fd 3 (`sh -c 'exec 3<>PATH; echo held; sleep 60'`).
@@ -93,24 +80,14 @@ impl Holder {
     pub fn spawn(path: &Path) -> Holder {
         let mut child = Command::new("sh")
             .arg("-c")
-            .arg(format!(
-                "exec 3<>'{}' && echo held && exec sleep 60",
-                path.display()
-            ))
+            .arg(format!("exec 3<>'{}' && echo held && exec sleep 60", path.display()))
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert_eq!(
-            line.trim(),
-            "held",
-            "holder failed to open {}",
-            path.display()
-        );
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "held", "holder failed to open {}", path.display());
         Holder(child)
     }
 
