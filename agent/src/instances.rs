@@ -164,6 +164,10 @@ impl Manager {
     /// Builds the manager: opens nothing on the host yet.
     pub fn new(cfg: Config, store: Store, policies: Policies) -> Manager {
         let host = HostRoot::new(&cfg.host_root);
+        let known: BTreeMap<String, (String, Option<u64>)> = std::fs::read(store.root().join("profiles.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
         Manager {
             cfg,
             host,
@@ -172,7 +176,7 @@ impl Manager {
             alloc: Mutex::new(()),
             instance_locks: Mutex::new(HashMap::new()),
             device_locks: Mutex::new(HashMap::new()),
-            known_profiles: Mutex::new(BTreeMap::new()),
+            known_profiles: Mutex::new(known),
             gpu_framebuffer: Mutex::new(HashMap::new()),
             counters: Counters::default(),
         }
@@ -389,9 +393,30 @@ impl Manager {
         }
     }
 
+    /// Remembers a profile name seen in a catalog or claim; new names are persisted to
+    /// `<data-dir>/profiles.json` so that a full GPU after a restart still tells
+    /// `no_capacity` from `unknown_profile` (NVIDIA-HOST.md §3.5).
     fn learn_profile(&self, name: &str, fb: Option<u64>) {
         let canon = gpuvisor_sdk::canonical_profile(name);
-        lock(&self.known_profiles).entry(canon.to_ascii_uppercase()).or_insert((canon.to_string(), fb));
+        if canon.is_empty() {
+            return;
+        }
+        let mut known = lock(&self.known_profiles);
+        let key = canon.to_ascii_uppercase();
+        if known.contains_key(&key) {
+            return;
+        }
+        known.insert(key, (canon.to_string(), fb));
+        if let Err(e) = crate::store::write_json_atomic(&self.store.root().join("profiles.json"), &*known) {
+            tracing::warn!(error = %e, "cannot persist the known profile names");
+        }
+    }
+
+    /// Reads the host once to learn its profile names (called at startup).
+    pub fn learn_inventory(&self) {
+        if let Err(e) = self.observe(None) {
+            tracing::warn!(error = %e, "initial GPU inventory failed");
+        }
     }
 
     fn learn_gpu_size(&self, pf: &str, fb: Option<u64>) {

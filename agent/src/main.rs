@@ -26,6 +26,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let policies = Policies::load(&cfg)?;
     let socket = cfg.socket.clone();
     let manager = Arc::new(Manager::new(cfg, store, policies));
+    manager.learn_inventory();
     let module = gpuvisor::rpc::module(manager)?;
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

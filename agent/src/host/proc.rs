@@ -771,6 +771,29 @@ mod tests {
     }
 
     #[test]
+    fn a_zombie_leader_with_a_live_thread_is_alive() {
+        // The main thread calls pthread_exit while another thread sleeps on.
+        let script = "import threading,time,ctypes\n\
+                      threading.Thread(target=time.sleep, args=(30,)).start()\n\
+                      ctypes.CDLL(None).pthread_exit(None)\n";
+        let Ok(mut child) = Command::new("python3").arg("-c").arg(script).spawn() else {
+            eprintln!("python3 is not available; skipped");
+            return;
+        };
+        let pid = child.id() as i32;
+        let rec = identity_of(pid, BOOT).unwrap().unwrap();
+        let leader_is_zombie =
+            || procfs::process::Process::new(pid).and_then(|p| p.stat()).map(|s| s.state == 'Z').unwrap_or(false);
+        assert!(wait_until(leader_is_zombie), "the leader never became a zombie");
+
+        assert_eq!(vmm_liveness(Some(&rec), None, BOOT), Liveness::Alive { pid });
+
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(vmm_liveness(Some(&rec), None, BOOT), Liveness::Dead);
+    }
+
+    #[test]
     fn confirm_identity_signals_only_the_recorded_process() {
         let mut child = sleep_child();
         let rec = identity_of(child.id() as i32, BOOT).unwrap().unwrap();

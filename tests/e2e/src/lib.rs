@@ -516,3 +516,106 @@ impl Drop for Agent {
         }
     }
 }
+
+// ---------------------------------------------------------------------- helpers (api/cli/mdev/policy tests)
+
+/// The sum of every sample of metric `name` (or `name_total`, as counters are exposed) in
+/// Prometheus text whose label set contains every `k="v"` of `labels`; `None` if no sample
+/// matches.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let end = line.find(['{', ' ']).unwrap_or(line.len());
+        let metric_name = &line[..end];
+        if metric_name != name && metric_name != format!("{name}_total") {
+            continue;
+        }
+        let label_part = if line[end..].starts_with('{') { &line[end..line.rfind('}').unwrap_or(end)] } else { "" };
+        if !labels.iter().all(|(k, v)| label_part.contains(&format!("{k}=\"{v}\""))) {
+            continue;
+        }
+        let Some(value) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else { continue };
+        *found.get_or_insert(0.0) += value;
+    }
+    found
+}
+
+/// True when `s` is a canonical lower-case hyphenated UUID.
+pub fn is_uuid(s: &str) -> bool {
+    s.len() == 36
+        && s.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit() && !c.is_ascii_uppercase(),
+        })
+}
+
+/// The simulator's mdevs from a state dump.
+pub fn sim_mdevs(state: &Value) -> Vec<Value> {
+    state["mdevs"].as_array().cloned().unwrap_or_default()
+}
+
+/// Spawns `gpuvisor serve --config <config>` outside any namespace, for agents that must
+/// refuse to start; waits at most `timeout` for it to exit (kills it and fails otherwise).
+/// Returns (exit status, stderr + stdout).
+pub fn serve_expecting_exit(config: &Path, timeout: Duration) -> anyhow::Result<(std::process::ExitStatus, String)> {
+    let dir = tempfile::Builder::new().prefix("gpuvisor-serve.").tempdir()?;
+    let out_path = dir.path().join("out.log");
+    let out = std::fs::File::create(&out_path)?;
+    let mut child = Command::new(agent_binary())
+        .args(["serve", "--config"])
+        .arg(config)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()?;
+    let status = wait_for(timeout, || child.try_wait().ok().flatten());
+    let text = std::fs::read_to_string(&out_path).unwrap_or_default();
+    match status {
+        Some(st) => Ok((st, text)),
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("gpuvisor serve did not exit within {timeout:?}: {text}")
+        }
+    }
+}
+
+impl Agent {
+    /// Names of the instances `instance.list` reports.
+    pub fn instance_names(&self) -> Vec<String> {
+        self.ok("instance.list", json!({}))["instances"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|i| i["name"].as_str().unwrap_or("").to_string())
+            .collect()
+    }
+
+    /// File names under `<data_dir>/<sub>` (dot files excluded), sorted.
+    pub fn data_files(&self, sub: &str) -> Vec<String> {
+        let mut out: Vec<String> = std::fs::read_dir(self.data_dir.join(sub))
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| !n.starts_with('.'))
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort();
+        out
+    }
+
+    /// `agent.metrics` text.
+    pub fn metrics(&self) -> String {
+        self.ok("agent.metrics", json!({})).as_str().unwrap_or_default().to_string()
+    }
+
+    /// Sysfs writes the simulator logged so far.
+    pub fn sim_writes(&self) -> Vec<(String, String, String)> {
+        writes(&self.state())
+    }
+}
