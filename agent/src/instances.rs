@@ -563,6 +563,8 @@ impl Manager {
             HostMode::Mdev => {
                 let parents = mdev::parents(&self.host)
                     .map_err(|e| ApiError::new(ErrorCode::NotReady, format!("mdev inventory failed: {e}")))?;
+                let existing = mdev::devices(&self.host)
+                    .map_err(|e| ApiError::new(ErrorCode::NotReady, format!("mdev inventory failed: {e}")))?;
                 let mut by_pf: BTreeMap<String, Vec<mdev::MdevParent>> = BTreeMap::new();
                 for p in parents.into_iter().filter(|p| self.cfg.manages(&p.pf)) {
                     for t in &p.types {
@@ -578,10 +580,15 @@ impl Manager {
                     let mut views = Vec::new();
                     for p in &parents {
                         let claim = claim_of(&p.bdf);
+                        // An mdev on a parent without a claim is another tool's: the parent
+                        // is occupied (shown dirty), and gpuvisor never removes that mdev.
+                        let foreign = existing.iter().any(|d| d.parent == p.bdf);
                         let state = if claim.is_some() {
                             DeviceState::Claimed
                         } else if quarantined(&p.bdf) {
                             DeviceState::Quarantined
+                        } else if foreign {
+                            DeviceState::Dirty
                         } else {
                             DeviceState::Free
                         };

@@ -69,7 +69,14 @@ fn main() {
                 }
             }
         }
-        _ => rt.block_on(gpuvisor::cli::run_client(&cli)),
+        _ => {
+            // A client piped into `head` must end quietly, not panic on EPIPE.
+            // SAFETY: restoring the default disposition of SIGPIPE before any thread writes.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            }
+            rt.block_on(gpuvisor::cli::run_client(&cli))
+        }
     };
     std::process::exit(code);
 }

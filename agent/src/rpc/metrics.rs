@@ -18,6 +18,23 @@ pub fn render(m: &Manager) -> String {
     let claims = Family::<Labels, Gauge>::default();
     let retained = Gauge::<i64>::default();
     let quarantined = Gauge::<i64>::default();
+    // Every known label set is exported, at 0 when empty, so dashboards see the series.
+    use crate::store::{ClaimState, InstanceState};
+    for st in [
+        InstanceState::Starting,
+        InstanceState::Running,
+        InstanceState::Stopping,
+        InstanceState::Stopped,
+        InstanceState::Deleting,
+        InstanceState::CleanupPending,
+    ] {
+        let _ = instances.get_or_create(&vec![("state".into(), st.as_str().into())]);
+    }
+    for fw in [gpuvisor_sdk::Framework::VendorVfio, gpuvisor_sdk::Framework::Mdev] {
+        for st in [ClaimState::Claimed, ClaimState::Configured, ClaimState::ReleasePending] {
+            let _ = claims.get_or_create(&vec![("framework".into(), fw.as_str().into()), ("state".into(), st.as_str().into())]);
+        }
+    }
     if let Ok(list) = m.store().list_instances() {
         for i in list {
             instances.get_or_create(&vec![("state".into(), i.state.as_str().into())]).inc();

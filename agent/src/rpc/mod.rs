@@ -1,7 +1,7 @@
 //! # rpc — JSON-RPC 2.0 on a Unix socket (jsonrpsee, HTTP transport)
 //!
 //! A request is an HTTP/1.1 `POST /` with a JSON-RPC body, so
-//! `curl --unix-socket /run/gpuvisor/gpuvisor.sock -d '{"jsonrpc":"2.0","id":1,"method":"agent.health"}' http://x/`
+//! `curl --unix-socket /run/gpuvisor/gpuvisor.sock -H 'content-type: application/json' -d '{"jsonrpc":"2.0","id":1,"method":"agent.health"}' http://x/`
 //! works. Methods are `noun.verb`; [`openrpc::METHODS`] lists every one and `rpc.discover`
 //! publishes them as an OpenRPC document. This layer is thin: it parses parameters, runs
 //! the lifecycle on a blocking thread, and is the one place that maps [`ApiError`] to a

@@ -1,0 +1,273 @@
+//! End to end: the JSON-RPC surface — discovery, standard JSON-RPC errors, the lifecycle's
+//! error classes and `data.code`s (LIFECYCLE.md "Errors"), the socket's mode and metrics.
+//! Every refused request must leave nothing behind: no claim, no sysfs write, no instance.
+
+use gpuvisor_e2e::*;
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::os::unix::fs::PermissionsExt;
+
+/// One small L40S (4 VFs) with a short teardown lag.
+const ONE_GPU: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
+
+/// The method names of `openrpc::METHODS`, read from the agent's source.
+fn methods_in_source() -> BTreeSet<String> {
+    let src = std::fs::read_to_string(repo_root().join("agent/src/rpc/openrpc.rs")).unwrap();
+    let start = src.find("pub const METHODS").expect("METHODS in openrpc.rs");
+    let body = &src[start..];
+    let body = &body[..body.find("\n];").expect("end of METHODS")];
+    body.split("name: \"").skip(1).map(|s| s[..s.find('"').unwrap()].to_string()).collect()
+}
+
+/// Asserts the error is class `class` with `data.code == code` and one clear message.
+fn assert_api_error(e: &RpcError, class: i64, code: &str) {
+    assert_eq!((e.code, e.data_code.as_str()), (class, code), "{e} data={}", e.data);
+    assert_eq!(e.data["code"], code, "data.code: {}", e.data);
+    assert!(!e.message.trim().is_empty() && !e.message.contains('\n'), "one clear sentence: {:?}", e.message);
+}
+
+/// Asserts nothing is held: no claim, no instance, no record.
+fn assert_nothing_left(a: &Agent) {
+    assert!(a.claims().is_empty(), "no claim: {:?}", a.claims());
+    assert!(a.instance_names().is_empty(), "no instance: {:?}", a.instance_names());
+    assert!(a.data_files("instances").is_empty(), "no instance record: {:?}", a.data_files("instances"));
+    assert!(a.qemu_pids().is_empty(), "no QEMU");
+}
+
+#[test]
+fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let doc = a.ok("rpc.discover", json!({}));
+    assert!(doc["openrpc"].is_string(), "{doc}");
+    let listed: BTreeSet<String> =
+        doc["methods"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap().to_string()).collect();
+    let declared = methods_in_source();
+    assert!(declared.len() >= 17, "parsed METHODS: {declared:?}");
+    assert_eq!(listed, declared, "rpc.discover lists openrpc::METHODS");
+
+    // Every listed method is served (a call may fail on its params, never as unknown).
+    for m in &listed {
+        if let Err(e) = a.call(m, json!({})) {
+            assert_ne!(e.code, -32601, "{m} is listed but not registered: {e}");
+            assert_ne!(e.code, 0, "{m}: transport failure: {e}");
+        }
+    }
+    // Every documented error carries its LIFECYCLE.md class and data.code.
+    for m in doc["methods"].as_array().unwrap() {
+        for err in m["errors"].as_array().unwrap() {
+            let code = err["data"]["code"].as_str().unwrap();
+            let class = match code {
+                "invalid_request" | "unknown_profile" | "hypervisor_unsupported" => 400,
+                "not_found" => 404,
+                "name_taken"
+                | "invalid_state"
+                | "no_capacity"
+                | "instance_cleanup_pending"
+                | "unsupported_with_gpu"
+                | "gpu_release_pending"
+                | "device_unhealthy"
+                | "iommu_group_conflict"
+                | "gpu_busy" => 409,
+                "vgpu_cleanup_pending"
+                | "vmm_start_failed"
+                | "vmm_kill_failed"
+                | "passthrough_bind_failed"
+                | "policy_failed"
+                | "internal" => 500,
+                "not_ready" | "vmm_liveness_unknown" => 503,
+                other => panic!("{} documents an error code not in LIFECYCLE.md: {other}", m["name"]),
+            };
+            assert_eq!(err["code"], class, "{}: {err}", m["name"]);
+        }
+    }
+    // Nothing was created by probing every method.
+    assert_nothing_left(&a);
+}
+
+#[test]
+fn reconcile_run_is_served_and_returns_a_pass_report() {
+    // LIFECYCLE.md Reconciler: "`reconcile.run` and `gpuvisor reconcile` run one pass now and
+    // return its report."
+    let a = Agent::start(ONE_GPU).unwrap();
+    let report = a.call("reconcile.run", json!({}));
+    match report {
+        Ok(v) => assert!(v.is_object(), "a pass report: {v}"),
+        Err(e) => panic!("reconcile.run is not served: {e}"),
+    }
+}
+
+#[test]
+fn protocol_errors_use_the_standard_jsonrpc_codes() {
+    let a = Agent::start(ONE_GPU).unwrap();
+
+    // Unknown method → -32601.
+    let e = a.err("instance.explode", json!({}));
+    assert_eq!(e.code, -32601, "{e}");
+
+    // Malformed JSON → -32700.
+    let v = rpc_raw(&a.socket, "{\"jsonrpc\": \"2.0\", \"id\": 1, \"method\": ").unwrap();
+    assert_eq!(v["error"]["code"], -32700, "{v}");
+
+    // Wrong parameter types and unknown fields → -32602.
+    for (method, params) in [
+        ("instance.create", json!({"name": 5, "image": "demo"})),
+        ("instance.create", json!({"name": "a", "image": "demo", "vcpus": "two"})),
+        ("instance.create", json!({"name": "a", "image": "demo", "gpus": "L40S-2Q"})),
+        ("instance.create", json!({"image": "demo"})),
+        ("instance.get", json!({"ref": "a", "bogus": true})),
+        ("instance.get", json!({"ref": 7})),
+        ("instance.stop", json!({"ref": "a", "force": "yes"})),
+        ("placement.dry_run", json!({"profile": "L40S-2Q", "count": 2})),
+        ("image.delete", json!({"name": ["demo"]})),
+    ] {
+        let e = a.err(method, params.clone());
+        assert_eq!(e.code, -32602, "{method} {params}: {e}");
+    }
+    assert_nothing_left(&a);
+    assert!(a.sim_writes().is_empty(), "{:?}", a.sim_writes());
+    assert_eq!(a.ok("image.list", json!({}))["images"].as_array().unwrap().len(), 1, "demo still there");
+}
+
+#[test]
+fn invalid_names_and_unknown_images_are_400_invalid_request_and_leave_nothing() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let long = "a".repeat(64);
+    for name in ["Upper", "-lead", "", "under_score", "sp ace", "dot.ted", long.as_str()] {
+        let e = a.err("instance.create", json!({"name": name, "image": "demo", "gpu": "L40S-2Q"}));
+        assert_api_error(&e, 400, "invalid_request");
+    }
+    let ok63 = "a".repeat(63);
+    for image in ["nope", "../demo", "/etc"] {
+        let e = a.err("instance.create", json!({"name": ok63, "image": image, "gpu": "L40S-2Q"}));
+        assert_api_error(&e, 400, "invalid_request");
+    }
+    assert_nothing_left(&a);
+    assert!(a.sim_writes().is_empty(), "no sysfs write: {:?}", a.sim_writes());
+}
+
+#[test]
+fn unknown_profile_is_400_unknown_profile_with_nothing_claimed_or_written() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let e = a.err("instance.create", json!({"name": "x", "image": "demo", "gpu": "L40S-7Q"}));
+    assert_api_error(&e, 400, "unknown_profile");
+    let e = a.err("placement.dry_run", json!({"profile": "L40S-7Q"}));
+    assert_api_error(&e, 400, "unknown_profile");
+    assert_nothing_left(&a);
+    assert!(a.sim_writes().is_empty(), "no sysfs write: {:?}", a.sim_writes());
+    assert!(set_vfs(&a.state()).is_empty());
+}
+
+#[test]
+fn a_profile_that_does_not_fit_is_409_no_capacity_and_leaves_nothing() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let big = a.create_gpu("big", "L40S-48Q").unwrap();
+    assert_eq!(big["gpu"]["device"], "0000:41:00.4");
+    let writes_before = a.sim_writes();
+    let claims_before = a.claims();
+    assert_eq!(claims_before.len(), 1);
+
+    // The GPU is full: neither another 48Q nor a smaller profile fits (equal-size rule).
+    for (name, profile) in [("small", "L40S-2Q"), ("other-big", "L40S-48Q"), ("lower", "l40s-1q")] {
+        let e = a.err("instance.create", json!({"name": name, "image": "demo", "gpu": profile}));
+        assert_api_error(&e, 409, "no_capacity");
+        assert_eq!(a.instance_names(), vec!["big"], "no instance left by {name}");
+    }
+    assert_eq!(a.claims(), claims_before, "nothing claimed");
+    assert_eq!(a.sim_writes(), writes_before, "nothing written");
+    assert_eq!(set_vfs(&a.state()), vec![("0000:41:00.4".into(), 1159)]);
+    assert_eq!(a.data_files("instances").len(), 1, "{:?}", a.data_files("instances"));
+    let res = a.ok("resources.get", json!({}));
+    for p in res["profiles"].as_array().unwrap() {
+        assert_eq!(p["placeable"], 0, "a full GPU places nothing: {p}");
+    }
+    a.ok("instance.delete", json!({"ref": "big"}));
+    assert_nothing_left(&a);
+}
+
+#[test]
+fn conflicts_answer_409_name_taken_and_invalid_state_and_missing_instances_404() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let vm = a.create_gpu("vm", "L40S-2Q").unwrap();
+    let writes_before = a.sim_writes();
+
+    let e = a.err("instance.create", json!({"name": "vm", "image": "demo", "gpu": "L40S-2Q"}));
+    assert_api_error(&e, 409, "name_taken");
+    assert_eq!(a.claims().len(), 1, "the duplicate claimed nothing: {:?}", a.claims());
+    assert_eq!(a.sim_writes(), writes_before, "the duplicate wrote nothing");
+    assert_eq!(a.instance_names(), vec!["vm"]);
+
+    for r in ["vm", vm["id"].as_str().unwrap()] {
+        let e = a.err("instance.start", json!({"ref": r}));
+        assert_api_error(&e, 409, "invalid_state");
+    }
+    assert_eq!(a.ok("instance.get", json!({"ref": "vm"}))["state"], "running", "still running");
+
+    for method in ["instance.get", "instance.start", "instance.stop", "instance.delete"] {
+        let e = a.err(method, json!({"ref": "ghost"}));
+        assert_api_error(&e, 404, "not_found");
+    }
+    let e = a.err("instance.get", json!({"ref": "00000000-0000-4000-8000-000000000000"}));
+    assert_api_error(&e, 404, "not_found");
+    a.ok("instance.delete", json!({"ref": "vm"}));
+    assert_nothing_left(&a);
+}
+
+#[test]
+fn the_socket_is_mode_0600() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let meta = std::fs::metadata(&a.socket).unwrap();
+    use std::os::unix::fs::FileTypeExt;
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "socket mode {:o}", meta.permissions().mode());
+}
+
+#[test]
+fn agent_metrics_is_prometheus_text_with_instance_and_claim_gauges() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    a.create_gpu("vm", "L40S-2Q").unwrap();
+    let text = a.metrics();
+    assert!(text.trim_end().ends_with("# EOF"), "Prometheus/OpenMetrics text: {text}");
+    assert!(text.contains("# TYPE gpuvisor_instances gauge"), "{text}");
+    assert!(text.contains("# TYPE gpuvisor_vgpu_claims gauge"), "{text}");
+    assert_eq!(metric(&text, "gpuvisor_instances", &[("state", "running")]), Some(1.0), "{text}");
+    assert_eq!(
+        metric(&text, "gpuvisor_vgpu_claims", &[("framework", "vendor_vfio"), ("state", "configured")]),
+        Some(1.0),
+        "{text}"
+    );
+    // The CLI prints the same text.
+    let out = a.cli(&["metrics"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("gpuvisor_vgpu_claims"));
+
+    a.ok("instance.stop", json!({"ref": "vm", "force": true}));
+    let text = a.metrics();
+    assert_eq!(metric(&text, "gpuvisor_instances", &[("state", "stopped")]), Some(1.0), "{text}");
+    assert_eq!(metric(&text, "gpuvisor_vgpu_claims", &[]).unwrap_or(0.0), 0.0, "no claim once stopped: {text}");
+}
+
+#[test]
+fn an_idle_agent_exports_the_instance_and_claim_gauges_at_zero() {
+    // Gauges with no instances/claims must still be exported (S052: "both gauges read 0"),
+    // or dashboards and alerts cannot tell "zero" from "agent not reporting".
+    let a = Agent::start(ONE_GPU).unwrap();
+    let idle = a.metrics();
+    assert!(idle.contains("gpuvisor_instances"), "gpuvisor_instances missing on an idle agent:\n{idle}");
+    assert!(idle.contains("gpuvisor_vgpu_claims"), "gpuvisor_vgpu_claims missing on an idle agent:\n{idle}");
+    assert_eq!(metric(&idle, "gpuvisor_instances", &[]), Some(0.0), "{idle}");
+    assert_eq!(metric(&idle, "gpuvisor_vgpu_claims", &[]), Some(0.0), "{idle}");
+}
+
+/// Errors are JSON-RPC error objects: numeric class, one-sentence message, `data.code`.
+#[test]
+fn error_objects_carry_the_class_message_and_data_code() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let body = json!({"jsonrpc": "2.0", "id": 42, "method": "instance.get", "params": {"ref": "ghost"}}).to_string();
+    let v: Value = rpc_raw(&a.socket, &body).unwrap();
+    assert_eq!(v["jsonrpc"], "2.0");
+    assert_eq!(v["id"], 42);
+    assert!(v.get("result").is_none(), "{v}");
+    assert_eq!(v["error"]["code"], 404, "{v}");
+    assert_eq!(v["error"]["data"]["code"], "not_found", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("ghost"), "{v}");
+}

@@ -1,0 +1,209 @@
+//! End to end: the `gpuvisor` command line against a real agent — tables for people,
+//! `--output json` for scripts, one clear error line with the code and a non-zero exit on
+//! failure, and the local commands (`plugin test`, `serve` config checks).
+
+use gpuvisor_e2e::*;
+use serde_json::Value;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+const ONE_GPU: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts the command succeeded; returns stdout.
+fn ok(o: Output) -> String {
+    assert!(o.status.success(), "exit {:?}\nstdout: {}\nstderr: {}", o.status, stdout(&o), stderr(&o));
+    stdout(&o)
+}
+
+/// The CLI without an agent (a socket path where nothing listens).
+fn cli_alone(args: &[&str]) -> Output {
+    Command::new(agent_binary())
+        .arg("--socket")
+        .arg("/nonexistent/gpuvisor-e2e/gpuvisor.sock")
+        .args(args)
+        .output()
+        .expect("gpuvisor cli")
+}
+
+/// The table row (whitespace-split cells) whose first cell is `first`.
+fn row<'a>(table: &'a str, first: &str) -> Option<Vec<&'a str>> {
+    table.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).find(|c| c.first() == Some(&first))
+}
+
+#[test]
+fn an_instance_goes_through_create_ps_show_stop_start_and_rm() {
+    let a = Agent::start(ONE_GPU).unwrap();
+
+    let out = ok(a.cli(&["create", "web-1", "--image", "demo", "--gpu", "L40S-1Q", "--label", "tenant=a"]));
+    assert!(out.contains("web-1") && out.contains("running"), "{out}");
+    assert!(out.contains("gpu L40S-1Q on 0000:41:00.4"), "{out}");
+
+    // ps: a table with the name and state.
+    let ps = ok(a.cli(&["ps"]));
+    assert!(ps.lines().next().unwrap().starts_with("NAME"), "{ps}");
+    let r = row(&ps, "web-1").unwrap_or_else(|| panic!("no web-1 row: {ps}"));
+    assert_eq!(r[1], "running", "{ps}");
+    assert_eq!(r[2], "L40S-1Q", "{ps}");
+    assert_eq!(r[3], "0000:41:00.4", "{ps}");
+
+    // ps --output json parses and carries the labels.
+    let v: Value = serde_json::from_str(&ok(a.cli(&["ps", "--output", "json"]))).expect("ps --output json is JSON");
+    let inst = &v["instances"][0];
+    assert_eq!(inst["name"], "web-1");
+    assert_eq!(inst["labels"]["tenant"], "a");
+    let id = inst["id"].as_str().unwrap().to_string();
+
+    // show: the instance as JSON (by name and by id).
+    for r in ["web-1", id.as_str()] {
+        let shown: Value = serde_json::from_str(&ok(a.cli(&["show", r]))).expect("show prints JSON");
+        assert_eq!(shown["id"], id.as_str());
+        assert_eq!(shown["gpu"]["profile"], "L40S-1Q");
+    }
+
+    // gpus: the VF row names its owner.
+    let gpus = ok(a.cli(&["gpus"]));
+    assert!(gpus.contains("GPU 0000:41:00.0"), "{gpus}");
+    let r = row(&gpus, "0000:41:00.4").unwrap_or_else(|| panic!("no VF row: {gpus}"));
+    assert_eq!(r[1], "claimed", "{gpus}");
+    assert!(r.contains(&"web-1"), "the owner's name is shown: {gpus}");
+    let free = row(&gpus, "0000:41:00.5").unwrap();
+    assert!(!free.contains(&"web-1"), "{gpus}");
+
+    // stop / start.
+    let out = ok(a.cli(&["stop", "web-1", "--force"]));
+    assert!(out.contains("stopped"), "{out}");
+    assert_eq!(row(&ok(a.cli(&["ps"])), "web-1").unwrap()[1], "stopped");
+    assert!(a.claims().is_empty());
+    let out = ok(a.cli(&["start", "web-1"]));
+    assert!(out.contains("running") && out.contains("L40S-1Q"), "{out}");
+    assert_eq!(a.claims().len(), 1);
+
+    // rm: gone from ps, no claim, no VF set.
+    ok(a.cli(&["rm", "web-1"]));
+    let ps = ok(a.cli(&["ps"]));
+    assert!(row(&ps, "web-1").is_none(), "{ps}");
+    assert!(a.claims().is_empty());
+    assert!(set_vfs(&a.state()).is_empty());
+}
+
+#[test]
+fn profiles_images_and_plugins_are_listed() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let profiles = ok(a.cli(&["profiles"]));
+    assert!(profiles.contains("PLACEABLE"), "{profiles}");
+    let r = row(&profiles, "L40S-2Q").unwrap_or_else(|| panic!("no L40S-2Q row: {profiles}"));
+    assert_eq!(r[1], "1148", "{profiles}");
+    assert_eq!(r.last().unwrap(), &"4", "4 VFs → 4 placeable 2Q: {profiles}");
+    assert_eq!(row(&profiles, "L40S-48Q").unwrap().last().unwrap(), &"1", "{profiles}");
+
+    let images = ok(a.cli(&["image", "ls"]));
+    assert!(row(&images, "demo").is_some(), "{images}");
+
+    let plugins = ok(a.cli(&["plugin", "ls"]));
+    let p = row(&plugins, "placement").unwrap_or_else(|| panic!("{plugins}"));
+    assert_eq!(p[1], "placement-spread", "{plugins}");
+    let h = row(&plugins, "hypervisor").unwrap_or_else(|| panic!("{plugins}"));
+    assert_eq!(h[1], "hypervisor-default", "{plugins}");
+}
+
+#[test]
+fn errors_print_one_line_with_the_code_and_exit_nonzero() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    for (args, code) in [
+        (vec!["show", "ghost"], "not_found"),
+        (vec!["rm", "ghost"], "not_found"),
+        (vec!["create", "x", "--image", "demo", "--gpu", "L40S-7Q"], "unknown_profile"),
+        (vec!["create", "Bad_Name", "--image", "demo"], "invalid_request"),
+    ] {
+        let o = a.cli(&args);
+        assert!(!o.status.success(), "{args:?} must fail");
+        let err = stderr(&o);
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: one line on stderr: {err:?}");
+        assert!(lines[0].starts_with("error: "), "{args:?}: {err}");
+        assert!(lines[0].contains(code), "{args:?}: the code {code} is named: {err}");
+        assert!(stdout(&o).trim().is_empty(), "{args:?}: nothing on stdout: {}", stdout(&o));
+    }
+    assert!(a.instance_names().is_empty());
+    assert!(a.claims().is_empty());
+}
+
+#[test]
+fn without_an_agent_the_cli_says_it_cannot_reach_it() {
+    let o = cli_alone(&["ps"]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("cannot reach the gpuvisor agent"), "{err}");
+    assert!(err.contains("/nonexistent/gpuvisor-e2e/gpuvisor.sock"), "names the socket: {err}");
+    assert!(err.contains("is `gpuvisor serve` running?"), "{err}");
+    assert_eq!(err.lines().filter(|l| !l.trim().is_empty()).count(), 1, "one line: {err}");
+}
+
+#[test]
+fn plugin_test_prints_the_plugins_answer_without_an_agent() {
+    let wasm = plugin("placement-spread");
+    let input = repo_root().join("plugins/fixtures/placement-second-2q.json");
+    let o = cli_alone(&["plugin", "test", wasm.to_str().unwrap(), "--input", input.to_str().unwrap()]);
+    let v: Value = serde_json::from_str(&ok(o)).expect("plugin test prints JSON");
+    let ranked: Vec<&str> = v["ranked"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()).collect();
+    // GPU 0 already holds a 2Q: spread ranks the idle GPU first, and never the claimed VF.
+    assert_eq!(ranked.first(), Some(&"0001:81:00.4"), "{ranked:?}");
+    assert!(!ranked.contains(&"0000:41:00.4"), "{ranked:?}");
+    let split = ranked.iter().position(|d| d.starts_with("0000:41")).unwrap();
+    assert!(ranked[..split].iter().all(|d| d.starts_with("0001:81")), "{ranked:?}");
+
+    // A missing input file is one clear error, non-zero.
+    let o = cli_alone(&["plugin", "test", wasm.to_str().unwrap(), "--input", "/nonexistent/input.json"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).starts_with("error: "), "{}", stderr(&o));
+    // So is an unknown kind.
+    let o = cli_alone(&["plugin", "test", wasm.to_str().unwrap(), "--input", input.to_str().unwrap(), "--kind", "x"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("unknown kind"), "{}", stderr(&o));
+}
+
+#[test]
+fn bad_flags_are_refused_with_a_clear_error() {
+    for (args, needle) in [
+        (vec!["ps", "--bogus"], "--bogus"),
+        (vec!["create", "x"], "--image"),
+        (vec!["create", "x", "--image", "demo", "--label", "notkv"], "not key=value"),
+        (vec!["create", "x", "--image", "demo", "--vcpus", "many"], "many"),
+        (vec!["--output", "yaml", "ps"], "yaml"),
+        (vec!["frobnicate"], "frobnicate"),
+    ] {
+        let o = cli_alone(&args);
+        assert!(!o.status.success(), "{args:?} must be refused");
+        let err = stderr(&o);
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: names {needle}: {err}");
+        assert!(!err.contains("cannot reach"), "{args:?}: refused before any call: {err}");
+    }
+}
+
+#[test]
+fn serve_refuses_a_config_with_an_unknown_key_and_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("gpuvisor.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "data_dir = {:?}\nsocket = {:?}\nreconcile_intreval_s = 5\n",
+            dir.path().join("data"),
+            dir.path().join("s.sock")
+        ),
+    )
+    .unwrap();
+    let (status, out) = serve_expecting_exit(&cfg, Duration::from_secs(30)).unwrap();
+    assert!(!status.success(), "{status}: {out}");
+    assert!(out.contains("reconcile_intreval_s"), "names the key: {out}");
+    assert!(!dir.path().join("s.sock").exists(), "no socket was created");
+}

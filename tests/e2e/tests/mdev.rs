@@ -1,0 +1,211 @@
+//! End to end on an mdev host (`l40s-mdev`: every VF is an mdev parent): create makes a
+//! fresh transient mdev under the claimed parent, QEMU holds its group node, delete and
+//! stop remove it, a restart makes a new one, and foreign mdevs are never touched.
+
+use gpuvisor_e2e::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const READY: &str = "gpuvisor-guest: ready";
+const BOOT: Duration = Duration::from_secs(90);
+const FOREIGN: &str = "6a7d6a8c-1111-4c1b-a0c4-6f0d0e9b7b02";
+
+/// The simulator's mdev with this UUID (panics if absent).
+fn sim_mdev(a: &Agent, uuid: &str) -> Value {
+    sim_mdevs(&a.state())
+        .into_iter()
+        .find(|m| m["uuid"] == uuid)
+        .unwrap_or_else(|| panic!("no mdev {uuid} in the simulator: {:?}", sim_mdevs(&a.state())))
+}
+
+/// The claim record naming this mdev UUID (panics unless exactly one).
+fn claim_of_mdev(a: &Agent, uuid: &str) -> Value {
+    let claims: Vec<Value> = a.claims().into_iter().filter(|c| c["mdev_uuid"] == uuid).collect();
+    assert_eq!(claims.len(), 1, "one claim holds mdev {uuid}: {:?}", a.claims());
+    claims[0].clone()
+}
+
+/// Asserts `inst` runs on a fresh gpuvisor-made mdev whose claim, record and simulator entry
+/// agree; returns (uuid, parent VF).
+fn assert_on_own_mdev(a: &Agent, inst: &Value, profile_type: u64) -> (String, String) {
+    assert_eq!(inst["state"], "running", "{inst}");
+    let gpu = &inst["gpu"];
+    assert_eq!(gpu["framework"], "mdev", "{inst}");
+    let uuid = gpu["mdev_uuid"].as_str().unwrap_or_else(|| panic!("no gpu.mdev_uuid: {inst}")).to_string();
+    assert!(is_uuid(&uuid), "mdev_uuid {uuid:?} is not a UUID");
+    assert_ne!(uuid, inst["id"].as_str().unwrap(), "the mdev UUID is fresh, not the instance id");
+    let parent = gpu["device"].as_str().unwrap_or_else(|| panic!("no gpu.device: {inst}")).to_string();
+    assert!(
+        gpu["device_path"].as_str().unwrap().ends_with(&format!("sys/bus/mdev/devices/{uuid}")),
+        "device_path names the mdev: {gpu}"
+    );
+
+    // The simulator has that mdev under that parent, made by gpuvisor (not foreign).
+    let m = sim_mdev(a, &uuid);
+    assert_eq!(m["parent"], parent.as_str(), "the mdev sits under the claimed parent VF: {m}");
+    assert_eq!(m["type"].as_u64(), Some(profile_type), "{m}");
+    assert_eq!(m["foreign"], false, "{m}");
+
+    // The claim is for the parent VF, holds the UUID, names the instance.
+    let c = claim_of_mdev(a, &uuid);
+    assert_eq!(c["framework"], "mdev", "{c}");
+    assert_eq!(c["device"], parent.as_str(), "mdev on a VF: the claim's device is the parent VF: {c}");
+    assert_eq!(c["instance_id"], inst["id"], "{c}");
+
+    // gpuvisor recorded the mdev as its own.
+    let rec: Value = serde_json::from_str(
+        &std::fs::read_to_string(a.data_dir.join("mdevs").join(format!("{uuid}.json"))).expect("mdevs/<uuid>.json"),
+    )
+    .unwrap();
+    assert_eq!(rec["parent"], parent.as_str(), "{rec}");
+    assert_eq!(rec["instance_id"], inst["id"], "{rec}");
+    (uuid, parent)
+}
+
+/// Asserts QEMU of `inst` holds the mdev's `dev/vfio/<group>` node and is the simulator's
+/// only handle on it.
+fn assert_qemu_holds_mdev(a: &Agent, inst: &Value, uuid: &str) {
+    let id = inst["id"].as_str().unwrap();
+    let qemu = pids_where(|c| c.contains("qemu-system") && c.contains(id));
+    assert_eq!(qemu.len(), 1, "one QEMU for {id}");
+    let m = sim_mdev(a, uuid);
+    let group = m["group"].as_u64().expect("mdev group");
+    let node = a.sim.path().join(format!("dev/vfio/{group}")).display().to_string();
+    assert!(fd_targets(qemu[0]).contains(&node), "QEMU {} does not hold {node}: {:?}", qemu[0], fd_targets(qemu[0]));
+    let handles = m["handles"].as_array().unwrap();
+    assert_eq!(handles.len(), 1, "one handle on mdev {uuid}: {m}");
+    assert_eq!(handles[0]["pid"].as_i64().unwrap() as i32, qemu[0], "the handle is QEMU's own");
+}
+
+#[test]
+fn create_makes_a_fresh_mdev_per_instance_and_delete_removes_every_trace() {
+    let a = Agent::start("l40s-mdev").unwrap();
+
+    let one = a.create_gpu("one", "L40S-2Q").unwrap();
+    let (u1, p1) = assert_on_own_mdev(&a, &one, 1148);
+    assert_eq!(p1, "0000:41:00.4", "spread on an idle host: first GPU, first parent");
+    assert_qemu_holds_mdev(&a, &one, &u1);
+    let log = a.wait_serial(&one, READY, BOOT).unwrap();
+    assert!(log.contains("pci: "), "the guest lists its PCI devices");
+
+    let two = a.create_gpu("two", "L40S-2Q").unwrap();
+    let (u2, p2) = assert_on_own_mdev(&a, &two, 1148);
+    assert_ne!(u1, u2, "each instance gets its own mdev UUID");
+    assert_eq!(p2, "0001:81:00.4", "spread: the second mdev goes under the idle GPU");
+    assert_qemu_holds_mdev(&a, &two, &u2);
+    assert_eq!(sim_mdevs(&a.state()).len(), 2);
+    assert_eq!(a.data_files("mdevs"), {
+        let mut v = vec![format!("{u1}.json"), format!("{u2}.json")];
+        v.sort();
+        v
+    });
+
+    // Delete both: the mdevs are gone from the host and from gpuvisor's records.
+    a.ok("instance.delete", json!({"ref": "one"}));
+    let st = a.state();
+    assert!(sim_mdevs(&st).iter().all(|m| m["uuid"] != u1.as_str()), "one's mdev removed: {:?}", sim_mdevs(&st));
+    assert!(sim_mdevs(&st).iter().any(|m| m["uuid"] == u2.as_str()), "two's mdev untouched");
+    a.ok("instance.delete", json!({"ref": "two"}));
+    let st = a.state();
+    assert!(sim_mdevs(&st).is_empty(), "no mdev left: {:?}", sim_mdevs(&st));
+    assert!(a.data_files("mdevs").is_empty(), "no mdev record left: {:?}", a.data_files("mdevs"));
+    assert!(a.claims().is_empty(), "no claim left: {:?}", a.claims());
+    assert!(a.qemu_pids().is_empty(), "no QEMU left");
+    assert!(a.instance_names().is_empty());
+    // The removals were writes of `1` to each mdev's own `remove` (retried while the
+    // simulator's teardown lag answers EBUSY), one success each.
+    let removes: Vec<_> = a.sim_writes().into_iter().filter(|(p, _, _)| p.ends_with("/remove")).collect();
+    assert!(removes.iter().all(|(_, v, _)| v == "1"), "{removes:?}");
+    for u in [&u1, &u2] {
+        let ok = removes.iter().filter(|(p, _, r)| p == &format!("sys/bus/mdev/devices/{u}/remove") && r == "ok");
+        assert_eq!(ok.count(), 1, "one successful remove of {u}: {removes:?}");
+    }
+    assert_eq!(removes.iter().filter(|(_, _, r)| r == "ok").count(), 2, "{removes:?}");
+}
+
+#[test]
+fn stop_removes_the_mdev_and_start_makes_a_new_uuid() {
+    let a = Agent::start("l40s-mdev").unwrap();
+    let inst = a.create_gpu("vm", "L40S-4Q").unwrap();
+    let (old, _) = assert_on_own_mdev(&a, &inst, 1150);
+
+    let stopped = a.ok("instance.stop", json!({"ref": "vm", "force": true}));
+    assert_eq!(stopped["state"], "stopped");
+    assert_eq!(stopped["gpu"]["profile"], "L40S-4Q", "the profile is kept");
+    assert!(stopped["gpu"]["mdev_uuid"].is_null(), "no mdev while stopped: {}", stopped["gpu"]);
+    assert!(sim_mdevs(&a.state()).is_empty(), "stop removed the mdev: {:?}", sim_mdevs(&a.state()));
+    assert!(a.data_files("mdevs").is_empty(), "{:?}", a.data_files("mdevs"));
+    assert!(a.claims().is_empty(), "{:?}", a.claims());
+
+    let again = a.ok("instance.start", json!({"ref": "vm"}));
+    let (new, _) = assert_on_own_mdev(&a, &again, 1150);
+    assert_ne!(new, old, "a restart makes a new mdev, never reuses the old UUID");
+    assert_eq!(again["id"], inst["id"], "the instance UUID is stable across restarts");
+    assert_eq!(sim_mdevs(&a.state()).len(), 1, "only the new mdev exists");
+    assert_qemu_holds_mdev(&a, &again, &new);
+
+    a.ok("instance.delete", json!({"ref": "vm"}));
+    assert!(sim_mdevs(&a.state()).is_empty());
+    assert!(a.claims().is_empty());
+}
+
+#[test]
+fn a_foreign_mdev_is_never_removed_and_its_parent_is_never_placed_on() {
+    let a = Agent::start("l40s-mdev").unwrap();
+    a.sim.ctl(&["create-mdev", "0000:41:00.4", "1148", FOREIGN]).unwrap();
+
+    // Placement skips the foreign mdev's parent, in a dry run and in a real create.
+    let dry = a.ok("placement.dry_run", json!({"profile": "L40S-2Q"}));
+    let ranked: Vec<&str> = dry["ranked"].as_array().unwrap().iter().map(|r| r["device"].as_str().unwrap()).collect();
+    assert!(!ranked.is_empty(), "{dry}");
+    assert!(!ranked.contains(&"0000:41:00.4"), "the foreign mdev's parent is not a candidate: {ranked:?}");
+    let inst = a.create_gpu("mine", "L40S-2Q").unwrap();
+    let (mine, parent) = assert_on_own_mdev(&a, &inst, 1148);
+    assert_ne!(parent, "0000:41:00.4", "never placed on the foreign mdev's parent");
+    assert_eq!(a.claims().len(), 1);
+    assert!(a.claims().iter().all(|c| c["device"] != "0000:41:00.4"));
+
+    // Deleting gpuvisor's own instance removes only its own mdev.
+    a.ok("instance.delete", json!({"ref": "mine"}));
+    let st = a.state();
+    let left: Vec<String> = sim_mdevs(&st).iter().map(|m| m["uuid"].as_str().unwrap().to_string()).collect();
+    assert_eq!(left, vec![FOREIGN], "only the foreign mdev remains (ours {mine} removed)");
+
+    // An agent restart (its startup pass) leaves the foreign mdev alone too.
+    let mut a = a;
+    a.kill_agent();
+    a.spawn().unwrap();
+    a.ok("resources.get", json!({}));
+    let st = a.state();
+    let foreign = sim_mdevs(&st).into_iter().find(|m| m["uuid"] == FOREIGN);
+    assert!(foreign.is_some(), "the foreign mdev survived the restart: {:?}", sim_mdevs(&st));
+    assert!(
+        !a.sim_writes().iter().any(|(p, _, _)| p.contains(FOREIGN)),
+        "gpuvisor never wrote to the foreign mdev: {:?}",
+        a.sim_writes()
+    );
+    assert!(a.data_files("mdevs").is_empty(), "gpuvisor has no record of the foreign mdev");
+}
+
+#[test]
+fn a_foreign_mdev_parent_is_listed_as_unavailable_not_free() {
+    let a = Agent::start("l40s-mdev").unwrap();
+    let before = a.ok("resources.get", json!({}));
+    assert_eq!(before["devices"]["allocatable"], 32, "{before}");
+    a.sim.ctl(&["create-mdev", "0000:41:00.4", "1148", FOREIGN]).unwrap();
+
+    // SCENARIOS.md S061: a foreign mdev's parent "is shown as foreign and unavailable, not free".
+    let gpus = a.ok("gpu.list", json!({}));
+    let dev = gpus["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["devices"].as_array().unwrap().iter())
+        .find(|d| d["address"] == "0000:41:00.4")
+        .cloned()
+        .expect("0000:41:00.4 in gpu.list");
+    assert_eq!(dev["creatable"], json!([]), "{dev}");
+    let after = a.ok("resources.get", json!({}));
+    assert_eq!(after["devices"]["allocatable"], 31, "the foreign parent is not allocatable: {}", after["devices"]);
+    assert_ne!(dev["state"], "free", "the foreign mdev's parent is not free: {dev}");
+}
