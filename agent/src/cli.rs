@@ -93,6 +93,8 @@ pub enum Command {
         #[command(subcommand)]
         action: PluginAction,
     },
+    /// Run one reconcile pass now and print its report.
+    Reconcile,
     /// agent.health.
     Health,
     /// agent.metrics (Prometheus text).
@@ -260,6 +262,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Plugin { action: PluginAction::Test { plugin, input, kind } } => {
             return plugin_test(plugin, input, kind.as_deref());
         }
+        Command::Reconcile => ("reconcile.run", json!({})),
         Command::Health => ("agent.health", json!({})),
         Command::Metrics => ("agent.metrics", json!({})),
         Command::Call { method, params } => {

@@ -39,6 +39,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
+mod reconcile;
+pub use reconcile::PassReport;
+
 /// `instance.create` parameters.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -70,6 +73,20 @@ pub struct Counters {
     pub kill_escalations: AtomicU64,
     pub releases_ok: AtomicU64,
     pub releases_failed: AtomicU64,
+    /// `gpuvisor_vgpu_reconcile_runs_total{result="complete|incomplete"}`.
+    pub reconcile_complete: AtomicU64,
+    pub reconcile_incomplete: AtomicU64,
+    /// `gpuvisor_vgpu_reconcile_failures_total{stage="inventory|grace"}`.
+    pub reconcile_inventory_failures: AtomicU64,
+    pub reconcile_grace_failures: AtomicU64,
+    /// `gpuvisor_vgpu_stale_releases_total{result}`.
+    pub stale_released: AtomicU64,
+    pub stale_in_use: AtomicU64,
+    pub stale_scan_incomplete: AtomicU64,
+    pub stale_failed: AtomicU64,
+    /// `gpuvisor_vgpu_orphans_released_total{framework}`.
+    pub orphans_released_vendor_vfio: AtomicU64,
+    pub orphans_released_mdev: AtomicU64,
 }
 
 /// Why a release did not complete.
@@ -121,6 +138,11 @@ pub struct Manager {
     known_profiles: Mutex<BTreeMap<String, (String, Option<u64>)>>,
     /// PF → largest framebuffer seen in any of its catalogs (the GPU's size).
     gpu_framebuffer: Mutex<HashMap<String, u64>>,
+    /// Orphan device → CLOCK_BOOTTIME ms when the reconciler first saw it dirty/unclaimed.
+    orphan_seen: Mutex<HashMap<String, u64>>,
+    /// The startup reconcile pass had a complete observation (INVARIANTS.md I13): until
+    /// then new claims answer `not_ready`.
+    ready: std::sync::atomic::AtomicBool,
     pub counters: Counters,
 }
 
@@ -178,6 +200,8 @@ impl Manager {
             device_locks: Mutex::new(HashMap::new()),
             known_profiles: Mutex::new(known),
             gpu_framebuffer: Mutex::new(HashMap::new()),
+            orphan_seen: Mutex::new(HashMap::new()),
+            ready: std::sync::atomic::AtomicBool::new(false),
             counters: Counters::default(),
         }
     }
@@ -769,6 +793,12 @@ impl Manager {
     /// success the claim is durable and `configured`. On `no_capacity` nothing is left
     /// behind.
     fn claim_and_configure(&self, rec: &InstanceRecord) -> Result<Claim, ApiError> {
+        if !self.is_ready() {
+            return Err(ApiError::new(
+                ErrorCode::NotReady,
+                "the agent has not finished its startup reconcile pass; retry shortly",
+            ));
+        }
         let profile = rec.gpu_profile.clone().unwrap_or_default();
         let framework = self.vgpu_framework()?;
         let boot_id = self.boot_id()?;
@@ -895,7 +925,13 @@ impl Manager {
     /// lock across a sleep. On failure the claim stays, marked `release_pending` with the
     /// attempt count and last error.
     pub fn release(&self, claim: &Claim) -> Result<(), ReleaseError> {
-        let deadline = Instant::now() + Duration::from_secs(self.cfg.release_retry_s);
+        self.release_within(claim, Duration::from_secs(self.cfg.release_retry_s))
+    }
+
+    /// [`Manager::release`] with an explicit inline retry budget (zero: one attempt, as the
+    /// reconciler does — its next pass is the retry).
+    fn release_within(&self, claim: &Claim, budget: Duration) -> Result<(), ReleaseError> {
+        let deadline = Instant::now() + budget;
         let mut backoff = Duration::from_millis(250);
         loop {
             match self.release_once(claim) {
@@ -1550,13 +1586,19 @@ impl Manager {
         }))
     }
 
+    /// True once a reconcile pass had a complete observation.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
     /// `agent.health` details: readiness facts.
     pub fn health(&self) -> Value {
         let store_ok = self.store.list_instances().is_ok() && self.store.list_claims().is_ok();
         let mode = self.mode();
         json!({
             "live": true,
-            "ready": store_ok && mode.is_ok(),
+            "ready": store_ok && mode.is_ok() && self.is_ready(),
+            "startup_reconcile_done": self.is_ready(),
             "store_readable": store_ok,
             "gpu_mode": mode.as_ref().map(|m| m.as_str()).unwrap_or("probe_error"),
             "plugins_loaded": true,

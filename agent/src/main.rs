@@ -25,8 +25,20 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let _lock = store.lock_exclusive()?;
     let policies = Policies::load(&cfg)?;
     let socket = cfg.socket.clone();
+    let interval = std::time::Duration::from_secs(cfg.reconcile_interval_s);
     let manager = Arc::new(Manager::new(cfg, store, policies));
     manager.learn_inventory();
+    // The reconciler: one pass at startup (new claims answer not_ready until it had a
+    // complete observation), then one every reconcile_interval_s.
+    let rm = manager.clone();
+    tokio::spawn(async move {
+        loop {
+            let m = rm.clone();
+            let _ = tokio::task::spawn_blocking(move || m.reconcile()).await;
+            tokio::time::sleep(if rm.is_ready() { interval } else { interval.min(std::time::Duration::from_secs(5)) })
+                .await;
+        }
+    });
     let module = gpuvisor::rpc::module(manager)?;
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

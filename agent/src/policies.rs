@@ -13,7 +13,8 @@ use std::sync::Arc;
 pub struct Policies {
     pub placement: Arc<Plugin>,
     pub hypervisor: Arc<Plugin>,
-    /// Optional until the reconciler uses it.
+    /// Always loaded by [`Policies::load`]; `None` only for embedders that run no reconciler
+    /// (every eligible item is then kept).
     pub grace: Option<Arc<Plugin>>,
 }
 
@@ -36,8 +37,7 @@ pub fn limits_for(cfg: &Config, kind: PolicyKind) -> Limits {
 
 impl Policies {
     /// Loads every slot. Errors name the plugin path and the problem; the agent refuses to
-    /// start on any of them (PLUGINS.md "Load-time checks"). The grace slot is optional
-    /// while its plugin file is absent.
+    /// start on any of them (PLUGINS.md "Load-time checks").
     pub fn load(cfg: &Config) -> anyhow::Result<Policies> {
         let load = |kind: PolicyKind| -> anyhow::Result<Arc<Plugin>> {
             let path = cfg.plugin_path(kind);
@@ -46,11 +46,9 @@ impl Policies {
             tracing::info!(plugin.name = %p.manifest().name, kind = kind.as_str(), path = %path.display(), "plugin loaded");
             Ok(Arc::new(p))
         };
-        let grace = if cfg.slot(PolicyKind::Grace).0.is_some() || cfg.plugin_path(PolicyKind::Grace).exists() {
-            Some(load(PolicyKind::Grace)?)
-        } else {
-            None
-        };
-        Ok(Policies { placement: load(PolicyKind::Placement)?, hypervisor: load(PolicyKind::Hypervisor)?, grace })
+        let placement = load(PolicyKind::Placement)?;
+        let hypervisor = load(PolicyKind::Hypervisor)?;
+        let grace = Some(load(PolicyKind::Grace)?);
+        Ok(Policies { placement, hypervisor, grace })
     }
 }

@@ -70,12 +70,12 @@ pub fn detect(host: &HostRoot) -> Result<HostMode, String> {
 }
 
 /// Reads a small sysfs attribute, trimmed.
-pub(crate) fn read_attr(path: &Path) -> io::Result<String> {
+pub fn read_attr(path: &Path) -> io::Result<String> {
     Ok(fs::read_to_string(path)?.trim().to_string())
 }
 
 /// The basename of a symlink's target (sysfs links are relative; never match prefixes).
-pub(crate) fn link_basename(path: &Path) -> io::Result<String> {
+pub fn link_basename(path: &Path) -> io::Result<String> {
     let target = fs::read_link(path)?;
     target
         .file_name()

@@ -32,7 +32,8 @@ pub fn render(m: &Manager) -> String {
     }
     for fw in [gpuvisor_sdk::Framework::VendorVfio, gpuvisor_sdk::Framework::Mdev] {
         for st in [ClaimState::Claimed, ClaimState::Configured, ClaimState::ReleasePending] {
-            let _ = claims.get_or_create(&vec![("framework".into(), fw.as_str().into()), ("state".into(), st.as_str().into())]);
+            let _ = claims
+                .get_or_create(&vec![("framework".into(), fw.as_str().into()), ("state".into(), st.as_str().into())]);
         }
     }
     if let Ok(list) = m.store().list_instances() {
@@ -80,6 +81,47 @@ pub fn render(m: &Manager) -> String {
     releases.get_or_create(&vec![("result".into(), "released".into())]).inc_by(c.releases_ok.load(Ordering::Relaxed));
     releases.get_or_create(&vec![("result".into(), "failed".into())]).inc_by(c.releases_failed.load(Ordering::Relaxed));
     reg.register("gpuvisor_vgpu_releases", "Release guard outcomes", releases);
+    let family = |name: &str, help: &str, label: &str, values: &[(&str, u64)], reg: &mut Registry| {
+        let f = Family::<Labels, Counter>::default();
+        for (v, n) in values {
+            f.get_or_create(&vec![(label.to_string(), v.to_string())]).inc_by(*n);
+        }
+        reg.register(name, help, f);
+    };
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    family(
+        "gpuvisor_vgpu_reconcile_runs",
+        "Reconcile passes by result",
+        "result",
+        &[("complete", ld(&c.reconcile_complete)), ("incomplete", ld(&c.reconcile_incomplete))],
+        &mut reg,
+    );
+    family(
+        "gpuvisor_vgpu_reconcile_failures",
+        "Reconcile failures by stage",
+        "stage",
+        &[("inventory", ld(&c.reconcile_inventory_failures)), ("grace", ld(&c.reconcile_grace_failures))],
+        &mut reg,
+    );
+    family(
+        "gpuvisor_vgpu_stale_releases",
+        "Stale-claim release attempts by result",
+        "result",
+        &[
+            ("released", ld(&c.stale_released)),
+            ("in_use", ld(&c.stale_in_use)),
+            ("scan_incomplete", ld(&c.stale_scan_incomplete)),
+            ("failed", ld(&c.stale_failed)),
+        ],
+        &mut reg,
+    );
+    family(
+        "gpuvisor_vgpu_orphans_released",
+        "Orphan devices released by the sweep",
+        "framework",
+        &[("vendor_vfio", ld(&c.orphans_released_vendor_vfio)), ("mdev", ld(&c.orphans_released_mdev))],
+        &mut reg,
+    );
     let policy_calls = Family::<Labels, Counter>::default();
     let p = m.policies();
     for (kind, plugin) in

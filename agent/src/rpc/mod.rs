@@ -162,6 +162,9 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         })
         .await
     })?;
+    module.register_async_method("reconcile.run", |_p, m, _| async move {
+        blocking(&m, |m| Ok(serde_json::to_value(m.reconcile()).unwrap_or(Value::Null))).await
+    })?;
     module.register_async_method("agent.health", |_p, m, _| async move { blocking(&m, |m| Ok(m.health())).await })?;
     module.register_async_method("agent.metrics", |_p, m, _| async move {
         blocking(&m, |m| Ok(Value::String(metrics::render(m)))).await

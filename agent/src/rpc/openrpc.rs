@@ -121,6 +121,12 @@ pub const METHODS: &[Method] = &[
         params: &[("name", r#"{"type":"string"}"#, true)],
         errors: &["not_found"],
     },
+    Method {
+        name: "reconcile.run",
+        summary: "Run one reconcile pass now and return its report (kept, released, failed, records changed).",
+        params: &[],
+        errors: &[],
+    },
     Method { name: "plugin.list", summary: "The loaded policy plugins with call counts.", params: &[], errors: &[] },
     Method { name: "agent.health", summary: "Liveness and readiness.", params: &[], errors: &[] },
     Method { name: "agent.metrics", summary: "Prometheus text exposition.", params: &[], errors: &[] },

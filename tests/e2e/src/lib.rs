@@ -200,13 +200,15 @@ pub struct AgentOptions<'a> {
     pub placement: Option<PathBuf>,
     /// Hypervisor plugin (default: hypervisor-default).
     pub hypervisor: Option<PathBuf>,
+    /// Grace plugin (default: grace-default).
+    pub grace: Option<PathBuf>,
     /// Extra TOML appended to the generated config (top-level keys).
     pub extra: &'a str,
 }
 
 impl Default for AgentOptions<'_> {
     fn default() -> Self {
-        AgentOptions { model: "l40s-2x16", placement: None, hypervisor: None, extra: "" }
+        AgentOptions { model: "l40s-2x16", placement: None, hypervisor: None, grace: None, extra: "" }
     }
 }
 
@@ -226,22 +228,25 @@ impl Agent {
         let socket = dir.path().join("gpuvisor.sock");
         let placement = o.placement.unwrap_or_else(|| plugin("placement-spread"));
         let hypervisor = o.hypervisor.unwrap_or_else(|| plugin("hypervisor-default"));
+        let grace = o.grace.unwrap_or_else(|| plugin("grace-default"));
         let config = format!(
             "data_dir = {data:?}\nsocket = {sock:?}\nhost_root = {root:?}\naccel = \"tcg\"\nvfio_attach = \"hold-fd\"\n\
              vfio_term_grace_s = 2\nstop_timeout_s = 10\nrelease_retry_s = 5\n{extra}\n\
-             [plugins.placement]\npath = {pl:?}\n[plugins.hypervisor]\npath = {hv:?}\n",
+             [plugins.placement]\npath = {pl:?}\n[plugins.hypervisor]\npath = {hv:?}\n[plugins.grace]\npath = {gr:?}\n",
             data = data_dir,
             sock = socket,
             root = sim.path(),
             extra = o.extra,
             pl = placement,
             hv = hypervisor,
+            gr = grace,
         );
         let config_path = dir.path().join("gpuvisor.toml");
         std::fs::write(&config_path, config)?;
         let ns = PidNs::new()?;
         let mut agent = Agent { sim, ns, dir, socket, data_dir, config_path, child: None };
         agent.spawn()?;
+        agent.wait_ready()?;
         agent
             .call(
                 "image.import",
@@ -285,6 +290,14 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Waits until `agent.health` reports ready (the startup reconcile pass is done).
+    pub fn wait_ready(&self) -> anyhow::Result<()> {
+        wait_for(Duration::from_secs(60), || {
+            self.call("agent.health", json!({})).ok().filter(|h| h["ready"] == true).map(|_| ())
+        })
+        .ok_or_else(|| anyhow!("agent never became ready: {}", tail(&self.log(), 40)))
     }
 
     /// Kills the agent with SIGKILL (VMs keep running, as after a crash).
