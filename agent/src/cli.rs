@@ -68,6 +68,8 @@ pub enum Command {
     },
     /// Delete an instance.
     Rm { name: String },
+    /// Fork an instance: a new stopped instance with the same definition and GPU profile.
+    Fork { name: String, new_name: String },
     /// GPUs and their devices (type, claim owner).
     Gpus {
         #[command(subcommand)]
@@ -237,6 +239,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Start { name } => ("instance.start", json!({ "ref": name })),
         Command::Stop { name, force } => ("instance.stop", json!({ "ref": name, "force": force })),
         Command::Rm { name } => ("instance.delete", json!({ "ref": name })),
+        Command::Fork { name, new_name } => ("instance.fork", json!({ "ref": name, "name": new_name })),
         Command::Gpus { action: None } => ("gpu.list", json!({})),
         Command::Gpus { action: Some(GpusAction::Unquarantine { device }) } => {
             ("gpu.unquarantine", json!({ "device": device }))

@@ -71,6 +71,9 @@ pub struct CreateRequest {
 pub struct Counters {
     pub policy_rejected_answers: AtomicU64,
     pub kill_escalations: AtomicU64,
+    /// `gpuvisor_vmm_kill_escalations_total{signal="SIGKILL"|"SIGKILL_GROUP"}`.
+    pub kill_escalations_sigkill: AtomicU64,
+    pub kill_escalations_group: AtomicU64,
     pub releases_ok: AtomicU64,
     pub releases_failed: AtomicU64,
     /// `gpuvisor_vgpu_reconcile_runs_total{result="complete|incomplete"}`.
@@ -485,7 +488,7 @@ impl Manager {
             self.learn_profile(&c.profile, profile_framebuffer_mib(&c.profile));
         }
         let claim_of = |dev: &str| claims.iter().find(|c| c.device == dev);
-        let quarantined = |dev: &str| health.iter().any(|h| h.device == dev);
+        let quarantined = |dev: &str| health.iter().any(|h| h.device == dev && h.quarantined);
         let owner_of = |c: &Claim| DeviceOwner {
             instance_id: c.instance_id.to_string(),
             profile: Some(c.profile.clone()),
@@ -780,12 +783,35 @@ impl Manager {
         let rec = HealthRecord {
             device: device.to_string(),
             reason: reason.to_string(),
+            quarantined: true,
             detail: detail.to_string(),
             at: now_rfc3339(),
         };
         tracing::error!(gpu.device = %device, reason, detail, "device quarantined");
         if let Err(e) = self.store.write_health(&rec) {
             tracing::error!(gpu.device = %device, error = %e, "cannot write the quarantine record");
+        }
+    }
+
+    /// One strike against a device (LIFECYCLE.md Device health): the first makes it
+    /// `suspect`, a second quarantines it.
+    fn mark_suspect(&self, device: &str, reason: &str, detail: &str) {
+        let prior = self.store.list_health().ok().and_then(|h| h.into_iter().find(|r| r.device == device));
+        match prior {
+            Some(_) => self.quarantine(device, reason, &format!("second strike: {detail}")),
+            None => {
+                let rec = HealthRecord {
+                    device: device.to_string(),
+                    reason: reason.to_string(),
+                    quarantined: false,
+                    detail: detail.to_string(),
+                    at: now_rfc3339(),
+                };
+                tracing::warn!(gpu.device = %device, reason, detail, "device marked suspect");
+                if let Err(e) = self.store.write_health(&rec) {
+                    tracing::error!(gpu.device = %device, error = %e, "cannot write the suspect record");
+                }
+            }
         }
     }
 
@@ -810,7 +836,7 @@ impl Manager {
         for cand in ranked {
             let mut claim = self.new_claim(rec, &cand, framework, &boot_id);
             match self.store.create_claim(&claim) {
-                Ok(()) => {}
+                Ok(()) => crate::crash_point!("after_claim_commit"),
                 Err(StoreError::ClaimExists { .. }) => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -823,6 +849,7 @@ impl Manager {
                 Ok(()) => {
                     claim.state = ClaimState::Configured;
                     self.store.update_claim(&claim)?;
+                    crate::crash_point!("after_configure");
                     tracing::info!(instance.id = %rec.id, gpu.device = %claim.device, type_id = ?claim.type_id,
                         duration_ms = started.elapsed().as_millis() as u64, "device claimed and configured");
                     return Ok(claim);
@@ -989,6 +1016,7 @@ impl Manager {
             HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
             HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
         }
+        crate::crash_point!("release_before_write");
         match (cur.framework, cur.mdev_uuid) {
             (Framework::Mdev, Some(u)) => {
                 mdev::remove(&self.host, &u.to_string()).map_err(ReleaseError::Failed)?;
@@ -1004,7 +1032,9 @@ impl Manager {
                 Err(vendor_vfio::ClearError::Failed(m)) => return Err(ReleaseError::Failed(m)),
             },
         }
+        crate::crash_point!("release_after_write");
         self.store.remove_claim(&cur.device).map_err(|e| ReleaseError::Store(e.to_string()))?;
+        crate::crash_point!("release_after_claim_remove");
         tracing::info!(gpu.device = %cur.device, instance.id = %cur.instance_id, "device released");
         Ok(())
     }
@@ -1068,10 +1098,12 @@ impl Manager {
         let boot_id = self.boot_id()?;
         let vmm = hypervisor::spawn(&spec, &boot_id)
             .map_err(|e| ApiError::new(ErrorCode::VmmStartFailed, format!("the VMM did not start: {e}")))?;
+        crate::crash_point!("after_spawn");
         rec.vmm = Some(VmmRecord { identity: vmm.identity.clone(), control_socket: vmm.qmp_socket.clone() });
         rec.state = InstanceState::Running;
         rec.last_error = None;
         self.store.write_instance(rec)?;
+        crate::crash_point!("after_running");
         tracing::info!(instance.id = %rec.id, pid = vmm.identity.pid, "VMM running");
         Ok(())
     }
@@ -1100,7 +1132,24 @@ impl Manager {
         match hypervisor::stop(&vmm.identity, &vmm.control_socket, self.stop_options(graceful), &boot_id) {
             Ok(report) => {
                 if !report.escalations.is_empty() {
+                    // A SIGKILL during vGPU setup can wedge the VF (NVIDIA-HOST.md §9): name
+                    // the device, count it, and mark the device suspect.
+                    for sig in &report.escalations {
+                        match *sig {
+                            "SIGKILL" => self.counters.kill_escalations_sigkill.fetch_add(1, Ordering::Relaxed),
+                            _ => self.counters.kill_escalations_group.fetch_add(1, Ordering::Relaxed),
+                        };
+                    }
                     self.counters.kill_escalations.fetch_add(report.escalations.len() as u64, Ordering::Relaxed);
+                    if let Ok(Some(c)) = self.claim_of(rec.id) {
+                        tracing::warn!(instance.id = %rec.id, gpu.device = %c.device, pid = vmm.identity.pid,
+                            escalations = ?report.escalations, "the VMM needed SIGKILL; its device may be wedged");
+                        self.mark_suspect(
+                            &c.device,
+                            "kill_escalation",
+                            &format!("VMM {} needed {:?}", vmm.identity.pid, report.escalations),
+                        );
+                    }
                 }
                 Ok(())
             }
@@ -1197,6 +1246,7 @@ impl Manager {
             }
             self.store.write_instance(&rec)?;
         }
+        crate::crash_point!("create_after_record");
         let ilock = self.instance_lock(id);
         let _i = lock(&ilock);
         tracing::info!(instance.id = %id, name = %rec.name, profile = ?rec.gpu_profile, "creating instance");
@@ -1280,7 +1330,7 @@ impl Manager {
     fn retain(&self, mut rec: InstanceRecord, claim: Option<&Claim>, cause: ApiError, why: String) -> ApiError {
         rec.state = InstanceState::CleanupPending;
         rec.last_error = Some(format!("{}; release: {why}", cause.message));
-        let retained = self.store.write_instance(&rec).is_ok();
+        let retained = self.write_retention(&rec).is_ok();
         let device_path = claim.map(|c| self.host.pci_device(&c.device).display().to_string());
         let guidance = if retained {
             format!("delete instance {} to retry the release", rec.id)
@@ -1296,6 +1346,19 @@ impl Manager {
         .with("retained", retained)
         .with("cause", cause.data())
         .with("guidance", guidance)
+    }
+
+    /// The one attempt at the retention write (failpoint `retain_write`).
+    fn write_retention(&self, rec: &InstanceRecord) -> Result<(), StoreError> {
+        fail::fail_point!("retain_write", |_| Err(StoreError::Io {
+            path: self.store.instance_dir(rec.id),
+            source: std::io::Error::other("failpoint retain_write"),
+        }));
+        let res = self.store.write_instance(rec);
+        if let Err(e) = &res {
+            tracing::error!(instance.id = %rec.id, error = %e, "the retention write failed; the claim stays for the reconciler");
+        }
+        res
     }
 
     /// `instance.start` (LIFECYCLE.md Start).
@@ -1333,6 +1396,7 @@ impl Manager {
         rec.state = InstanceState::Starting;
         rec.last_error = None;
         self.store.write_instance(&rec)?;
+        crate::crash_point!("start_after_clear_identity");
         let rec = self.boot(rec, Rollback::Stopped)?;
         Ok(self.view(&rec, &self.store.list_claims()?))
     }
@@ -1360,7 +1424,9 @@ impl Manager {
                 }
                 rec.state = InstanceState::Stopping;
                 self.store.write_instance(&rec)?;
+                crate::crash_point!("stop_after_stopping_mark");
                 self.stop_vmm(&rec, !force)?;
+                crate::crash_point!("stop_after_vmm_dead");
             }
         }
         // The VMM is provably dead: release (a failed release keeps the claim).
@@ -1372,6 +1438,7 @@ impl Manager {
         rec.vmm = None;
         rec.state = InstanceState::Stopped;
         self.store.write_instance(&rec)?;
+        crate::crash_point!("stop_after_stopped");
         Ok(self.view(&rec, &self.store.list_claims()?))
     }
 
@@ -1400,7 +1467,9 @@ impl Manager {
                 Err(e) => return Err(e.into()),
             }
         }
+        crate::crash_point!("delete_after_deleting_mark");
         self.stop_vmm(&rec, false)?;
+        crate::crash_point!("delete_after_vmm_dead");
         if let Some(c) = &claim {
             if let Err(e) = self.release(c) {
                 rec.state = InstanceState::CleanupPending;
@@ -1418,10 +1487,78 @@ impl Manager {
                 .with("guidance", format!("delete instance {} to retry the release", rec.id)));
             }
         }
+        crate::crash_point!("delete_after_release");
         self.store.remove_instance(rec.id)?;
         lock(&self.instance_locks).remove(&rec.id);
         tracing::info!(instance.id = %rec.id, name = %rec.name, "instance deleted");
         Ok(json!({ "id": rec.id.to_string(), "deleted": true }))
+    }
+
+    /// Refuses every operation but delete on a `cleanup_pending` instance.
+    fn refuse_cleanup_pending(rec: &InstanceRecord) -> Result<(), ApiError> {
+        if rec.state == InstanceState::CleanupPending {
+            return Err(ApiError::new(
+                ErrorCode::InstanceCleanupPending,
+                format!("instance {} awaits the release of its vGPU; only delete is allowed", rec.name),
+            )
+            .with("instance_id", rec.id.to_string()));
+        }
+        Ok(())
+    }
+
+    /// `instance.fork`: a new stopped instance with the source's definition (image, vCPUs,
+    /// memory, labels, hypervisor and GPU *profile*). It never inherits a claim or a VMM
+    /// identity: it claims its own device when it starts. A `cleanup_pending` source is
+    /// refused.
+    pub fn fork(&self, r: &str, name: &str) -> Result<Value, ApiError> {
+        let src = self.find(r)?;
+        Self::refuse_cleanup_pending(&src)?;
+        if !valid_instance_name(name) {
+            return Err(ApiError::invalid(format!(
+                "instance name {name:?} is not valid (use [a-z0-9][a-z0-9-]{{0,62}})"
+            )));
+        }
+        let rec = InstanceRecord {
+            id: Uuid::new_v4(),
+            name: name.to_string(),
+            image: src.image.clone(),
+            hypervisor: src.hypervisor.clone(),
+            vcpus: src.vcpus,
+            memory_mib: src.memory_mib,
+            labels: src.labels.clone(),
+            gpu_profile: src.gpu_profile.clone(),
+            gpu_framework: src.gpu_framework,
+            state: InstanceState::Stopped,
+            vmm: None,
+            created_at: now_rfc3339(),
+            last_error: None,
+        };
+        let _a = lock(&self.alloc);
+        if self.store.list_instances()?.iter().any(|i| i.name == name) {
+            return Err(
+                ApiError::new(ErrorCode::NameTaken, format!("an instance named {name} exists")).with("name", name)
+            );
+        }
+        self.store.write_instance(&rec)?;
+        tracing::info!(instance.id = %rec.id, source = %src.id, "instance forked");
+        Ok(self.view(&rec, &[]))
+    }
+
+    /// `instance.standby` / `instance.snapshot` / `instance.restore`: refused for
+    /// `cleanup_pending` instances (`instance_cleanup_pending`) and, for standby and
+    /// snapshot, for running instances with a VFIO device (`unsupported_with_gpu`: device
+    /// state cannot be saved). Plain instances: not implemented in this version.
+    pub fn save_state_op(&self, r: &str, op: &str) -> Result<Value, ApiError> {
+        let rec = self.find(r)?;
+        Self::refuse_cleanup_pending(&rec)?;
+        let has_gpu = rec.gpu_profile.is_some() || self.claim_of(rec.id)?.is_some();
+        if op != "restore" && has_gpu && rec.state == InstanceState::Running {
+            return Err(ApiError::new(
+                ErrorCode::UnsupportedWithGpu,
+                format!("{op} of {} is refused while its vGPU is attached: device state cannot be saved", rec.name),
+            ));
+        }
+        Err(ApiError::invalid(format!("instance.{op} is not implemented in this version")))
     }
 
     // ------------------------------------------------------------------ read-only views

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod config;
 pub mod devices;
 pub mod error;
+pub mod failpoints;
 pub mod host;
 pub mod hypervisor;
 pub mod images;

@@ -185,10 +185,18 @@ pub struct MdevRecord {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthRecord {
     pub device: String,
-    /// e.g. `foreign_write`.
+    /// e.g. `foreign_write`, `kill_escalation`.
     pub reason: String,
+    /// `false`: the device is only `suspect` (one strike); placement still uses it. A second
+    /// strike quarantines it.
+    #[serde(default = "yes")]
+    pub quarantined: bool,
     pub detail: String,
     pub at: String,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The data directory.
@@ -269,16 +277,40 @@ impl Store {
         Ok(out)
     }
 
-    /// Removes the instance directory: the record first (durably), then the rest.
+    /// Removes the instance directory: every other file first (VMM socket, serial log,
+    /// overlays), then the record itself (durably), then the directory — so a crash midway
+    /// leaves a recognisable record, never an orphan directory without one.
     pub fn remove_instance(&self, id: Uuid) -> Result<()> {
+        let dir = self.instance_dir(id);
+        let rd = match fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(StoreError::io(&dir, e)),
+        };
+        for ent in rd {
+            let ent = ent.map_err(|e| StoreError::io(&dir, e))?;
+            if ent.file_name() == "instance.json" {
+                continue;
+            }
+            let p = ent.path();
+            let res = if ent.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                fs::remove_dir_all(&p)
+            } else {
+                fs::remove_file(&p)
+            };
+            match res {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(StoreError::io(&p, e)),
+            }
+        }
         let p = self.instance_path(id);
         match fs::remove_file(&p) {
-            Ok(()) => fsync_dir(&self.instance_dir(id))?,
+            Ok(()) => fsync_dir(&dir)?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(StoreError::io(&p, e)),
         }
-        let dir = self.instance_dir(id);
-        match fs::remove_dir_all(&dir) {
+        match fs::remove_dir(&dir) {
             Ok(()) => fsync_dir(&self.root.join("instances")),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(StoreError::io(&dir, e)),

@@ -239,6 +239,17 @@ pub fn vmm_liveness(
     }
     if let Some(sock) = control_socket {
         match unix_listener_owners(sock) {
+            Ok(owners) if owners.len() > 1 && maybe.is_none() => {
+                // Several live processes listen at the VMM's control path and none is the
+                // recorded identity: which one is the VMM cannot be decided.
+                return Liveness::MaybeAlive {
+                    reason: format!(
+                        "{} processes ({owners:?}) own the control socket listener {}; the VMM cannot be identified",
+                        owners.len(),
+                        sock.display()
+                    ),
+                };
+            }
             Ok(owners) => {
                 if let Some(&pid) = owners.first() {
                     return Liveness::Alive { pid };

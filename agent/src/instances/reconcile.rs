@@ -391,10 +391,12 @@ impl Manager {
                     continue;
                 }
             }
+            crate::crash_point!("reconcile_before_release");
             match e {
                 Eligible::Claim(c) => match self.release_within(&c, Duration::ZERO) {
                     Ok(()) => {
                         self.counters.stale_released.fetch_add(1, Ordering::Relaxed);
+                        crate::crash_point!("reconcile_after_release");
                         report.released.push(json!({"device": device, "kind": "stale_claim",
                             "instance": c.instance_id.to_string()}));
                     }

@@ -55,28 +55,24 @@ pub fn render(m: &Manager) -> String {
         }
     }
     if let Ok(h) = m.store().list_health() {
-        quarantined.set(h.len() as i64);
+        quarantined.set(h.iter().filter(|r| r.quarantined).count() as i64);
     }
     reg.register("gpuvisor_instances", "Instances by state", instances);
     reg.register("gpuvisor_vgpu_claims", "Claims by framework and state", claims);
     reg.register("gpuvisor_vgpu_retained_assignments", "Claims kept release_pending", retained);
     reg.register("gpuvisor_vgpu_quarantined_devices", "Quarantined devices", quarantined);
     let c = &m.counters;
-    let counter = |v: u64| {
-        let ctr = Counter::<u64>::default();
-        ctr.inc_by(v);
-        ctr
-    };
     let rejected = Family::<Labels, Counter>::default();
     rejected
         .get_or_create(&vec![("plugin".into(), m.policies().placement.manifest().name.clone())])
         .inc_by(c.policy_rejected_answers.load(Ordering::Relaxed));
     reg.register("gpuvisor_policy_rejected_answers", "Plugin answers the agent rejected", rejected);
-    reg.register(
-        "gpuvisor_vmm_kill_escalations",
-        "Escalations past SIGTERM on the kill path",
-        counter(c.kill_escalations.load(Ordering::Relaxed)),
-    );
+    let esc = Family::<Labels, Counter>::default();
+    esc.get_or_create(&vec![("signal".into(), "SIGKILL".into())])
+        .inc_by(c.kill_escalations_sigkill.load(Ordering::Relaxed));
+    esc.get_or_create(&vec![("signal".into(), "SIGKILL_GROUP".into())])
+        .inc_by(c.kill_escalations_group.load(Ordering::Relaxed));
+    reg.register("gpuvisor_vmm_kill_escalations", "Escalations past SIGTERM on the kill path", esc);
     let releases = Family::<Labels, Counter>::default();
     releases.get_or_create(&vec![("result".into(), "released".into())]).inc_by(c.releases_ok.load(Ordering::Relaxed));
     releases.get_or_create(&vec![("result".into(), "failed".into())]).inc_by(c.releases_failed.load(Ordering::Relaxed));

@@ -52,6 +52,24 @@ struct RefParams {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct ForkParams {
+    #[serde(alias = "id")]
+    r#ref: String,
+    name: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SaveParams {
+    #[serde(alias = "id", alias = "name")]
+    r#ref: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    snapshot: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct DryRunParams {
     profile: String,
     #[serde(default)]
@@ -121,6 +139,21 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         let r: RefParams = parse(&p)?;
         blocking(&m, move |m| m.delete(&r.r#ref)).await
     })?;
+    module.register_async_method("instance.fork", |p, m, _| async move {
+        let f: ForkParams = parse(&p)?;
+        blocking(&m, move |m| m.fork(&f.r#ref, &f.name)).await
+    })?;
+    for op in ["standby", "snapshot", "restore"] {
+        let method: &'static str = match op {
+            "standby" => "instance.standby",
+            "snapshot" => "instance.snapshot",
+            _ => "instance.restore",
+        };
+        module.register_async_method(method, move |p, m, _| async move {
+            let s: SaveParams = parse(&p)?;
+            blocking(&m, move |m| m.save_state_op(&s.r#ref, op)).await
+        })?;
+    }
     module.register_async_method("resources.get", |_p, m, _| async move { blocking(&m, |m| m.resources()).await })?;
     module.register_async_method("gpu.list", |_p, m, _| async move { blocking(&m, |m| m.gpus()).await })?;
     module.register_async_method("gpu.unquarantine", |p, m, _| async move {
