@@ -189,6 +189,8 @@ pub struct Agent {
     pub socket: PathBuf,
     pub data_dir: PathBuf,
     pub config_path: PathBuf,
+    /// Extra environment for the next [`Agent::spawn`] (e.g. `FAILPOINTS`).
+    pub env: Vec<(String, String)>,
     child: Option<Child>,
 }
 
@@ -244,7 +246,7 @@ impl Agent {
         let config_path = dir.path().join("gpuvisor.toml");
         std::fs::write(&config_path, config)?;
         let ns = PidNs::new()?;
-        let mut agent = Agent { sim, ns, dir, socket, data_dir, config_path, child: None };
+        let mut agent = Agent { sim, ns, dir, socket, data_dir, config_path, env: Vec::new(), child: None };
         agent.spawn()?;
         agent.wait_ready()?;
         agent
@@ -270,6 +272,7 @@ impl Agent {
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("GPUVISOR_LOG", "info,gpuvisor=debug")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
