@@ -676,19 +676,15 @@ impl Manager {
         Ok(Observation { mode, inventory: Inventory { gpus }, candidates, notes })
     }
 
+    /// The framebuffer of a type id set on a VF of `g`, from any catalog of the GPU that
+    /// lists it; `None` when no catalog does (a VF holding a type shows an empty catalog).
     fn type_fb(&self, g: &vendor_vfio::GpuInfo, type_id: u32) -> Option<u64> {
-        // The name of a type id is only known from catalogs; look in every VF of the GPU.
         g.vfs
             .iter()
             .filter_map(|v| v.catalog.as_ref().ok())
             .flat_map(|c| c.entries.iter())
             .find(|e| e.id == type_id)
             .and_then(|e| profile_framebuffer_mib(&e.name))
-            .or_else(|| {
-                // A VF holding a type shows an empty catalog: fall back to the size of the
-                // active vGPUs the free siblings advertise (equal-size rule).
-                None
-            })
     }
 
     fn gpu_model(&self, g: &vendor_vfio::GpuInfo) -> String {
