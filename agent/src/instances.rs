@@ -1233,18 +1233,22 @@ impl Manager {
             created_at: now_rfc3339(),
             last_error: None,
         };
+        // The instance lock is taken before the record exists, so the reconciler never sees
+        // a `starting` record whose operation is not holding it (lock order: instance, then
+        // allocation).
+        let ilock = self.instance_lock(id);
+        let _i = lock(&ilock);
         {
             // Names are unique: check and write under the allocation lock.
             let _a = lock(&self.alloc);
             if self.store.list_instances()?.iter().any(|i| i.name == req.name) {
+                lock(&self.instance_locks).remove(&id);
                 return Err(ApiError::new(ErrorCode::NameTaken, format!("an instance named {} exists", req.name))
                     .with("name", req.name.clone()));
             }
             self.store.write_instance(&rec)?;
         }
         crate::crash_point!("create_after_record");
-        let ilock = self.instance_lock(id);
-        let _i = lock(&ilock);
         tracing::info!(instance.id = %id, name = %rec.name, profile = ?rec.gpu_profile, "creating instance");
         match self.boot(rec, Rollback::Remove) {
             Ok(rec) => {

@@ -132,6 +132,13 @@ impl Manager {
                 .map(|v| v.control_socket.clone())
                 .unwrap_or_else(|| self.store.instance_dir(rec.id).join("qmp.sock"));
             match proc::vmm_liveness(rec.vmm.as_ref().map(|v| &v.identity), Some(&sock), boot_id) {
+                Liveness::Dead if rec.vmm.is_none() && self.young_claim(rec.id, boot_id) => {
+                    // A crash between claim and spawn (or before the identity was
+                    // persisted): protected while its claim is younger than claim_grace in
+                    // this boot; the grace plugin decides about the claim.
+                    report.kept.push(json!({"instance": rec.id.to_string(),
+                        "reason": "starting without a recorded VMM; claim younger than claim_grace"}));
+                }
                 Liveness::Dead => {
                     let from = rec.state;
                     let reason = if rec.vmm.is_some() {
@@ -149,9 +156,11 @@ impl Manager {
                     }
                 }
                 Liveness::Alive { pid } if rec.vmm.is_none() => {
-                    // A live control-socket owner without a recorded identity: record it.
+                    // A live control-socket owner without a recorded identity (a crash
+                    // between spawn and persisting it): record it; the VM is running.
                     if let Ok(Some(identity)) = proc::identity_of(pid, boot_id) {
                         rec.vmm = Some(VmmRecord { identity, control_socket: sock });
+                        rec.state = InstanceState::Running;
                         if self.store.write_instance(&rec).is_ok() {
                             report.records.push(json!({"instance": rec.id.to_string(), "name": rec.name,
                                 "from": rec.state.as_str(), "to": rec.state.as_str(),
@@ -165,6 +174,17 @@ impl Manager {
                     .push(json!({"instance": rec.id.to_string(), "reason": format!("maybe alive: {reason}")})),
             }
         }
+    }
+
+    /// True when the instance has a claim made in this boot that is younger than
+    /// `claim_grace_s` (measured on CLOCK_BOOTTIME).
+    fn young_claim(&self, id: Uuid, boot_id: &str) -> bool {
+        let now = proc::boottime_ms();
+        self.store.list_claims().unwrap_or_default().iter().any(|c| {
+            c.instance_id == id
+                && c.claim_boot_id == boot_id
+                && now.saturating_sub(c.claimed_boottime_ms) < self.cfg.claim_grace_s.saturating_mul(1000)
+        })
     }
 
     /// Step 3: claims whose owner is provably dead or absent are eligible.
