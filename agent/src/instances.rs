@@ -266,10 +266,7 @@ impl Manager {
         let gpu = match (&rec.gpu_profile, claim) {
             (None, None) => Value::Null,
             (profile, claim) => {
-                let device_path = claim.map(|c| match c.mdev_uuid {
-                    Some(u) => self.host.mdev_device(&u.to_string()),
-                    None => self.host.pci_device(&c.device),
-                });
+                let device_path = claim.map(|c| self.device_path(c));
                 json!({
                     "profile": profile.clone().or_else(|| claim.map(|c| c.profile.clone())),
                     "framework": rec.gpu_framework.or(claim.map(|c| c.framework)).map(|f| f.as_str()),
@@ -306,6 +303,14 @@ impl Manager {
             "serial_log": dir.join("serial.log").display().to_string(),
             "gpu": gpu,
         })
+    }
+
+    /// The sysfs path of a claimed device: the VF, or the mdev.
+    fn device_path(&self, c: &Claim) -> PathBuf {
+        match c.mdev_uuid {
+            Some(u) => self.host.mdev_device(&u.to_string()),
+            None => self.host.pci_device(&c.device),
+        }
     }
 
     /// `instance.get`.
@@ -1331,7 +1336,7 @@ impl Manager {
         rec.state = InstanceState::CleanupPending;
         rec.last_error = Some(format!("{}; release: {why}", cause.message));
         let retained = self.write_retention(&rec).is_ok();
-        let device_path = claim.map(|c| self.host.pci_device(&c.device).display().to_string());
+        let device_path = claim.map(|c| self.device_path(c).display().to_string());
         let guidance = if retained {
             format!("delete instance {} to retry the release", rec.id)
         } else {
@@ -1481,7 +1486,7 @@ impl Manager {
                     format!("the vGPU of {} could not be released ({e}); retry the delete", rec.name),
                 )
                 .with("instance_id", rec.id.to_string())
-                .with("device_path", self.host.pci_device(&c.device).display().to_string())
+                .with("device_path", self.device_path(c).display().to_string())
                 .with("retained", retained)
                 .with("cause", json!({"code": "release_failed", "detail": e.to_string()}))
                 .with("guidance", format!("delete instance {} to retry the release", rec.id)));

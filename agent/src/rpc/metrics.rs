@@ -6,10 +6,40 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::Ordering;
 
 type Labels = Vec<(String, String)>;
+
+/// RPC call counters and latencies, kept for the agent's lifetime.
+struct RpcMetrics {
+    calls: Family<Labels, Counter>,
+    duration: Family<Labels, Histogram, fn() -> Histogram>,
+}
+
+fn rpc_metrics() -> &'static RpcMetrics {
+    static RPC: std::sync::OnceLock<RpcMetrics> = std::sync::OnceLock::new();
+    RPC.get_or_init(|| RpcMetrics {
+        calls: Family::default(),
+        duration: Family::new_with_constructor(|| {
+            Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0])
+        }),
+    })
+}
+
+/// Counts one JSON-RPC call (`gpuvisor_rpc_calls_total{method,result}`) and its latency
+/// (`gpuvisor_rpc_call_duration_seconds{method}`).
+pub fn observe_rpc(method: &str, ok: bool, seconds: f64) {
+    let r = rpc_metrics();
+    r.calls
+        .get_or_create(&vec![
+            ("method".into(), method.into()),
+            ("result".into(), if ok { "ok" } else { "error" }.into()),
+        ])
+        .inc();
+    r.duration.get_or_create(&vec![("method".into(), method.into())]).observe(seconds);
+}
 
 /// Renders the metrics now.
 pub fn render(m: &Manager) -> String {
@@ -143,6 +173,9 @@ pub fn render(m: &Manager) -> String {
         }
     }
     reg.register("gpuvisor_policy_calls", "Policy plugin calls", policy_calls);
+    let rpc = rpc_metrics();
+    reg.register("gpuvisor_rpc_calls", "JSON-RPC calls by method and result", rpc.calls.clone());
+    reg.register("gpuvisor_rpc_call_duration_seconds", "JSON-RPC call latency by method", rpc.duration.clone());
     let mut out = String::new();
     if encode(&mut out, &reg).is_err() {
         return "# metrics encoding failed\n".into();

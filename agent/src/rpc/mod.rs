@@ -27,7 +27,7 @@ fn to_rpc_error(e: ApiError) -> ErrorObjectOwned {
 }
 
 /// Runs a blocking lifecycle call off the async runtime and maps its error.
-async fn blocking<F>(m: &Arc<Manager>, f: F) -> Result<Value, ErrorObjectOwned>
+async fn blocking<F>(method: &'static str, m: &Arc<Manager>, f: F) -> Result<Value, ErrorObjectOwned>
 where
     F: FnOnce(&Manager) -> Result<Value, ApiError> + Send + 'static,
 {
@@ -35,9 +35,12 @@ where
     let started = std::time::Instant::now();
     let res = tokio::task::spawn_blocking(move || f(&m))
         .await
-        .map_err(|e| to_rpc_error(ApiError::internal(format!("operation panicked: {e}"))))?;
-    tracing::debug!(duration_ms = started.elapsed().as_millis() as u64, ok = res.is_ok(), "rpc call done");
-    res.map_err(to_rpc_error)
+        .map_err(|e| to_rpc_error(ApiError::internal(format!("operation panicked: {e}"))))
+        .and_then(|r| r.map_err(to_rpc_error));
+    let elapsed = started.elapsed();
+    metrics::observe_rpc(method, res.is_ok(), elapsed.as_secs_f64());
+    tracing::debug!(method, duration_ms = elapsed.as_millis() as u64, ok = res.is_ok(), "rpc call done");
+    res
 }
 
 /// `{"ref": "<id or name>"}` for instance methods.
@@ -120,28 +123,30 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     let mut module = RpcModule::new(m);
     module.register_async_method("instance.create", |p, m, _| async move {
         let req: CreateRequest = parse(&p)?;
-        blocking(&m, move |m| m.create(req)).await
+        blocking("instance.create", &m, move |m| m.create(req)).await
     })?;
     module.register_async_method("instance.get", |p, m, _| async move {
         let r: RefParams = parse(&p)?;
-        blocking(&m, move |m| m.get(&r.r#ref)).await
+        blocking("instance.get", &m, move |m| m.get(&r.r#ref)).await
     })?;
-    module.register_async_method("instance.list", |_p, m, _| async move { blocking(&m, |m| m.list()).await })?;
+    module.register_async_method("instance.list", |_p, m, _| async move {
+        blocking("instance.list", &m, |m| m.list()).await
+    })?;
     module.register_async_method("instance.start", |p, m, _| async move {
         let r: RefParams = parse(&p)?;
-        blocking(&m, move |m| m.start(&r.r#ref)).await
+        blocking("instance.start", &m, move |m| m.start(&r.r#ref)).await
     })?;
     module.register_async_method("instance.stop", |p, m, _| async move {
         let r: RefParams = parse(&p)?;
-        blocking(&m, move |m| m.stop(&r.r#ref, r.force)).await
+        blocking("instance.stop", &m, move |m| m.stop(&r.r#ref, r.force)).await
     })?;
     module.register_async_method("instance.delete", |p, m, _| async move {
         let r: RefParams = parse(&p)?;
-        blocking(&m, move |m| m.delete(&r.r#ref)).await
+        blocking("instance.delete", &m, move |m| m.delete(&r.r#ref)).await
     })?;
     module.register_async_method("instance.fork", |p, m, _| async move {
         let f: ForkParams = parse(&p)?;
-        blocking(&m, move |m| m.fork(&f.r#ref, &f.name)).await
+        blocking("instance.fork", &m, move |m| m.fork(&f.r#ref, &f.name)).await
     })?;
     for op in ["standby", "snapshot", "restore"] {
         let method: &'static str = match op {
@@ -151,22 +156,24 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         };
         module.register_async_method(method, move |p, m, _| async move {
             let s: SaveParams = parse(&p)?;
-            blocking(&m, move |m| m.save_state_op(&s.r#ref, op)).await
+            blocking(method, &m, move |m| m.save_state_op(&s.r#ref, op)).await
         })?;
     }
-    module.register_async_method("resources.get", |_p, m, _| async move { blocking(&m, |m| m.resources()).await })?;
-    module.register_async_method("gpu.list", |_p, m, _| async move { blocking(&m, |m| m.gpus()).await })?;
+    module.register_async_method("resources.get", |_p, m, _| async move {
+        blocking("resources.get", &m, |m| m.resources()).await
+    })?;
+    module.register_async_method("gpu.list", |_p, m, _| async move { blocking("gpu.list", &m, |m| m.gpus()).await })?;
     module.register_async_method("gpu.unquarantine", |p, m, _| async move {
         let d: DeviceParams = parse(&p)?;
-        blocking(&m, move |m| m.unquarantine(&d.device)).await
+        blocking("gpu.unquarantine", &m, move |m| m.unquarantine(&d.device)).await
     })?;
     module.register_async_method("placement.dry_run", |p, m, _| async move {
         let d: DryRunParams = parse(&p)?;
-        blocking(&m, move |m| m.dry_run(&d.profile, d.name, d.labels)).await
+        blocking("placement.dry_run", &m, move |m| m.dry_run(&d.profile, d.name, d.labels)).await
     })?;
     module.register_async_method("image.import", |p, m, _| async move {
         let i: ImportParams = parse(&p)?;
-        blocking(&m, move |m| {
+        blocking("image.import", &m, move |m| {
             let img =
                 crate::images::import(&m.store().images_dir(), &i.name, &i.kernel, i.initrd.as_deref(), i.cmdline)?;
             Ok(serde_json::to_value(img).unwrap_or(Value::Null))
@@ -174,18 +181,18 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         .await
     })?;
     module.register_async_method("image.list", |_p, m, _| async move {
-        blocking(&m, |m| Ok(json!({ "images": crate::images::list(&m.store().images_dir()) }))).await
+        blocking("image.list", &m, |m| Ok(json!({ "images": crate::images::list(&m.store().images_dir()) }))).await
     })?;
     module.register_async_method("image.delete", |p, m, _| async move {
         let n: NameParams = parse(&p)?;
-        blocking(&m, move |m| {
+        blocking("image.delete", &m, move |m| {
             crate::images::delete(&m.store().images_dir(), &n.name)?;
             Ok(json!({ "name": n.name, "deleted": true }))
         })
         .await
     })?;
     module.register_async_method("plugin.list", |_p, m, _| async move {
-        blocking(&m, |m| {
+        blocking("plugin.list", &m, |m| {
             let p = m.policies();
             let mut out = vec![plugin_json("placement", &p.placement), plugin_json("hypervisor", &p.hypervisor)];
             if let Some(g) = &p.grace {
@@ -196,11 +203,13 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         .await
     })?;
     module.register_async_method("reconcile.run", |_p, m, _| async move {
-        blocking(&m, |m| Ok(serde_json::to_value(m.reconcile()).unwrap_or(Value::Null))).await
+        blocking("reconcile.run", &m, |m| Ok(serde_json::to_value(m.reconcile()).unwrap_or(Value::Null))).await
     })?;
-    module.register_async_method("agent.health", |_p, m, _| async move { blocking(&m, |m| Ok(m.health())).await })?;
+    module.register_async_method("agent.health", |_p, m, _| async move {
+        blocking("agent.health", &m, |m| Ok(m.health())).await
+    })?;
     module.register_async_method("agent.metrics", |_p, m, _| async move {
-        blocking(&m, |m| Ok(Value::String(metrics::render(m)))).await
+        blocking("agent.metrics", &m, |m| Ok(Value::String(metrics::render(m)))).await
     })?;
     module.register_method("rpc.discover", |_p, _m, _| Ok::<Value, ErrorObjectOwned>(openrpc::document()))?;
     Ok(module)
