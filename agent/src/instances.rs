@@ -143,6 +143,10 @@ pub struct Manager {
     gpu_framebuffer: Mutex<HashMap<String, u64>>,
     /// Orphan device → CLOCK_BOOTTIME ms when the reconciler first saw it dirty/unclaimed.
     orphan_seen: Mutex<HashMap<String, u64>>,
+    /// Devices an eligible item of which the grace plugin has kept longer than
+    /// `claim_grace_s` + one reconcile interval, with the plugin's reason (PLUGINS.md
+    /// "grace": reported as `held_by_policy`). Rebuilt by every pass.
+    held_by_policy: Mutex<BTreeMap<String, String>>,
     /// The startup reconcile pass had a complete observation (INVARIANTS.md I13): until
     /// then new claims answer `not_ready`.
     ready: std::sync::atomic::AtomicBool,
@@ -204,6 +208,7 @@ impl Manager {
             known_profiles: Mutex::new(known),
             gpu_framebuffer: Mutex::new(HashMap::new()),
             orphan_seen: Mutex::new(HashMap::new()),
+            held_by_policy: Mutex::new(BTreeMap::new()),
             ready: std::sync::atomic::AtomicBool::new(false),
             counters: Counters::default(),
         }
@@ -1656,6 +1661,7 @@ impl Manager {
             self.store.list_instances().unwrap_or_default().into_iter().map(|i| (i.id, i.name)).collect();
         let claims = self.store.list_claims()?;
         let health = self.store.list_health().unwrap_or_default();
+        let held = lock(&self.held_by_policy).clone();
         let gpus: Vec<Value> = obs
             .inventory
             .gpus
@@ -1678,7 +1684,8 @@ impl Manager {
                                 "mdev_uuid": c.mdev_uuid.map(|u| u.to_string()),
                                 "state": c.state.as_str(), "last_error": c.last_error,
                             })),
-                            "quarantine": health.iter().find(|h| h.device == d.address).map(|h| json!({"reason": h.reason, "detail": h.detail, "at": h.at})),
+                            "quarantine": health.iter().find(|h| h.device == d.address).map(|h| json!({"reason": h.reason, "detail": h.detail, "at": h.at, "quarantined": h.quarantined})),
+                            "held_by_policy": held.get(&d.address),
                         })
                     })
                     .collect();
@@ -1726,6 +1733,11 @@ impl Manager {
             "ranked": ranked.iter().map(|c| json!({"device": c.device, "gpu": c.gpu, "dirty": c.dirty})).collect::<Vec<_>>(),
             "notes": obs.notes,
         }))
+    }
+
+    /// Devices the grace plugin holds past `claim_grace_s` + one interval, with its reason.
+    pub fn held_by_policy(&self) -> BTreeMap<String, String> {
+        lock(&self.held_by_policy).clone()
     }
 
     /// True once a reconcile pass had a complete observation.

@@ -394,16 +394,24 @@ impl Manager {
     /// Asks the `grace` plugin about the eligible items and releases those it allows.
     fn decide_and_release(&self, eligible: Vec<(Eligible, GraceItem)>, boot_id: &str, report: &mut PassReport) {
         if eligible.is_empty() {
+            lock(&self.held_by_policy).clear();
             return;
         }
         let decisions = self.grace_decisions(&eligible, boot_id, report);
-        for (e, _) in eligible {
+        let limit_ms = (self.cfg.claim_grace_s + self.cfg.reconcile_interval_s).saturating_mul(1000);
+        let mut held = BTreeMap::new();
+        for (e, item) in eligible {
             let device = e.device();
             match decisions.get(&device) {
                 Some(d) if d.action == GraceAction::Release => {}
                 Some(d) => {
                     report.kept.push(json!({"device": device, "reason": format!("grace: {}", d.reason),
                         "recheck_after_ms": d.recheck_after_ms}));
+                    let age = item.claimed_age_ms.or(item.dirty_age_ms).unwrap_or(0);
+                    if age > limit_ms || !item.same_boot {
+                        tracing::warn!(gpu.device = %device, reason = %d.reason, "held_by_policy: the grace plugin keeps an eligible item past claim_grace");
+                        held.insert(device, d.reason.clone());
+                    }
                     continue;
                 }
                 None => {
@@ -447,6 +455,7 @@ impl Manager {
                 },
             }
         }
+        *lock(&self.held_by_policy) = held;
     }
 
     /// The grace plugin's decisions by device. A failed call, or an answer that does not

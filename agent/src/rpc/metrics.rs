@@ -173,6 +173,9 @@ pub fn render(m: &Manager) -> String {
         }
     }
     reg.register("gpuvisor_policy_calls", "Policy plugin calls", policy_calls);
+    let held = Gauge::<i64>::default();
+    held.set(m.held_by_policy().len() as i64);
+    reg.register("gpuvisor_vgpu_held_by_policy", "Eligible devices the grace plugin keeps past claim_grace", held);
     let rpc = rpc_metrics();
     reg.register("gpuvisor_rpc_calls", "JSON-RPC calls by method and result", rpc.calls.clone());
     reg.register("gpuvisor_rpc_call_duration_seconds", "JSON-RPC call latency by method", rpc.duration.clone());
