@@ -1004,8 +1004,14 @@ impl Manager {
             Ok(None) => return Ok(()),
             Err(e) => return Err(ReleaseError::Store(e.to_string())),
         };
-        if cur.instance_id != claim.instance_id {
-            tracing::warn!(gpu.device = %claim.device, "the claim now names another instance; touching nothing");
+        if cur.instance_id != claim.instance_id
+            || cur.claim_boot_id != claim.claim_boot_id
+            || cur.claimed_boottime_ms != claim.claimed_boottime_ms
+            || cur.mdev_uuid != claim.mdev_uuid
+        {
+            // Another claim (another instance, or a newer claim of the same instance made
+            // since the caller read this one): it is not ours to release.
+            tracing::warn!(gpu.device = %claim.device, "the claim changed since it was read; touching nothing");
             return Ok(());
         }
         let dev_lock = self.device_lock(&cur.device);

@@ -54,6 +54,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
 fn main() {
     let cli = Cli::parse();
     // FAILPOINTS=<name>=return,... (only in builds with the `failpoints` feature).
+    #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,

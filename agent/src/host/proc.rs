@@ -239,7 +239,7 @@ pub fn vmm_liveness(
     }
     if let Some(sock) = control_socket {
         match unix_listener_owners(sock) {
-            Ok(owners) if owners.len() > 1 && maybe.is_none() => {
+            Ok(owners) if owners.len() > 1 => {
                 // Several live processes listen at the VMM's control path and none is the
                 // recorded identity: which one is the VMM cannot be decided.
                 return Liveness::MaybeAlive {

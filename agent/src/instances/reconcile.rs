@@ -264,8 +264,20 @@ impl Manager {
     /// Step 4a: dirty VFs without a claim on managed GPUs that no process holds.
     fn orphan_vfs(&self, claims: &[Claim], report: &mut PassReport) -> Vec<(Eligible, GraceItem)> {
         let mut out = Vec::new();
-        let Ok(gpus) = vendor_vfio::inventory(&self.host) else { return out };
-        let health = self.store.list_health().unwrap_or_default();
+        let gpus = match vendor_vfio::inventory(&self.host) {
+            Ok(g) => g,
+            Err(e) => {
+                report.errors.push(format!("VF inventory failed; no orphan sweep this pass: {e}"));
+                return out;
+            }
+        };
+        let health = match self.store.list_health() {
+            Ok(h) => h,
+            Err(e) => {
+                report.errors.push(format!("health records unreadable; no orphan sweep this pass: {e}"));
+                return out;
+            }
+        };
         let now = proc::boottime_ms();
         let mut seen_now = HashSet::new();
         for g in gpus {
@@ -277,7 +289,7 @@ impl Manager {
                 if t == 0 || claims.iter().any(|c| c.device == vf.bdf) {
                     continue;
                 }
-                if health.iter().any(|h| h.device == vf.bdf) {
+                if health.iter().any(|h| h.device == vf.bdf && h.quarantined) {
                     report.kept.push(json!({"device": vf.bdf, "reason": "quarantined"}));
                     continue;
                 }
@@ -320,7 +332,7 @@ impl Manager {
 
     /// Step 4b: gpuvisor's own mdevs (recorded in `mdevs/`) that no claim names and no
     /// process holds. `limited`: the inventory was unreadable, so only records older than
-    /// `claim_grace` in this boot are considered, released without asking the plugin.
+    /// `claim_grace` in this boot are considered (the grace plugin still decides).
     fn orphan_mdevs(
         &self,
         claims: &[Claim],
@@ -421,23 +433,32 @@ impl Manager {
             }
             crate::crash_point!("reconcile_before_release");
             match e {
-                Eligible::Claim(c) => match self.release_within(&c, Duration::ZERO) {
-                    Ok(()) => {
-                        self.counters.stale_released.fetch_add(1, Ordering::Relaxed);
-                        crate::crash_point!("reconcile_after_release");
-                        report.released.push(json!({"device": device, "kind": "stale_claim",
+                Eligible::Claim(c) => {
+                    // Hold the owner's instance lock again across the release (an operation
+                    // started since the observation makes the pass skip it).
+                    let ilock = self.instance_lock(c.instance_id);
+                    let Ok(_i) = ilock.try_lock() else {
+                        report.kept.push(json!({"device": device, "reason": "owner operation in progress"}));
+                        continue;
+                    };
+                    match self.release_within(&c, Duration::ZERO) {
+                        Ok(()) => {
+                            self.counters.stale_released.fetch_add(1, Ordering::Relaxed);
+                            crate::crash_point!("reconcile_after_release");
+                            report.released.push(json!({"device": device, "kind": "stale_claim",
                             "instance": c.instance_id.to_string()}));
+                        }
+                        Err(err) => {
+                            let ctr = match err {
+                                ReleaseError::InUse(_) => &self.counters.stale_in_use,
+                                ReleaseError::ScanIncomplete(_) => &self.counters.stale_scan_incomplete,
+                                _ => &self.counters.stale_failed,
+                            };
+                            ctr.fetch_add(1, Ordering::Relaxed);
+                            report.failed.push(json!({"device": device, "error": err.to_string()}));
+                        }
                     }
-                    Err(err) => {
-                        let ctr = match err {
-                            ReleaseError::InUse(_) => &self.counters.stale_in_use,
-                            ReleaseError::ScanIncomplete(_) => &self.counters.stale_scan_incomplete,
-                            _ => &self.counters.stale_failed,
-                        };
-                        ctr.fetch_add(1, Ordering::Relaxed);
-                        report.failed.push(json!({"device": device, "error": err.to_string()}));
-                    }
-                },
+                }
                 Eligible::OrphanVf { vf, gpu, type_id } => match self.release_orphan_vf(&vf, &gpu, type_id) {
                     Ok(()) => {
                         self.counters.orphans_released_vendor_vfio.fetch_add(1, Ordering::Relaxed);

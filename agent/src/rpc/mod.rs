@@ -212,6 +212,16 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         blocking("agent.metrics", &m, |m| Ok(Value::String(metrics::render(m)))).await
     })?;
     module.register_method("rpc.discover", |_p, _m, _| Ok::<Value, ErrorObjectOwned>(openrpc::document()))?;
+    // rpc.discover must describe exactly what is served.
+    let served: std::collections::BTreeSet<&str> = module.method_names().collect();
+    let declared: std::collections::BTreeSet<&str> = openrpc::METHODS.iter().map(|m| m.name).collect();
+    if served != declared {
+        anyhow::bail!(
+            "the OpenRPC document and the served methods differ: served only {:?}, declared only {:?}",
+            served.difference(&declared).collect::<Vec<_>>(),
+            declared.difference(&served).collect::<Vec<_>>()
+        );
+    }
     Ok(module)
 }
 

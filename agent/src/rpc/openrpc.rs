@@ -76,6 +76,30 @@ pub const METHODS: &[Method] = &[
         errors: &["not_found", "vmm_liveness_unknown", "vmm_kill_failed", "vgpu_cleanup_pending"],
     },
     Method {
+        name: "instance.fork",
+        summary: "A new stopped instance with the source's definition and GPU profile; never its claim or VMM.",
+        params: &[REF, ("name", r#"{"type":"string","pattern":"^[a-z0-9][a-z0-9-]{0,62}$"}"#, true)],
+        errors: &["not_found", "invalid_request", "name_taken", "instance_cleanup_pending"],
+    },
+    Method {
+        name: "instance.standby",
+        summary: "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
+        params: &[REF],
+        errors: &["not_found", "instance_cleanup_pending", "unsupported_with_gpu", "invalid_request"],
+    },
+    Method {
+        name: "instance.snapshot",
+        summary: "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
+        params: &[REF],
+        errors: &["not_found", "instance_cleanup_pending", "unsupported_with_gpu", "invalid_request"],
+    },
+    Method {
+        name: "instance.restore",
+        summary: "Refused for cleanup_pending instances; not implemented yet (a restore never brings back a claim or VMM identity).",
+        params: &[REF, ("snapshot", r#"{"type":"string"}"#, false)],
+        errors: &["not_found", "instance_cleanup_pending", "invalid_request"],
+    },
+    Method {
         name: "resources.get",
         summary: "GPU mode, device counts, placeable count per profile.",
         params: &[],
