@@ -170,6 +170,9 @@ pub struct ServeArgs {
     pub release_retry_s: Option<u64>,
     #[arg(long)]
     pub log_format: Option<String>,
+    /// Write every policy plugin input to this directory (for `gpuvisor plugin test`).
+    #[arg(long)]
+    pub record_policy_inputs: Option<PathBuf>,
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -204,6 +207,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.release_retry_s {
             c.release_retry_s = v;
+        }
+        if let Some(v) = &self.record_policy_inputs {
+            c.record_policy_inputs = Some(v.clone());
         }
         c.validate()?;
         Ok(c)

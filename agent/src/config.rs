@@ -89,6 +89,10 @@ pub struct Config {
     pub default_cmdline: String,
     /// `text` or `json`.
     pub log_format: String,
+    /// When set, every policy plugin input the agent sends is also written to this directory
+    /// as `<kind>-<unix ms>-<n>.json`, so a site can test a new plugin on its real data with
+    /// `gpuvisor plugin test` before swapping it in.
+    pub record_policy_inputs: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -112,6 +116,7 @@ impl Default for Config {
             release_retry_s: 30,
             default_cmdline: "console=ttyS0 panic=-1".into(),
             log_format: "text".into(),
+            record_policy_inputs: None,
         }
     }
 }

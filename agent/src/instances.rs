@@ -310,6 +310,20 @@ impl Manager {
         })
     }
 
+    /// Writes a policy input to `record_policy_inputs` (if configured). Best effort: a
+    /// failure is logged, never fails the operation.
+    fn record_input<T: Serialize>(&self, kind: &str, input: &T) {
+        let Some(dir) = &self.cfg.record_policy_inputs else { return };
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+        let path = dir.join(format!("{kind}-{ms}-{}.json", SEQ.fetch_add(1, Ordering::Relaxed)));
+        let res = std::fs::create_dir_all(dir)
+            .and_then(|_| std::fs::write(&path, serde_json::to_vec_pretty(input).map_err(std::io::Error::other)?));
+        if let Err(e) = res {
+            tracing::warn!(path = %path.display(), error = %e, "cannot record a policy input");
+        }
+    }
+
     /// The sysfs path of a claimed device: the VF, or the mdev.
     fn device_path(&self, c: &Claim) -> PathBuf {
         match c.mdev_uuid {
@@ -363,6 +377,7 @@ impl Manager {
             hypervisors: hypervisors.clone(),
             params: self.cfg.plugin_params(gpuvisor_sdk::PolicyKind::Hypervisor),
         };
+        self.record_input("hypervisor", &input);
         let answer = self.policies.hypervisor.call_hypervisor(&input).map_err(|e| {
             ApiError::new(ErrorCode::PolicyFailed, format!("the hypervisor plugin failed: {e}"))
                 .with("plugin", self.policies.hypervisor.manifest().name.clone())
@@ -735,6 +750,7 @@ impl Manager {
             inventory: obs.inventory.clone(),
             params: self.cfg.plugin_params(gpuvisor_sdk::PolicyKind::Placement),
         };
+        self.record_input("placement", &input);
         let answer = self.policies.placement.call_placement(&input).map_err(|e| {
             ApiError::new(ErrorCode::PolicyFailed, format!("the placement plugin failed: {e}"))
                 .with("plugin", self.policies.placement.manifest().name.clone())

@@ -501,6 +501,7 @@ impl Manager {
             items: eligible.iter().map(|(_, i)| i.clone()).collect(),
             params,
         };
+        self.record_input("grace", &input);
         match plugin.call_grace(&input) {
             Ok(answer) => {
                 let asked: HashSet<String> = eligible.iter().map(|(e, _)| e.device()).collect();

@@ -158,3 +158,31 @@ fn placement_dry_run_returns_the_ranked_list_without_claiming() {
     assert!(!ranked.contains(&"0000:41:00.4"), "{ranked:?}");
     assert_eq!(a.claims().len(), 1, "the dry runs claimed nothing");
 }
+
+#[test]
+fn recorded_policy_inputs_replay_offline_with_plugin_test() {
+    let rec_dir = tempfile::tempdir().unwrap();
+    let extra = format!("record_policy_inputs = {:?}\n", rec_dir.path());
+    let a = Agent::start_with(AgentOptions { extra: &extra, ..Default::default() }).unwrap();
+    let inst = a.create_gpu("rec", "L40S-2Q").unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(rec_dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let placement = names.iter().find(|n| n.starts_with("placement-")).expect("a recorded placement input");
+    assert!(names.iter().any(|n| n.starts_with("hypervisor-")), "{names:?}");
+    // The recorded input, replayed offline, gives the answer the agent acted on.
+    let out = a.cli(&[
+        "plugin",
+        "test",
+        plugin("placement-spread").to_str().unwrap(),
+        "--input",
+        rec_dir.path().join(placement).to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let first =
+        answer["ok"]["ranked"][0].as_str().or_else(|| answer["ranked"][0].as_str()).unwrap_or_default().to_string();
+    assert_eq!(first, inst["gpu"]["device"].as_str().unwrap(), "{answer}");
+}
