@@ -173,6 +173,9 @@ pub struct ServeArgs {
     /// Write every policy plugin input to this directory (for `gpuvisor plugin test`).
     #[arg(long)]
     pub record_policy_inputs: Option<PathBuf>,
+    /// Serve `GET /metrics` on this loopback address (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -207,6 +210,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.release_retry_s {
             c.release_retry_s = v;
+        }
+        if let Some(v) = self.metrics_listen {
+            c.metrics_listen = Some(v);
         }
         if let Some(v) = &self.record_policy_inputs {
             c.record_policy_inputs = Some(v.clone());

@@ -93,6 +93,9 @@ pub struct Config {
     /// as `<kind>-<unix ms>-<n>.json`, so a site can test a new plugin on its real data with
     /// `gpuvisor plugin test` before swapping it in.
     pub record_policy_inputs: Option<PathBuf>,
+    /// Optional loopback HTTP listener serving `GET /metrics` (Prometheus text), e.g.
+    /// `127.0.0.1:9464`. Only loopback addresses are accepted.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl Default for Config {
@@ -117,6 +120,7 @@ impl Default for Config {
             default_cmdline: "console=ttyS0 panic=-1".into(),
             log_format: "text".into(),
             record_policy_inputs: None,
+            metrics_listen: None,
         }
     }
 }
@@ -143,6 +147,11 @@ impl Config {
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             anyhow::bail!("log_format must be \"text\" or \"json\", not {:?}", self.log_format);
+        }
+        if let Some(a) = self.metrics_listen {
+            if !a.ip().is_loopback() {
+                anyhow::bail!("metrics_listen must be a loopback address, not {a}");
+            }
         }
         if self.reconcile_interval_s == 0 {
             anyhow::bail!("reconcile_interval_s must be at least 1");
@@ -209,6 +218,8 @@ mod tests {
         assert!(e.contains("data_dri"), "{e}");
         let e = Config::parse("accel = \"hvf\"").unwrap_err().to_string();
         assert!(e.contains("accel"), "{e}");
+        let e = Config::parse("metrics_listen = \"0.0.0.0:9464\"").unwrap_err().to_string();
+        assert!(e.contains("loopback"), "{e}");
         let e = Config::parse("vfio_attach = \"magic\"").unwrap_err().to_string();
         assert!(e.contains("magic") || e.contains("vfio_attach"), "{e}");
     }

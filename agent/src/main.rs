@@ -39,6 +39,9 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
                 .await;
         }
     });
+    if let Some(addr) = manager.config().metrics_listen {
+        gpuvisor::rpc::metrics::serve_http(manager.clone(), addr).await?;
+    }
     let module = gpuvisor::rpc::module(manager)?;
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

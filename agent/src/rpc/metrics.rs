@@ -185,3 +185,38 @@ pub fn render(m: &Manager) -> String {
     }
     out
 }
+
+/// Serves `GET /metrics` (Prometheus text) on a loopback TCP address until the process
+/// ends. Any other path answers 404.
+pub async fn serve_http(m: std::sync::Arc<Manager>, addr: std::net::SocketAddr) -> anyhow::Result<()> {
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "metrics listening on GET /metrics");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let m = m.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let m = m.clone();
+                    async move {
+                        let resp = if req.uri().path() == "/metrics" {
+                            let text = tokio::task::spawn_blocking(move || render(&m)).await.unwrap_or_default();
+                            hyper::Response::builder()
+                                .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+                                .body(Full::new(Bytes::from(text)))
+                        } else {
+                            hyper::Response::builder().status(404).body(Full::new(Bytes::from_static(b"not found\n")))
+                        };
+                        resp
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(())
+}

@@ -271,3 +271,26 @@ fn error_objects_carry_the_class_message_and_data_code() {
     assert_eq!(v["error"]["data"]["code"], "not_found", "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("ghost"), "{v}");
 }
+
+#[test]
+fn the_loopback_metrics_listener_serves_prometheus_text_and_agrees_with_agent_metrics() {
+    use std::io::{Read, Write};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let extra = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
+    let a = Agent::start_with(AgentOptions { extra: &extra, ..Default::default() }).unwrap();
+    a.create_gpu("m1", "L40S-1Q").unwrap();
+    let get = |path: &str| {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let page = get("/metrics");
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    assert!(page.contains("gpuvisor_instances{state=\"running\"} 1"), "{page}");
+    assert!(page.contains("gpuvisor_vgpu_claims{framework=\"vendor_vfio\",state=\"configured\"} 1"), "{page}");
+    let rpc_text = a.ok("agent.metrics", serde_json::json!({}));
+    assert!(rpc_text.as_str().unwrap().contains("gpuvisor_instances{state=\"running\"} 1"));
+    assert!(get("/nope").starts_with("HTTP/1.1 404"));
+}
