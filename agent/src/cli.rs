@@ -142,6 +142,8 @@ pub enum PluginAction {
     },
     /// The loaded plugins.
     Ls,
+    /// Re-read the config's [plugins] and load them again (all or nothing).
+    Reload,
 }
 
 /// `gpuvisor serve` flags; each overrides the config file's key of the same name.
@@ -274,6 +276,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Image { action: ImageAction::Ls } => ("image.list", json!({})),
         Command::Image { action: ImageAction::Rm { name } } => ("image.delete", json!({ "name": name })),
         Command::Plugin { action: PluginAction::Ls } => ("plugin.list", json!({})),
+        Command::Plugin { action: PluginAction::Reload } => ("plugin.reload", json!({})),
         Command::Plugin { action: PluginAction::Test { plugin, input, kind } } => {
             return plugin_test(plugin, input, kind.as_deref());
         }

@@ -131,7 +131,10 @@ pub struct Manager {
     cfg: Config,
     host: HostRoot,
     store: Store,
-    policies: Policies,
+    /// The loaded plugins; swapped whole by [`Manager::reload_plugins`].
+    policies: std::sync::RwLock<Arc<Policies>>,
+    /// The config file the agent was started with (re-read by `plugin.reload`).
+    config_path: Option<PathBuf>,
     alloc: Mutex<()>,
     instance_locks: Mutex<HashMap<Uuid, Arc<Mutex<()>>>>,
     device_locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
@@ -192,6 +195,11 @@ struct Observation {
 impl Manager {
     /// Builds the manager: opens nothing on the host yet.
     pub fn new(cfg: Config, store: Store, policies: Policies) -> Manager {
+        Manager::with_config_path(cfg, None, store, policies)
+    }
+
+    /// [`Manager::new`], remembering the config file for `plugin.reload`.
+    pub fn with_config_path(cfg: Config, config_path: Option<PathBuf>, store: Store, policies: Policies) -> Manager {
         let host = HostRoot::new(&cfg.host_root);
         let known: BTreeMap<String, (String, Option<u64>)> = std::fs::read(store.root().join("profiles.json"))
             .ok()
@@ -201,7 +209,8 @@ impl Manager {
             cfg,
             host,
             store,
-            policies,
+            policies: std::sync::RwLock::new(Arc::new(policies)),
+            config_path,
             alloc: Mutex::new(()),
             instance_locks: Mutex::new(HashMap::new()),
             device_locks: Mutex::new(HashMap::new()),
@@ -230,8 +239,30 @@ impl Manager {
     }
 
     /// The loaded plugins.
-    pub fn policies(&self) -> &Policies {
-        &self.policies
+    pub fn policies(&self) -> Arc<Policies> {
+        self.policies.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// `plugin.reload`: re-reads the `[plugins]` section of the config file (when the agent
+    /// was started with one) and loads every slot again; all or nothing — any load error
+    /// refuses the reload and keeps the old plugins. Calls in flight finish on the old ones.
+    pub fn reload_plugins(&self) -> Result<Value, ApiError> {
+        let mut cfg = self.cfg.clone();
+        if let Some(path) = &self.config_path {
+            let fresh = Config::load(path).map_err(|e| ApiError::invalid(format!("plugin.reload refused: {e:#}")))?;
+            cfg.plugins = fresh.plugins;
+            cfg.plugin_dir = fresh.plugin_dir;
+        }
+        let new = Policies::load(&cfg)
+            .map_err(|e| ApiError::invalid(format!("plugin.reload refused, old plugins kept: {e:#}")))?;
+        let names = json!({
+            "placement": new.placement.manifest().name,
+            "hypervisor": new.hypervisor.manifest().name,
+            "grace": new.grace.as_ref().map(|g| g.manifest().name.clone()),
+        });
+        *self.policies.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
+        tracing::info!(plugins = %names, "plugins reloaded");
+        Ok(json!({ "reloaded": true, "plugins": names }))
     }
 
     fn instance_lock(&self, id: Uuid) -> Arc<Mutex<()>> {
@@ -378,9 +409,9 @@ impl Manager {
             params: self.cfg.plugin_params(gpuvisor_sdk::PolicyKind::Hypervisor),
         };
         self.record_input("hypervisor", &input);
-        let answer = self.policies.hypervisor.call_hypervisor(&input).map_err(|e| {
+        let answer = self.policies().hypervisor.call_hypervisor(&input).map_err(|e| {
             ApiError::new(ErrorCode::PolicyFailed, format!("the hypervisor plugin failed: {e}"))
-                .with("plugin", self.policies.hypervisor.manifest().name.clone())
+                .with("plugin", self.policies().hypervisor.manifest().name.clone())
         })?;
         let chosen = match answer {
             HypervisorAnswer::Hypervisor(h) => h,
@@ -751,9 +782,9 @@ impl Manager {
             params: self.cfg.plugin_params(gpuvisor_sdk::PolicyKind::Placement),
         };
         self.record_input("placement", &input);
-        let answer = self.policies.placement.call_placement(&input).map_err(|e| {
+        let answer = self.policies().placement.call_placement(&input).map_err(|e| {
             ApiError::new(ErrorCode::PolicyFailed, format!("the placement plugin failed: {e}"))
-                .with("plugin", self.policies.placement.manifest().name.clone())
+                .with("plugin", self.policies().placement.manifest().name.clone())
         })?;
         let ranked = match answer {
             PlacementAnswer::Ranked(r) => r,
@@ -771,7 +802,7 @@ impl Manager {
                 Some(c) if !out.iter().any(|o| o.device == dev) => out.push(c.clone()),
                 _ => {
                     self.counters.policy_rejected_answers.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(plugin.name = %self.policies.placement.manifest().name, gpu.device = %dev,
+                    tracing::warn!(plugin.name = %self.policies().placement.manifest().name, gpu.device = %dev,
                         "placement plugin ranked a device that is not a legal candidate; dropped");
                 }
             }
@@ -1751,7 +1782,7 @@ impl Manager {
         let ranked = self.rank(&rec, framework, &obs)?;
         Ok(json!({
             "profile": rec.gpu_profile,
-            "plugin": self.policies.placement.manifest().name,
+            "plugin": self.policies().placement.manifest().name,
             "ranked": ranked.iter().map(|c| json!({"device": c.device, "gpu": c.gpu, "dirty": c.dirty})).collect::<Vec<_>>(),
             "notes": obs.notes,
         }))

@@ -19,14 +19,14 @@ fn init_logging(format: &str) {
     }
 }
 
-async fn serve(cfg: Config) -> anyhow::Result<()> {
+async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     let store = Store::open(&cfg.data_dir)?;
     // One agent per data directory: refuse before touching anything else.
     let _lock = store.lock_exclusive()?;
     let policies = Policies::load(&cfg)?;
     let socket = cfg.socket.clone();
     let interval = std::time::Duration::from_secs(cfg.reconcile_interval_s);
-    let manager = Arc::new(Manager::new(cfg, store, policies));
+    let manager = Arc::new(Manager::with_config_path(cfg, config_path, store, policies));
     manager.learn_inventory();
     // The reconciler: one pass at startup (new claims answer not_ready until it had a
     // complete observation), then one every reconcile_interval_s.
@@ -78,7 +78,7 @@ fn main() {
                 }
             };
             init_logging(&cfg.log_format);
-            match rt.block_on(serve(cfg)) {
+            match rt.block_on(serve(cfg, args.config.clone())) {
                 Ok(()) => 0,
                 Err(e) => {
                     tracing::error!("{e:#}");

@@ -487,7 +487,8 @@ impl Manager {
         boot_id: &str,
         report: &mut PassReport,
     ) -> HashMap<String, GraceDecision> {
-        let Some(plugin) = &self.policies.grace else {
+        let policies = self.policies();
+        let Some(plugin) = &policies.grace else {
             report.errors.push("no grace plugin loaded: keeping every eligible item".into());
             return HashMap::new();
         };

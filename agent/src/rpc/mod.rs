@@ -202,6 +202,9 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         })
         .await
     })?;
+    module.register_async_method("plugin.reload", |_p, m, _| async move {
+        blocking("plugin.reload", &m, |m| m.reload_plugins()).await
+    })?;
     module.register_async_method("reconcile.run", |_p, m, _| async move {
         blocking("reconcile.run", &m, |m| Ok(serde_json::to_value(m.reconcile()).unwrap_or(Value::Null))).await
     })?;

@@ -151,6 +151,12 @@ pub const METHODS: &[Method] = &[
         params: &[],
         errors: &[],
     },
+    Method {
+        name: "plugin.reload",
+        summary: "Re-read the [plugins] config and load every plugin again; on any error the old plugins stay.",
+        params: &[],
+        errors: &["invalid_request"],
+    },
     Method { name: "plugin.list", summary: "The loaded policy plugins with call counts.", params: &[], errors: &[] },
     Method { name: "agent.health", summary: "Liveness and readiness.", params: &[], errors: &[] },
     Method { name: "agent.metrics", summary: "Prometheus text exposition.", params: &[], errors: &[] },

@@ -186,3 +186,25 @@ fn recorded_policy_inputs_replay_offline_with_plugin_test() {
         answer["ok"]["ranked"][0].as_str().or_else(|| answer["ranked"][0].as_str()).unwrap_or_default().to_string();
     assert_eq!(first, inst["gpu"]["device"].as_str().unwrap(), "{answer}");
 }
+
+#[test]
+fn plugin_reload_swaps_a_plugin_and_a_bad_one_is_refused_keeping_the_old() {
+    let a = Agent::start("l40s-2x16").unwrap();
+    let slot_name = |a: &Agent| a.ok("plugin.list", json!({}))["plugins"][0]["name"].as_str().unwrap().to_string();
+    assert_eq!(slot_name(&a), "placement-spread");
+    let cfg = std::fs::read_to_string(&a.config_path).unwrap();
+    let spread = plugin("placement-spread").display().to_string();
+    // Point the placement slot at placement-pack and reload.
+    std::fs::write(&a.config_path, cfg.replace(&spread, &plugin("placement-pack").display().to_string())).unwrap();
+    assert_eq!(a.ok("plugin.reload", json!({}))["plugins"]["placement"], "placement-pack");
+    assert_eq!(slot_name(&a), "placement-pack");
+    let one = a.create_gpu("one", "L40S-2Q").unwrap();
+    let two = a.create_gpu("two", "L40S-2Q").unwrap();
+    assert_eq!(one["gpu"]["gpu"], two["gpu"]["gpu"], "the reloaded pack plugin places both on one GPU");
+    // A plugin that imports WASI is refused; the old one stays.
+    std::fs::write(&a.config_path, cfg.replace(&spread, &fixture_plugin("wasi.wat").display().to_string())).unwrap();
+    let e = a.err("plugin.reload", json!({}));
+    assert_eq!(e.data_code, "invalid_request", "{e}");
+    assert!(e.message.contains("wasi.wat"), "{e}");
+    assert_eq!(slot_name(&a), "placement-pack");
+}
