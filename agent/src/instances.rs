@@ -330,7 +330,9 @@ impl Manager {
             "state": rec.state.as_str(),
             "created_at": rec.created_at,
             "last_error": rec.last_error,
-            "vmm": rec.vmm.as_ref().map(|v| json!({
+            // Only a recorded identity that matches a live process now is reported: a
+            // recycled pid is never shown as the VMM (INVARIANTS.md I7).
+            "vmm": rec.vmm.as_ref().filter(|v| self.identity_is_live(&v.identity)).map(|v| json!({
                 "pid": v.identity.pid,
                 "start_time": v.identity.start_time,
                 "boot_id": v.identity.boot_id,
@@ -353,6 +355,12 @@ impl Manager {
         if let Err(e) = res {
             tracing::warn!(path = %path.display(), error = %e, "cannot record a policy input");
         }
+    }
+
+    /// True when the recorded identity (pid, start time, boot id) is a live process now.
+    fn identity_is_live(&self, id: &proc::ProcessIdentity) -> bool {
+        let Ok(boot) = self.host.boot_id() else { return false };
+        matches!(proc::identity_of(id.pid, &boot), Ok(Some(now)) if now == *id)
     }
 
     /// The sysfs path of a claimed device: the VF, or the mdev.

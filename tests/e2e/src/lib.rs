@@ -635,3 +635,534 @@ impl Agent {
         writes(&self.state())
     }
 }
+
+// ====================================================================== reconcile & crash-matrix helpers
+// (used by tests/reconcile.rs and tests/crash_matrix.rs; another block above/below belongs to
+// other suites — keep this one self-contained)
+
+/// Host V (SCENARIOS.md conventions): one L40S `0000:41:00.0` with 4 VFs `.4`–`.7`
+/// (groups 41–44), teardown lag 300 ms.
+pub const HOST_V: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
+/// Host V2: V plus `0001:81:00.0` with VFs `0001:81:00.4`–`.7` (groups 61–64).
+pub const HOST_V2: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n\
+     [[gpu]]\nbdf = \"0001:81:00.0\"\nvf_count = 4\niommu_group = 60\n";
+/// The VFs of host V.
+pub const V_VFS: [&str; 4] = ["0000:41:00.4", "0000:41:00.5", "0000:41:00.6", "0000:41:00.7"];
+
+/// CLOCK_BOOTTIME now, in ms (what claims store as `claimed_boottime_ms`).
+pub fn boottime_now_ms() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+/// True for the error a client sees when the agent died under the call.
+pub fn is_transport(e: &RpcError) -> bool {
+    e.data_code == "transport"
+}
+
+impl Agent {
+    /// Root-namespace pids of this agent's `gpuvisor serve` process(es) (not nsenter).
+    pub fn agent_pids(&self) -> Vec<i32> {
+        let cfg = self.config_path.to_string_lossy().into_owned();
+        pids_where(|cmd| cmd.contains(&cfg) && cmd.contains("serve") && !cmd.starts_with("nsenter"))
+    }
+
+    /// Waits (bounded) until the agent process is gone, e.g. after a failpoint abort, and
+    /// reaps the launcher. True when it is gone.
+    pub fn wait_agent_gone(&mut self, timeout: Duration) -> bool {
+        let gone = wait_for(timeout, || self.agent_pids().is_empty().then_some(())).is_some();
+        if gone {
+            if let Some(mut c) = self.child.take() {
+                let _ = c.wait();
+            }
+        }
+        gone
+    }
+
+    /// Kills the agent (if running) and starts it again with `FAILPOINTS` set to
+    /// `failpoints` (`None`: no failpoint). Does not wait for readiness; `Err` when the
+    /// agent exited before it answered (e.g. it aborted inside its startup pass).
+    pub fn restart_with_failpoints(&mut self, failpoints: Option<&str>) -> anyhow::Result<()> {
+        self.kill_agent();
+        self.env.retain(|(k, _)| k != "FAILPOINTS");
+        if let Some(fp) = failpoints {
+            self.env.push(("FAILPOINTS".into(), fp.into()));
+        }
+        self.spawn()
+    }
+
+    /// Restarts the agent without failpoints and waits until it is ready.
+    pub fn restart_clean(&mut self) {
+        self.restart_with_failpoints(None).expect("restart");
+        self.wait_ready().expect("ready after restart");
+    }
+
+    /// One reconcile pass (`reconcile.run`), which must answer.
+    pub fn pass(&self) -> Value {
+        self.ok("reconcile.run", json!({}))
+    }
+
+    /// The claim record of `device` as stored (`None`: no claim file; `Null`: undecodable).
+    pub fn claim_file(&self, device: &str) -> Option<Value> {
+        let text = std::fs::read_to_string(self.data_dir.join("claims").join(format!("{device}.json"))).ok()?;
+        Some(serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// The instance records as stored: `(id, Ok(record) | Err(why))`, directories without
+    /// `instance.json` skipped.
+    pub fn instance_records(&self) -> Vec<(String, Result<Value, String>)> {
+        let mut out = Vec::new();
+        for id in self.data_files("instances") {
+            let p = self.data_dir.join("instances").join(&id).join("instance.json");
+            match std::fs::read_to_string(&p) {
+                Ok(t) => out.push((id, serde_json::from_str(&t).map_err(|e| format!("undecodable: {e}")))),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => out.push((id, Err(format!("unreadable: {e}")))),
+            }
+        }
+        out
+    }
+
+    /// Path of an instance's record file.
+    pub fn instance_record_path(&self, id: &str) -> PathBuf {
+        self.data_dir.join("instances").join(id).join("instance.json")
+    }
+
+    /// Live QEMUs of this agent: (root-ns pid, instance id from `-uuid`, VFs whose group
+    /// node or cdev the process holds open).
+    pub fn live_qemus(&self) -> Vec<LiveQemu> {
+        let state = self.state();
+        let root = self.sim.path().to_string_lossy().into_owned();
+        let mut out = Vec::new();
+        for pid in self.qemu_pids() {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<String> = String::from_utf8_lossy(&cmd).split('\0').map(|s| s.to_string()).collect();
+            let uuid = args.iter().position(|a| a == "-uuid").and_then(|i| args.get(i + 1)).cloned();
+            let targets = fd_targets(pid);
+            let mut vfs = Vec::new();
+            for g in state["gpus"].as_array().cloned().unwrap_or_default() {
+                for v in g["vfs"].as_array().cloned().unwrap_or_default() {
+                    let group = format!("{root}/dev/vfio/{}", v["group"]);
+                    let cdev = format!("{root}/dev/vfio/devices/{}", v["cdev"].as_str().unwrap_or("-"));
+                    if targets.iter().any(|t| *t == group || *t == cdev) {
+                        vfs.push(v["bdf"].as_str().unwrap_or("").to_string());
+                    }
+                }
+            }
+            out.push(LiveQemu { pid, instance_id: uuid, vfs });
+        }
+        out
+    }
+}
+
+/// A live QEMU process as the invariant checker sees it.
+#[derive(Debug, Clone)]
+pub struct LiveQemu {
+    pub pid: i32,
+    pub instance_id: Option<String>,
+    pub vfs: Vec<String>,
+}
+
+/// One observation of everything the invariant checker reads.
+#[derive(Debug, Clone)]
+pub struct World {
+    pub state: Value,
+    /// `(device, claim)`; an undecodable claim is `Null`.
+    pub claims: Vec<(String, Value)>,
+    pub instances: Vec<(String, Result<Value, String>)>,
+    pub qemus: Vec<LiveQemu>,
+}
+
+impl World {
+    pub fn observe(a: &Agent) -> World {
+        let claims = a
+            .data_files("claims")
+            .into_iter()
+            .filter_map(|f| f.strip_suffix(".json").map(|d| d.to_string()))
+            .map(|d| {
+                let c = a.claim_file(&d).unwrap_or(Value::Null);
+                (d, c)
+            })
+            .collect();
+        World { state: a.state(), claims, instances: a.instance_records(), qemus: a.live_qemus() }
+    }
+
+    fn claim(&self, dev: &str) -> Option<&Value> {
+        self.claims.iter().find(|(d, _)| d == dev).map(|(_, c)| c)
+    }
+
+    fn record(&self, id: &str) -> Option<&Value> {
+        self.instances.iter().find(|(i, _)| i == id).and_then(|(_, r)| r.as_ref().ok())
+    }
+
+    fn qemu_of(&self, id: &str) -> Vec<&LiveQemu> {
+        self.qemus.iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect()
+    }
+
+    /// Safety (INVARIANTS.md I1, I3, I4), which must hold at every observation.
+    /// `dirty_before`: VFs that carried a type gpuvisor did not claim before the test acted.
+    pub fn safety_violations(&self, dirty_before: &[String]) -> Vec<String> {
+        let mut v = Vec::new();
+        let sets = set_vfs(&self.state);
+        // I1: every live QEMU's VF still reads its type and its claim names that instance.
+        for q in &self.qemus {
+            for vf in &q.vfs {
+                if !sets.iter().any(|(b, _)| b == vf) {
+                    v.push(format!("I1: VF {vf} reads 0 while QEMU {} ({:?}) holds it", q.pid, q.instance_id));
+                }
+                match self.claim(vf) {
+                    None => v.push(format!("I1/I4: VF {vf} held by live QEMU {} has no claim", q.pid)),
+                    Some(c) if c["instance_id"].as_str() != q.instance_id.as_deref() => v.push(format!(
+                        "I3: VF {vf} held by QEMU {} of {:?} is claimed by {}",
+                        q.pid, q.instance_id, c["instance_id"]
+                    )),
+                    Some(_) => {}
+                }
+            }
+        }
+        // I3: no two live QEMUs hold one VF; no two live QEMUs run one instance.
+        let mut held: Vec<&String> = self.qemus.iter().flat_map(|q| q.vfs.iter()).collect();
+        held.sort();
+        for w in held.windows(2) {
+            if w[0] == w[1] {
+                v.push(format!("I3: two live QEMUs hold VF {}", w[0]));
+            }
+        }
+        let mut ids: Vec<&String> = self.qemus.iter().filter_map(|q| q.instance_id.as_ref()).collect();
+        ids.sort();
+        for w in ids.windows(2) {
+            if w[0] == w[1] {
+                v.push(format!("I3: two live QEMUs run instance {}", w[0]));
+            }
+        }
+        // I3: one instance holds at most one active (non release_pending) claim.
+        let mut owners: Vec<String> = self
+            .claims
+            .iter()
+            .filter(|(_, c)| c["state"] != "release_pending")
+            .map(|(_, c)| c["instance_id"].as_str().unwrap_or("?").to_string())
+            .collect();
+        owners.sort();
+        for w in owners.windows(2) {
+            if w[0] == w[1] {
+                v.push(format!("I3: instance {} holds two active claims: {:?}", w[0], self.claims));
+            }
+        }
+        // Claims must decode and name their own file's device.
+        for (d, c) in &self.claims {
+            if c["device"].as_str() != Some(d.as_str()) {
+                v.push(format!("store: claim file {d}.json is undecodable or names another device: {c}"));
+            }
+        }
+        // I4: every VF with a type has a claim, or was dirty before the test acted.
+        for (vf, t) in &sets {
+            if self.claim(vf).is_none() && !dirty_before.contains(vf) {
+                v.push(format!("I4: VF {vf} reads type {t} with no claim (was not dirty before)"));
+            }
+        }
+        v
+    }
+
+    /// Liveness (I2, I8) at the end of the bounded window.
+    pub fn liveness_violations(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        // I2: every claim's owner exists and its VMM runs; otherwise the device must be back
+        // at 0 with no claim.
+        for (d, c) in &self.claims {
+            let owner = c["instance_id"].as_str().unwrap_or("?");
+            if self.qemu_of(owner).is_empty() {
+                let rec = self.record(owner).map(|r| r["state"].clone()).unwrap_or(Value::Null);
+                v.push(format!(
+                    "I2: claim {d} (state {}, last_error {}) survives its dead owner {owner} (record state {rec}); VF type {}",
+                    c["state"], c["last_error"], vf_entry(&self.state, d)["type"]
+                ));
+            }
+        }
+        for (vf, t) in set_vfs(&self.state) {
+            let owner_alive = self
+                .claim(&vf)
+                .and_then(|c| c["instance_id"].as_str())
+                .map(|o| !self.qemu_of(o).is_empty())
+                .unwrap_or(false);
+            if !owner_alive {
+                v.push(format!("I2: VF {vf} still reads type {t} with no live owner"));
+            }
+        }
+        // I8: records agree with processes.
+        for (id, r) in &self.instances {
+            match r {
+                Err(e) => v.push(format!("store: instance {id} record {e}")),
+                Ok(r) => {
+                    let alive = !self.qemu_of(id).is_empty();
+                    let st = r["state"].as_str().unwrap_or("?");
+                    if matches!(st, "running" | "starting" | "stopping") && !alive {
+                        v.push(format!("I8: instance {id} ({}) is recorded {st} without a live QEMU", r["name"]));
+                    }
+                    if alive && st != "running" {
+                        v.push(format!(
+                            "I8: instance {id} ({}) has a live QEMU but is recorded {st} (vmm {})",
+                            r["name"], r["vmm"]
+                        ));
+                    }
+                }
+            }
+        }
+        for q in &self.qemus {
+            if q.instance_id.as_deref().and_then(|id| self.record(id)).is_none() {
+                v.push(format!("I8: live QEMU {} ({:?}) has no instance record", q.pid, q.instance_id));
+            }
+        }
+        v
+    }
+}
+
+// ---------------------------------------------------------------------- helpers (lifecycle suites)
+
+/// The generated config with some harness keys given other values (`(key, toml value)`);
+/// keys the harness does not set are appended.
+fn harness_config(base: &str, set: &[(&str, &str)]) -> String {
+    let mut lines: Vec<String> = base.lines().map(str::to_string).collect();
+    for (k, v) in set {
+        let prefix = format!("{k} = ");
+        match lines.iter().position(|l| l.starts_with(&prefix)) {
+            Some(i) => lines[i] = format!("{k} = {v}"),
+            // Top-level keys must come before the first table.
+            None => {
+                let at = lines.iter().position(|l| l.starts_with('[')).unwrap_or(lines.len());
+                lines.insert(at, format!("{k} = {v}"));
+            }
+        }
+    }
+    lines.join("\n") + "\n"
+}
+
+impl Agent {
+    /// Like [`Agent::start_with`], but with a caller-chosen data directory (which must exist
+    /// and be mounted before this call: the agent's namespace copies the mounts of the moment)
+    /// and with harness keys overridden (`set`, e.g. `[("release_retry_s", "1")]`; TOML
+    /// duplicates in `extra` would be a parse error).
+    pub fn start_tuned(o: AgentOptions<'_>, data_dir: Option<PathBuf>, set: &[(&str, &str)]) -> anyhow::Result<Agent> {
+        let image = demo_image();
+        let sim = SimMount::start(o.model)?;
+        let dir = tempfile::Builder::new().prefix("gpuvisor-e2e.").tempdir()?;
+        let data_dir = data_dir.unwrap_or_else(|| dir.path().join("data"));
+        let socket = dir.path().join("gpuvisor.sock");
+        let placement = o.placement.unwrap_or_else(|| plugin("placement-spread"));
+        let hypervisor = o.hypervisor.unwrap_or_else(|| plugin("hypervisor-default"));
+        let grace = o.grace.unwrap_or_else(|| plugin("grace-default"));
+        let base = format!(
+            "data_dir = {data:?}\nsocket = {sock:?}\nhost_root = {root:?}\naccel = \"tcg\"\nvfio_attach = \"hold-fd\"\n\
+             vfio_term_grace_s = 2\nstop_timeout_s = 10\nrelease_retry_s = 5\n{extra}\n\
+             [plugins.placement]\npath = {pl:?}\n[plugins.hypervisor]\npath = {hv:?}\n[plugins.grace]\npath = {gr:?}\n",
+            data = data_dir,
+            sock = socket,
+            root = sim.path(),
+            extra = o.extra,
+            pl = placement,
+            hv = hypervisor,
+            gr = grace,
+        );
+        let config_path = dir.path().join("gpuvisor.toml");
+        std::fs::write(&config_path, harness_config(&base, set))?;
+        let ns = PidNs::new()?;
+        let mut agent = Agent { sim, ns, dir, socket, data_dir, config_path, env: Vec::new(), child: None };
+        agent.spawn()?;
+        agent.wait_ready()?;
+        agent
+            .call(
+                "image.import",
+                json!({
+                    "name": "demo",
+                    "kernel": image.join("vmlinuz"),
+                    "initrd": image.join("initrd.img"),
+                    "cmdline": std::fs::read_to_string(image.join("cmdline")).unwrap_or_default().trim(),
+                }),
+            )
+            .map_err(|e| anyhow!("image.import: {e}"))?;
+        Ok(agent)
+    }
+
+    /// Kills the agent (SIGKILL) and starts it again with `self.env`; waits until ready.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill_agent();
+        self.spawn()?;
+        self.wait_ready()
+    }
+
+    /// The instance record as stored (`instances/<id>/instance.json`).
+    pub fn record(&self, id: &str) -> Value {
+        let p = self.data_dir.join(format!("instances/{id}/instance.json"));
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+            .expect("instance.json")
+    }
+
+    /// Overwrites the instance record (tests that fake a recycled pid and the like).
+    pub fn write_record(&self, id: &str, rec: &Value) {
+        let p = self.data_dir.join(format!("instances/{id}/instance.json"));
+        let tmp = p.with_extension("json.test-tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(rec).unwrap()).unwrap();
+        std::fs::rename(&tmp, &p).unwrap();
+    }
+
+    /// The claim record of `device`, if any.
+    pub fn claim(&self, device: &str) -> Option<Value> {
+        let text = std::fs::read_to_string(self.data_dir.join(format!("claims/{device}.json"))).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// Spawns `sh -c script` inside the agent's PID namespace with piped stdout and returns
+    /// it with the first line it prints (the script prints one when it is ready).
+    pub fn ns_sh(&self, script: &str) -> (Child, String) {
+        let mut child = self
+            .ns
+            .command("sh")
+            .arg("-c")
+            .arg(script)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn in the agent's namespace");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+        (child, line.trim().to_string())
+    }
+}
+
+/// A QEMU wrapper for `qemu_binary`: sources `hook` first when it exists (a hook can
+/// `exit 1` to make "QEMU" fail right after spawn, or run `gpuvisor-sim ctl` first), then
+/// execs the real QEMU with `-S` (the guest stays paused: the lifecycle tests need a real
+/// VMM holding its VF and QMP socket, not a booting guest, and the host has 2 shared cores).
+pub struct QemuWrapper {
+    pub dir: tempfile::TempDir,
+    pub binary: PathBuf,
+    pub hook: PathBuf,
+}
+
+impl QemuWrapper {
+    pub fn new() -> QemuWrapper {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::Builder::new().prefix("gpuvisor-qemu-wrap.").tempdir().unwrap();
+        let binary = dir.path().join("qemu-wrapper");
+        let hook = dir.path().join("hook.sh");
+        std::fs::write(
+            &binary,
+            format!("#!/bin/sh\nif [ -f {h:?} ]; then . {h:?}; fi\nexec qemu-system-x86_64 \"$@\" -S\n", h = hook),
+        )
+        .unwrap();
+        std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+        QemuWrapper { dir, binary, hook }
+    }
+
+    /// `qemu_binary = "<wrapper>"` for `AgentOptions::extra`.
+    pub fn extra(&self) -> String {
+        format!("qemu_binary = {:?}\n", self.binary)
+    }
+
+    /// Makes the next spawns run `body` (shell) first.
+    pub fn set_hook(&self, body: &str) {
+        std::fs::write(&self.hook, body).unwrap();
+    }
+
+    /// Spawns exec the real QEMU again.
+    pub fn clear_hook(&self) {
+        let _ = std::fs::remove_file(&self.hook);
+    }
+}
+
+impl Default for QemuWrapper {
+    fn default() -> Self {
+        QemuWrapper::new()
+    }
+}
+
+/// A shell command line that sends one `gpuvisor-sim ctl` to `sim` (for QEMU hooks).
+pub fn sim_ctl_sh(sim: &SimMount, args: &[&str]) -> String {
+    let bin = gpuvisor_sim::testing::sim_binary().expect("gpuvisor-sim binary");
+    let mut s = format!("{:?} ctl {:?}", bin, sim.path());
+    for a in args {
+        s.push_str(&format!(" '{a}'"));
+    }
+    s + " >/dev/null 2>&1"
+}
+
+/// `/proc/<pid>/stat` field 22 (start time in clock ticks).
+pub fn proc_start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The pid of a root-namespace process inside its innermost PID namespace (`NSpid`).
+pub fn ns_pid(pid: i32) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+    line.split_whitespace().last()?.parse().ok()
+}
+
+/// The root-namespace pid of a process whose innermost-namespace pid is `nspid` and whose
+/// command line satisfies `f`.
+pub fn root_pid_of(nspid: i32, f: impl Fn(&str) -> bool) -> Option<i32> {
+    pids_where(f).into_iter().find(|p| ns_pid(*p) == Some(nspid))
+}
+
+/// True while a root-namespace pid exists and is not a zombie.
+pub fn alive(pid: i32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')').map(|(_, r)| !r.trim_start().starts_with('Z')).unwrap_or(false)
+}
+
+/// The sysfs path of a VF's `current_vgpu_type` (relative to the host root).
+pub fn type_path(vf: &str) -> String {
+    format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type")
+}
+
+/// `(value, result)` of every logged write to a VF's type file, in order.
+pub fn type_writes_of(state: &Value, vf: &str) -> Vec<(String, String)> {
+    writes(state).into_iter().filter(|(p, _, _)| *p == type_path(vf)).map(|(_, v, r)| (v, r)).collect()
+}
+
+/// The highest `seq` in the simulator's log (0 when empty).
+pub fn last_seq(state: &Value) -> u64 {
+    state["log"].as_array().map(|l| l.iter().filter_map(|e| e["seq"].as_u64()).max().unwrap_or(0)).unwrap_or(0)
+}
+
+/// Log entries after `seq`.
+pub fn log_after(state: &Value, seq: u64) -> Vec<Value> {
+    state["log"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e["seq"].as_u64().unwrap_or(0) > seq)
+        .collect()
+}
+
+/// A metric value, absent = 0.
+pub fn metric0(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    metric(text, name, labels).unwrap_or(0.0)
+}
+
+impl Agent {
+    /// Creates `name` (vGPU `profile`), then stops it while every write to its VF's type
+    /// fails with EBUSY: the result is a stopped instance with a retained
+    /// (`release_pending`) claim, its VF still set, no holder. Faults are cleared at the end.
+    /// Returns (instance id, VF).
+    pub fn retained_stopped(&self, name: &str, profile: &str) -> (String, String) {
+        let inst = self.create_gpu(name, profile).unwrap_or_else(|e| panic!("create {name}: {e}"));
+        let id = inst["id"].as_str().unwrap().to_string();
+        let vf = inst["gpu"]["device"].as_str().unwrap().to_string();
+        self.sim.ctl(&["fail-write", &type_path(&vf), "EBUSY", "--always"]).unwrap();
+        let stopped = self.ok("instance.stop", json!({"ref": name, "force": true}));
+        assert_eq!(stopped["state"], "stopped", "{stopped}");
+        assert_eq!(stopped["gpu"]["release_pending"], true, "{stopped}");
+        self.sim.ctl(&["clear-faults"]).unwrap();
+        let c = self.claim(&vf).expect("retained claim");
+        assert_eq!(c["state"], "release_pending", "{c}");
+        assert_eq!(c["instance_id"], id.as_str());
+        assert_ne!(self.vf_type(&vf), 0, "the VF still holds its type");
+        assert!(pids_where(|c| c.contains("qemu-system") && c.contains(&id)).is_empty(), "QEMU of {name} is gone");
+        (id, vf)
+    }
+}
