@@ -150,6 +150,8 @@ pub struct Manager {
     /// `claim_grace_s` + one reconcile interval, with the plugin's reason (PLUGINS.md
     /// "grace": reported as `held_by_policy`). Rebuilt by every pass.
     held_by_policy: Mutex<BTreeMap<String, String>>,
+    /// Serialises reconcile passes.
+    pass_lock: Mutex<()>,
     /// The startup reconcile pass had a complete observation (INVARIANTS.md I13): until
     /// then new claims answer `not_ready`.
     ready: std::sync::atomic::AtomicBool,
@@ -201,6 +203,13 @@ impl Manager {
     /// [`Manager::new`], remembering the config file for `plugin.reload`.
     pub fn with_config_path(cfg: Config, config_path: Option<PathBuf>, store: Store, policies: Policies) -> Manager {
         let host = HostRoot::new(&cfg.host_root);
+        // Orphan first-seen times survive a restart within the same boot.
+        let orphan_seen: HashMap<String, u64> = std::fs::read(store.root().join("orphans.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .filter(|v| host.boot_id().ok().as_deref() == v["boot_id"].as_str())
+            .and_then(|v| serde_json::from_value(v["seen_boottime_ms"].clone()).ok())
+            .unwrap_or_default();
         let known: BTreeMap<String, (String, Option<u64>)> = std::fs::read(store.root().join("profiles.json"))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
@@ -216,8 +225,9 @@ impl Manager {
             device_locks: Mutex::new(HashMap::new()),
             known_profiles: Mutex::new(known),
             gpu_framebuffer: Mutex::new(HashMap::new()),
-            orphan_seen: Mutex::new(HashMap::new()),
+            orphan_seen: Mutex::new(orphan_seen),
             held_by_policy: Mutex::new(BTreeMap::new()),
+            pass_lock: Mutex::new(()),
             ready: std::sync::atomic::AtomicBool::new(false),
             counters: Counters::default(),
         }
@@ -1052,57 +1062,81 @@ impl Manager {
         }
     }
 
+    /// Re-reads the claim of `claim.device`: `Ok(Some)` when it is still exactly this claim
+    /// (same instance, boot, claim time and mdev), `Ok(None)` when it is gone or another
+    /// claim took its place — then it is not ours to release and nothing is touched.
+    fn reread_claim(&self, claim: &Claim) -> Result<Option<Claim>, ReleaseError> {
+        match self.store.read_claim(&claim.device) {
+            Ok(Some(cur))
+                if cur.instance_id == claim.instance_id
+                    && cur.claim_boot_id == claim.claim_boot_id
+                    && cur.claimed_boottime_ms == claim.claimed_boottime_ms
+                    && cur.mdev_uuid == claim.mdev_uuid =>
+            {
+                Ok(Some(cur))
+            }
+            Ok(Some(_)) => {
+                tracing::warn!(gpu.device = %claim.device, "the claim changed since it was read; touching nothing");
+                Ok(None)
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(ReleaseError::Store(e.to_string())),
+        }
+    }
+
+    /// One attempt of the guard. Locks: the claim is re-read under the allocation lock; the
+    /// scan, the write and the read-back happen under the device lock (not the allocation
+    /// lock: while the claim file exists no one else can claim the device, so a slow sysfs
+    /// write never blocks other placements); the removal re-reads the claim again under the
+    /// allocation lock.
     fn release_once(&self, claim: &Claim) -> Result<(), ReleaseError> {
-        let _a = lock(&self.alloc);
-        let cur = match self.store.read_claim(&claim.device) {
-            Ok(Some(c)) => c,
-            Ok(None) => return Ok(()),
-            Err(e) => return Err(ReleaseError::Store(e.to_string())),
-        };
-        if cur.instance_id != claim.instance_id
-            || cur.claim_boot_id != claim.claim_boot_id
-            || cur.claimed_boottime_ms != claim.claimed_boottime_ms
-            || cur.mdev_uuid != claim.mdev_uuid
-        {
-            // Another claim (another instance, or a newer claim of the same instance made
-            // since the caller read this one): it is not ours to release.
-            tracing::warn!(gpu.device = %claim.device, "the claim changed since it was read; touching nothing");
+        let Some(_) = ({
+            let _a = lock(&self.alloc);
+            self.reread_claim(claim)?
+        }) else {
             return Ok(());
-        }
-        let dev_lock = self.device_lock(&cur.device);
-        let _d = lock(&dev_lock);
-        let targets = match (cur.framework, cur.mdev_uuid) {
-            (Framework::Mdev, Some(u)) => mdev::targets(&self.host, &u.to_string()),
-            _ => {
-                let info = vendor_vfio::read_vf(&self.host, &cur.device, cur.gpu.clone());
-                vendor_vfio::vf_targets(&self.host, &info)
-            }
         };
-        match proc::scan_open_handles(&targets) {
-            HandleScan::Clean => {}
-            HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
-            HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
-        }
-        crate::crash_point!("release_before_write");
-        match (cur.framework, cur.mdev_uuid) {
-            (Framework::Mdev, Some(u)) => {
-                mdev::remove(&self.host, &u.to_string()).map_err(ReleaseError::Failed)?;
-                let _ = self.store.remove_mdev(u);
-            }
-            _ => match vendor_vfio::clear(&self.host, &cur.device, cur.type_id) {
-                Ok(()) => {}
-                Err(vendor_vfio::ClearError::Foreign { value }) => {
-                    let detail = format!("reads type {value}, claim recorded {:?}", cur.type_id);
-                    self.quarantine(&cur.device, "foreign_write", &detail);
-                    return Err(ReleaseError::Foreign(detail));
+        {
+            let dev_lock = self.device_lock(&claim.device);
+            let _d = lock(&dev_lock);
+            // A concurrent release of the same claim may have finished meanwhile.
+            let Some(cur) = self.reread_claim(claim)? else { return Ok(()) };
+            let targets = match (cur.framework, cur.mdev_uuid) {
+                (Framework::Mdev, Some(u)) => mdev::targets(&self.host, &u.to_string()),
+                _ => {
+                    let info = vendor_vfio::read_vf(&self.host, &cur.device, cur.gpu.clone());
+                    vendor_vfio::vf_targets(&self.host, &info)
                 }
-                Err(vendor_vfio::ClearError::Failed(m)) => return Err(ReleaseError::Failed(m)),
-            },
+            };
+            match proc::scan_open_handles(&targets) {
+                HandleScan::Clean => {}
+                HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
+                HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
+            }
+            crate::crash_point!("release_before_write");
+            match (cur.framework, cur.mdev_uuid) {
+                (Framework::Mdev, Some(u)) => {
+                    mdev::remove(&self.host, &u.to_string()).map_err(ReleaseError::Failed)?;
+                    let _ = self.store.remove_mdev(u);
+                }
+                _ => match vendor_vfio::clear(&self.host, &cur.device, cur.type_id) {
+                    Ok(()) => {}
+                    Err(vendor_vfio::ClearError::Foreign { value }) => {
+                        let detail = format!("reads type {value}, claim recorded {:?}", cur.type_id);
+                        self.quarantine(&cur.device, "foreign_write", &detail);
+                        return Err(ReleaseError::Foreign(detail));
+                    }
+                    Err(vendor_vfio::ClearError::Failed(m)) => return Err(ReleaseError::Failed(m)),
+                },
+            }
         }
         crate::crash_point!("release_after_write");
-        self.store.remove_claim(&cur.device).map_err(|e| ReleaseError::Store(e.to_string()))?;
+        let _a = lock(&self.alloc);
+        if self.reread_claim(claim)?.is_some() {
+            self.store.remove_claim(&claim.device).map_err(|e| ReleaseError::Store(e.to_string()))?;
+        }
         crate::crash_point!("release_after_claim_remove");
-        tracing::info!(gpu.device = %cur.device, instance.id = %cur.instance_id, "device released");
+        tracing::info!(gpu.device = %claim.device, instance.id = %claim.instance_id, "device released");
         Ok(())
     }
 
@@ -1652,13 +1686,19 @@ impl Manager {
         let mut quarantined = 0;
         let mut dirty = 0;
         let mut unreadable = 0;
+        // A device can be claimed and quarantined at once: the quarantine count comes from
+        // the health records of devices present, not from the one state shown.
+        let marks = self.store.list_health().unwrap_or_default();
         for g in &obs.inventory.gpus {
             for d in &g.devices {
                 total += 1;
+                if marks.iter().any(|h| h.quarantined && h.device == d.address) {
+                    quarantined += 1;
+                }
                 match d.state {
                     DeviceState::Claimed => claimed += 1,
                     DeviceState::Free => allocatable += 1,
-                    DeviceState::Quarantined => quarantined += 1,
+                    DeviceState::Quarantined => {}
                     DeviceState::Dirty => dirty += 1,
                     DeviceState::Unreadable => unreadable += 1,
                 }

@@ -60,9 +60,21 @@ impl Eligible {
 }
 
 impl Manager {
+    /// Writes the orphan first-seen times (`<data-dir>/orphans.json`, with the boot id).
+    fn persist_orphan_seen(&self) {
+        let Ok(boot_id) = self.host.boot_id() else { return };
+        let seen = lock(&self.orphan_seen).clone();
+        let doc = json!({ "boot_id": boot_id, "seen_boottime_ms": seen });
+        if let Err(e) = crate::store::write_json_atomic(&self.store.root().join("orphans.json"), &doc) {
+            tracing::warn!(error = %e, "cannot persist orphan first-seen times");
+        }
+    }
+
     /// Runs one reconcile pass now. Never fails: problems are in the report and counted.
-    /// The first pass with a complete inventory makes the agent ready (I13).
+    /// The first pass with a complete inventory makes the agent ready (I13). Passes never
+    /// overlap: a `reconcile.run` during the periodic pass waits for it.
     pub fn reconcile(&self) -> PassReport {
+        let _pass = lock(&self.pass_lock);
         let started = Instant::now();
         let mut report = PassReport::default();
         let boot_id = match self.host.boot_id() {
@@ -279,6 +291,7 @@ impl Manager {
             }
         };
         let now = proc::boottime_ms();
+        let seen_before = lock(&self.orphan_seen).clone();
         let mut seen_now = HashSet::new();
         for g in gpus {
             if !self.cfg.manages(&g.bdf) {
@@ -293,7 +306,10 @@ impl Manager {
                     report.kept.push(json!({"device": vf.bdf, "reason": "quarantined"}));
                     continue;
                 }
+                // The dirty age runs from the first pass that saw the VF dirty and unclaimed,
+                // held open or not (persisted, so an agent restart does not reset it).
                 seen_now.insert(vf.bdf.clone());
+                let since = *lock(&self.orphan_seen).entry(vf.bdf.clone()).or_insert(now);
                 match proc::scan_open_handles(&vendor_vfio::vf_targets(&self.host, vf)) {
                     HandleScan::Clean => {}
                     HandleScan::Held { pids } => {
@@ -309,7 +325,6 @@ impl Manager {
                         continue;
                     }
                 }
-                let since = *lock(&self.orphan_seen).entry(vf.bdf.clone()).or_insert(now);
                 out.push((
                     Eligible::OrphanVf { vf: vf.bdf.clone(), gpu: g.bdf.clone(), type_id: t },
                     GraceItem {
@@ -326,7 +341,14 @@ impl Manager {
                 ));
             }
         }
-        lock(&self.orphan_seen).retain(|k, _| seen_now.contains(k));
+        let changed = {
+            let mut seen = lock(&self.orphan_seen);
+            seen.retain(|k, _| seen_now.contains(k));
+            *seen != seen_before
+        };
+        if changed {
+            self.persist_orphan_seen();
+        }
         out
     }
 
