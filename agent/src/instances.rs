@@ -957,7 +957,7 @@ impl Manager {
         let cur = vendor_vfio::read_current_type(&self.host, vf).map_err(|e| (true, format!("unreadable: {e}")))?;
         if cur != 0 {
             let info = vendor_vfio::read_vf(&self.host, vf, cand.gpu.clone());
-            match proc::scan_open_handles(&vendor_vfio::vf_targets(&self.host, &info)) {
+            match scan(vendor_vfio::vf_targets(&self.host, &info)) {
                 HandleScan::Clean => {}
                 HandleScan::Held { pids } => return Err((true, format!("dirty and in use by pid {pids:?}"))),
                 HandleScan::Unknown { reason } => {
@@ -1108,7 +1108,7 @@ impl Manager {
                     vendor_vfio::vf_targets(&self.host, &info)
                 }
             };
-            match proc::scan_open_handles(&targets) {
+            match scan(targets) {
                 HandleScan::Clean => {}
                 HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
                 HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
@@ -1878,6 +1878,15 @@ enum Rollback {
     Remove,
     /// Start: restore `stopped`.
     Stopped,
+}
+
+/// A fresh open-handle scan of a device's nodes; targets that could not be read make the
+/// result unknown (fail closed, NVIDIA-HOST.md §5).
+fn scan(targets: Result<Vec<PathBuf>, String>) -> HandleScan {
+    match targets {
+        Ok(t) => proc::scan_open_handles(&t),
+        Err(reason) => HandleScan::Unknown { reason },
+    }
 }
 
 fn binary_exists(bin: &std::path::Path) -> bool {

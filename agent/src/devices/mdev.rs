@@ -108,7 +108,8 @@ pub fn devices(host: &HostRoot) -> Result<Vec<MdevDevice>, String> {
         Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
     };
     let mut out = Vec::new();
-    for ent in rd.filter_map(|e| e.ok()) {
+    for ent in rd {
+        let ent = ent.map_err(|e| format!("cannot list {}: {}", dir.display(), errno_name(&e)))?;
         let uuid = ent.file_name().to_string_lossy().into_owned();
         if let Some(d) = read_device(host, &uuid) {
             out.push(d);
@@ -130,19 +131,31 @@ pub fn read_device(host: &HostRoot, uuid: &str) -> Option<MdevDevice> {
     Some(MdevDevice { uuid: uuid.to_string(), parent, mdev_type, iommu_group })
 }
 
-/// The device nodes of an mdev: its group node and its `vfio-dev` cdevs.
-pub fn targets(host: &HostRoot, uuid: &str) -> Vec<PathBuf> {
+/// The device nodes of an mdev: its group node and its `vfio-dev` cdevs. Absent paths mean
+/// fewer targets; any other read error is `Err` (the scan result is then unknown).
+pub fn targets(host: &HostRoot, uuid: &str) -> Result<Vec<PathBuf>, String> {
     let d = host.mdev_device(uuid);
     let mut t = Vec::new();
-    if let Some(g) = link_basename(&d.join("iommu_group")).ok().and_then(|g| g.parse::<u32>().ok()) {
-        t.push(host.vfio_group_node(g));
-    }
-    if let Ok(rd) = fs::read_dir(d.join("vfio-dev")) {
-        for e in rd.filter_map(|e| e.ok()) {
-            t.push(host.vfio_cdev_node(&e.file_name().to_string_lossy()));
+    match link_basename(&d.join("iommu_group")) {
+        Ok(g) => {
+            if let Ok(g) = g.parse::<u32>() {
+                t.push(host.vfio_group_node(g));
+            }
         }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("mdev {uuid}/iommu_group cannot be read: {}", errno_name(&e))),
     }
-    t
+    match fs::read_dir(d.join("vfio-dev")) {
+        Ok(rd) => {
+            for e in rd {
+                let e = e.map_err(|e| format!("mdev {uuid}/vfio-dev cannot be listed: {}", errno_name(&e)))?;
+                t.push(host.vfio_cdev_node(&e.file_name().to_string_lossy()));
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("mdev {uuid}/vfio-dev cannot be listed: {}", errno_name(&e))),
+    }
+    Ok(t)
 }
 
 /// Creates an mdev of `type_dir` on `parent` with `uuid`, then verifies it exists with

@@ -21,6 +21,9 @@ pub struct VfInfo {
     pub iommu_group: Option<u32>,
     /// Names under `vfio-dev/` (`vfio<N>`; dynamic — never store them).
     pub cdevs: Vec<String>,
+    /// Set when the VFIO paths (`iommu_group`, `vfio-dev/`) could not be read for a reason
+    /// other than "absent": the open-handle targets are then unknown (fail closed).
+    pub targets_error: Option<String>,
     /// `current_vgpu_type`: `Ok(0)` = no vGPU; `Err` = unreadable/unparseable (skip, never
     /// write).
     pub current_type: Result<u32, String>,
@@ -75,8 +78,12 @@ fn list_pci(host: &HostRoot) -> Result<Vec<String>, String> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
     };
-    let mut out: Vec<String> =
-        rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    // An error while listing is a probe error, never "fewer devices".
+    let mut out = Vec::new();
+    for e in rd {
+        let e = e.map_err(|e| format!("cannot list {}: {}", dir.display(), errno_name(&e)))?;
+        out.push(e.file_name().to_string_lossy().into_owned());
+    }
     out.sort();
     Ok(out)
 }
@@ -108,17 +115,35 @@ pub fn write_type(host: &HostRoot, vf: &str, id: u32) -> io::Result<()> {
 /// Reads one VF.
 pub fn read_vf(host: &HostRoot, bdf: &str, pf: String) -> VfInfo {
     let d = host.pci_device(bdf);
-    let iommu_group = link_basename(&d.join("iommu_group")).ok().and_then(|g| g.parse().ok());
-    let mut cdevs: Vec<String> = fs::read_dir(d.join("vfio-dev"))
-        .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-        .unwrap_or_default();
+    let mut targets_error = None;
+    let iommu_group = match link_basename(&d.join("iommu_group")) {
+        Ok(g) => g.parse().ok(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => {
+            targets_error = Some(format!("{bdf}/iommu_group: {}", errno_or_msg(&e)));
+            None
+        }
+    };
+    let mut cdevs: Vec<String> = Vec::new();
+    match fs::read_dir(d.join("vfio-dev")) {
+        Ok(rd) => {
+            for e in rd {
+                match e {
+                    Ok(e) => cdevs.push(e.file_name().to_string_lossy().into_owned()),
+                    Err(e) => targets_error = Some(format!("{bdf}/vfio-dev: {}", errno_or_msg(&e))),
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => targets_error = Some(format!("{bdf}/vfio-dev: {}", errno_or_msg(&e))),
+    }
     cdevs.sort();
     let current_type = read_current_type(host, bdf).map_err(|e| errno_or_msg(&e));
     let catalog = read_catalog(host, bdf).map_err(|e| errno_or_msg(&e));
     if let Err(e) = &current_type {
         tracing::warn!(gpu.device = %bdf, error = %e, "skipping unreadable VF");
     }
-    VfInfo { bdf: bdf.to_string(), pf, iommu_group, cdevs, current_type, catalog }
+    VfInfo { bdf: bdf.to_string(), pf, iommu_group, cdevs, targets_error, current_type, catalog }
 }
 
 fn errno_or_msg(e: &io::Error) -> String {
@@ -130,8 +155,13 @@ fn errno_or_msg(e: &io::Error) -> String {
 }
 
 /// The device nodes that identify a VF's holders: `dev/vfio/<group>` and every
-/// `dev/vfio/devices/<vfio-dev entry>` (NVIDIA-HOST.md §5).
-pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Vec<PathBuf> {
+/// `dev/vfio/devices/<vfio-dev entry>` (NVIDIA-HOST.md §5). A missing `iommu_group` link or
+/// `vfio-dev/` directory means fewer targets; any other read error is `Err` (the scan's
+/// result is then unknown).
+pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Result<Vec<PathBuf>, String> {
+    if let Some(e) = &vf.targets_error {
+        return Err(format!("the VFIO paths of {} cannot be read: {e}", vf.bdf));
+    }
     let mut t = Vec::new();
     if let Some(g) = vf.iommu_group {
         t.push(host.vfio_group_node(g));
@@ -139,7 +169,7 @@ pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Vec<PathBuf> {
     for c in &vf.cdevs {
         t.push(host.vfio_cdev_node(c));
     }
-    t
+    Ok(t)
 }
 
 /// Every vendor-VFIO GPU and its VFs, read now. One unreadable VF is kept (marked

@@ -310,7 +310,7 @@ impl Manager {
                 // held open or not (persisted, so an agent restart does not reset it).
                 seen_now.insert(vf.bdf.clone());
                 let since = *lock(&self.orphan_seen).entry(vf.bdf.clone()).or_insert(now);
-                match proc::scan_open_handles(&vendor_vfio::vf_targets(&self.host, vf)) {
+                match scan(vendor_vfio::vf_targets(&self.host, vf)) {
                     HandleScan::Clean => {}
                     HandleScan::Held { pids } => {
                         report
@@ -396,7 +396,7 @@ impl Manager {
             if !self.cfg.manages(&pf_of(&self.host, &dev.parent)) {
                 continue;
             }
-            match proc::scan_open_handles(&mdev::targets(&self.host, &uuid)) {
+            match scan(mdev::targets(&self.host, &uuid)) {
                 HandleScan::Clean => {}
                 HandleScan::Held { pids } => {
                     report.kept.push(json!({"device": uuid, "reason": format!("held open by {pids:?}")}));
@@ -560,7 +560,7 @@ impl Manager {
         let dev_lock = self.device_lock(vf);
         let _d = lock(&dev_lock);
         let info = vendor_vfio::read_vf(&self.host, vf, gpu.to_string());
-        match proc::scan_open_handles(&vendor_vfio::vf_targets(&self.host, &info)) {
+        match scan(vendor_vfio::vf_targets(&self.host, &info)) {
             HandleScan::Clean => {}
             HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
             HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
@@ -586,7 +586,7 @@ impl Manager {
         let dev_lock = self.device_lock(&rec.parent);
         let _d = lock(&dev_lock);
         let uuid = rec.uuid.to_string();
-        match proc::scan_open_handles(&mdev::targets(&self.host, &uuid)) {
+        match scan(mdev::targets(&self.host, &uuid)) {
             HandleScan::Clean => {}
             HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
             HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
