@@ -22,7 +22,7 @@ fn record(id: Uuid, n: u64) -> InstanceRecord {
         labels: Default::default(),
         gpu_profile: Some("L40S-2Q".into()),
         gpu_framework: Some(Framework::VendorVfio),
-        state: if n % 2 == 0 { InstanceState::Running } else { InstanceState::Stopped },
+        state: if n.is_multiple_of(2) { InstanceState::Running } else { InstanceState::Stopped },
         vmm: None,
         created_at: "2026-01-01T00:00:00Z".into(),
         last_error: Some("x".repeat((n % 4096) as usize)),
@@ -64,7 +64,7 @@ fn store_writer_child() {
                 Ok(()) => {}
                 Err(_) => {
                     store.update_claim(&claim(&dev, *id, n)).unwrap();
-                    if n % 3 == 0 {
+                    if n.is_multiple_of(3) {
                         store.remove_claim(&dev).unwrap();
                     }
                 }

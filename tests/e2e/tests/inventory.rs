@@ -135,7 +135,7 @@ fn s045_starting_before_the_vfs_exist_and_catalogs_are_never_cached() {
     assert_eq!(b["gpu"]["type_id"], 1160);
     let vf = b["gpu"]["device"].as_str().unwrap();
     let path = format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type");
-    let last = writes(&a.state()).into_iter().filter(|(p, _, _)| *p == path).last().unwrap();
+    let last = writes(&a.state()).into_iter().rfind(|(p, _, _)| *p == path).unwrap();
     assert_eq!((last.1.as_str(), last.2.as_str()), ("1160", "ok"));
 }
 

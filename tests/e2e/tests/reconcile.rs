@@ -138,7 +138,7 @@ impl Holder {
 impl Drop for Holder {
     fn drop(&mut self) {
         for pid in pids_where(|c| c.starts_with("sleep 600")) {
-            if fd_targets(pid).iter().any(|t| *t == self.node) {
+            if fd_targets(pid).contains(&self.node) {
                 sigkill(pid);
             }
         }
