@@ -223,44 +223,7 @@ impl Agent {
     /// Starts a simulator and an agent (hold-fd, tcg, short graces for tests) and imports
     /// the demo image as `demo`.
     pub fn start_with(o: AgentOptions<'_>) -> anyhow::Result<Agent> {
-        let image = demo_image();
-        let sim = SimMount::start(o.model)?;
-        let dir = tempfile::Builder::new().prefix("gpuvisor-e2e.").tempdir()?;
-        let data_dir = dir.path().join("data");
-        let socket = dir.path().join("gpuvisor.sock");
-        let placement = o.placement.unwrap_or_else(|| plugin("placement-spread"));
-        let hypervisor = o.hypervisor.unwrap_or_else(|| plugin("hypervisor-default"));
-        let grace = o.grace.unwrap_or_else(|| plugin("grace-default"));
-        let config = format!(
-            "data_dir = {data:?}\nsocket = {sock:?}\nhost_root = {root:?}\naccel = \"tcg\"\nvfio_attach = \"hold-fd\"\n\
-             vfio_term_grace_s = 2\nstop_timeout_s = 10\nrelease_retry_s = 5\n{extra}\n\
-             [plugins.placement]\npath = {pl:?}\n[plugins.hypervisor]\npath = {hv:?}\n[plugins.grace]\npath = {gr:?}\n",
-            data = data_dir,
-            sock = socket,
-            root = sim.path(),
-            extra = o.extra,
-            pl = placement,
-            hv = hypervisor,
-            gr = grace,
-        );
-        let config_path = dir.path().join("gpuvisor.toml");
-        std::fs::write(&config_path, config)?;
-        let ns = PidNs::new()?;
-        let mut agent = Agent { sim, ns, dir, socket, data_dir, config_path, env: Vec::new(), child: None };
-        agent.spawn()?;
-        agent.wait_ready()?;
-        agent
-            .call(
-                "image.import",
-                json!({
-                    "name": "demo",
-                    "kernel": image.join("vmlinuz"),
-                    "initrd": image.join("initrd.img"),
-                    "cmdline": std::fs::read_to_string(image.join("cmdline")).unwrap_or_default().trim(),
-                }),
-            )
-            .map_err(|e| anyhow!("image.import: {e}"))?;
-        Ok(agent)
+        Agent::start_tuned(o, None, &[])
     }
 
     /// Spawns `gpuvisor serve` and waits until its socket answers `agent.health`.
