@@ -176,3 +176,23 @@ fn unreadable_vfio_paths_make_the_release_scan_incomplete_never_fewer_targets() 
     assert_eq!(a.vf_type(&vf), 0);
     assert!(a.claims().is_empty());
 }
+
+/// S031: processes that exit during the scan are skipped, not "unknown": a release under a
+/// storm of short-lived processes (in the agent's PID namespace) still succeeds.
+#[test]
+fn s031_processes_that_exit_during_the_scan_are_skipped() {
+    let a = Agent::start(HOST_V).unwrap();
+    let inst = a.create_gpu("a", "L40S-1Q").unwrap();
+    let vf = inst["gpu"]["device"].as_str().unwrap().to_string();
+    let mut churn =
+        a.ns.command("sh")
+            .arg("-c")
+            .arg("for w in 1 2 3 4; do (while :; do /bin/true; /bin/true & wait; done) & done; wait")
+            .spawn()
+            .unwrap();
+    let stopped = a.ok("instance.stop", json!({"ref": "a", "force": true}));
+    assert_eq!(stopped["gpu"]["release_pending"], false, "{stopped}");
+    assert_eq!(a.vf_type(&vf), 0);
+    assert!(a.claims().is_empty());
+    let _ = churn.kill();
+}

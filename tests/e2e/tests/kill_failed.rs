@@ -1,0 +1,87 @@
+//! S036: a VMM that outlives SIGKILL stops the teardown.
+//!
+//! A process blocked in a FUSE request that the filesystem has already picked up waits
+//! uninterruptibly until the reply (Linux `fs/fuse/dev.c` `request_wait_answer`): SIGKILL
+//! cannot end it. The test VMM is a small QMP-speaking stand-in (Python) that, on SIGTERM,
+//! writes to a simulator file whose writes are delayed (`delay-write`): it then survives
+//! SIGTERM, SIGKILL and the group SIGKILL for the delay, exactly like a QEMU stuck in the
+//! kernel.
+
+use gpuvisor_e2e::*;
+use serde_json::json;
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+const FAKE_VMM: &str = r#"#!/usr/bin/env python3
+# A QMP-speaking stand-in for QEMU: answers the agent's QMP commands; on SIGTERM it writes
+# to STUCK_PATH (a delayed FUSE file), where SIGKILL cannot reach it until the write ends.
+import json, os, signal, socket, sys, threading
+args = sys.argv[1:]
+qmp = args[args.index("-qmp") + 1].split("unix:", 1)[1].split(",", 1)[0]
+def on_term(signum, frame):
+    stuck = open(os.path.join(os.path.dirname(qmp), "stuck-path")).read().strip()
+    with open(stuck, "w") as f:
+        f.write("frame_rate_limiter=0")
+signal.signal(signal.SIGTERM, on_term)
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(qmp)
+srv.listen(4)
+def serve(c):
+    f = c.makefile("rw")
+    f.write(json.dumps({"QMP": {"version": {}, "capabilities": []}}) + "\n"); f.flush()
+    for line in f:
+        cmd = json.loads(line).get("execute")
+        ret = {"status": "running", "running": True} if cmd == "query-status" else {}
+        f.write(json.dumps({"return": ret}) + "\n"); f.flush()
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+#[test]
+fn s036_a_vmm_that_outlives_sigkill_stops_the_teardown() {
+    let tools = tempfile::tempdir().unwrap();
+    let fake = tools.path().join("fake-vmm");
+    std::fs::write(&fake, FAKE_VMM).unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let qemu_binary = format!("{:?}", fake);
+    let a = Agent::start_tuned(
+        AgentOptions { model: HOST_V, ..Default::default() },
+        None,
+        &[("vfio_term_grace_s", "1"), ("qemu_binary", &qemu_binary)],
+    )
+    .unwrap();
+    let inst = a.create_gpu("a", "L40S-1Q").unwrap();
+    let vf = inst["gpu"]["device"].as_str().unwrap().to_string();
+    let id = inst["id"].as_str().unwrap().to_string();
+    let run_dir = a.data_dir.join("instances").join(&id);
+    // The stand-in will write this VF's vgpu_params on SIGTERM; delay that write 12 s.
+    let params = format!("sys/bus/pci/devices/{vf}/nvidia/vgpu_params");
+    std::fs::write(run_dir.join("stuck-path"), a.sim.path().join(&params).display().to_string()).unwrap();
+    a.sim.ctl(&["delay-write", &params, "12000", "--times", "1"]).unwrap();
+    let vmm = pids_where(|c| c.contains("fake-vmm") && c.contains(&id));
+    assert_eq!(vmm.len(), 1);
+
+    let t0 = Instant::now();
+    let e = a.err("instance.stop", json!({"ref": "a", "force": true}));
+    assert_eq!((e.code, e.data_code.as_str()), (500, "vmm_kill_failed"), "{e}");
+    assert!(e.data["pid"].is_number(), "the error names the pid: {e}");
+    assert!(t0.elapsed() >= Duration::from_secs(5), "SIGTERM grace + 2 s + 2 s were waited: {:?}", t0.elapsed());
+    // Nothing was torn down.
+    assert_eq!(a.vf_type(&vf), 1147);
+    let claims = a.claims();
+    assert_eq!(claims.len(), 1);
+    assert_eq!(claims[0]["state"], "configured");
+    assert_eq!(a.ok("instance.get", json!({"ref": "a"}))["state"], "stopping");
+    assert!(pids_where(|c| c.contains("fake-vmm") && c.contains(&id)).len() == 1, "still alive (in the kernel)");
+
+    // Once the process has exited, a second stop completes normally.
+    wait_for(Duration::from_secs(30), || {
+        pids_where(|c| c.contains("fake-vmm") && c.contains(&id)).is_empty().then_some(())
+    })
+    .expect("the stuck VMM exits once its write returns");
+    let stopped = a.ok("instance.stop", json!({"ref": "a", "force": true}));
+    assert_eq!(stopped["state"], "stopped");
+    assert_eq!(a.vf_type(&vf), 0);
+    assert!(a.claims().is_empty());
+}
