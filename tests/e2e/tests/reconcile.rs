@@ -285,7 +285,7 @@ fn s040_the_startup_pass_completes_before_ready_then_one_pass_per_interval() {
     })
     .expect("three periodic passes");
     let dt = t0.elapsed();
-    assert!(dt >= Duration::from_millis(1900) && dt <= Duration::from_secs(6), "3 passes took {dt:?}");
+    assert!(dt >= Duration::from_millis(1900) && dt <= Duration::from_secs(30), "3 passes took {dt:?}");
 }
 
 /// S040 (no managed GPU): passes report nothing to do and plain instances run. (The simulator
@@ -334,7 +334,7 @@ fn s041_the_sweep_clears_only_old_idle_unclaimed_vfs_on_managed_gpus() {
             assert!(first.elapsed().as_millis() >= GRACE_MS, "swept after {:?} < claim_grace", first.elapsed());
             break;
         }
-        assert!(first.elapsed() < Duration::from_secs(15), "vf0 never swept: {rep}");
+        assert!(first.elapsed() < Duration::from_secs(60), "vf0 never swept: {rep}");
         std::thread::sleep(Duration::from_millis(400));
     }
     assert_eq!(writes_since(&a, n), vec![(type_path(VF0), "0".into(), "ok".into())], "only vf0 is written");
@@ -408,7 +408,9 @@ fn s042_after_a_reboot_records_are_reconciled_and_claims_dropped_without_writes(
     a.kill_agent();
     sigkill(qemu_of(&a, x["id"].as_str().unwrap()));
     wait_for(Duration::from_secs(10), || a.qemu_pids().is_empty().then_some(())).unwrap();
-    a.sim.ctl(&["reboot", "--vf-delay", "3000"]).unwrap();
+    // The VFs come back 15 s after the reboot (long enough for a loaded machine to restart
+    // the agent and try a start before they exist).
+    a.sim.ctl(&["reboot", "--vf-delay", "15000"]).unwrap();
     assert_ne!(a.state()["boot_id"], old_boot);
     let n = a.sim_writes().len();
 
@@ -420,7 +422,7 @@ fn s042_after_a_reboot_records_are_reconciled_and_claims_dropped_without_writes(
     }
     assert!(a.qemu_pids().is_empty(), "no GPU instance booted without its GPU");
     a.wait_ready().unwrap();
-    wait_for(Duration::from_secs(15), || (a.state()["gpus"][0]["numvfs"].as_u64() == Some(4)).then_some(())).unwrap();
+    wait_for(Duration::from_secs(40), || (a.state()["gpus"][0]["numvfs"].as_u64() == Some(4)).then_some(())).unwrap();
     let rep = a.pass();
     assert_eq!(rep["inventory_complete"], true, "{rep}");
     assert_eq!(instance(&a, "x")["state"], "stopped");
@@ -460,7 +462,7 @@ fn a_qemu_killed_behind_the_agents_back_is_stopped_and_its_vf_released() {
         if a.claim_file(VF0).is_none() {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "vf0 never released: {rep}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "vf0 never released: {rep}");
         std::thread::sleep(Duration::from_millis(300));
     }
     assert!(moved, "a pass reported a: running → stopped");
@@ -513,7 +515,7 @@ fn an_undecodable_instance_record_fails_the_pass_closed() {
     while a.claim_file(VF1).is_some() {
         let rep = a.pass();
         assert_eq!(rep["inventory_complete"], true, "{rep}");
-        assert!(t0.elapsed() < Duration::from_secs(10), "b's claim never released: {rep}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "b's claim never released: {rep}");
         std::thread::sleep(Duration::from_millis(300));
     }
     assert_eq!(a.vf_type(VF1), 0);
