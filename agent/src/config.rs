@@ -148,6 +148,13 @@ impl Config {
         if !matches!(self.log_format.as_str(), "text" | "json") {
             anyhow::bail!("log_format must be \"text\" or \"json\", not {:?}", self.log_format);
         }
+        for g in self.managed_gpus.iter().flatten() {
+            if !is_bdf(g) {
+                anyhow::bail!(
+                    "managed_gpus: {g:?} is not a PCI address (domain:bus:device.function, e.g. 0000:41:00.0)"
+                );
+            }
+        }
         if let Some(a) = self.metrics_listen {
             if !a.ip().is_loopback() {
                 anyhow::bail!("metrics_listen must be a loopback address, not {a}");
@@ -195,6 +202,17 @@ impl Config {
     }
 }
 
+/// True for a full PCI address `dddd:bb:dd.f` (hex, function 0–7).
+pub fn is_bdf(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && (b'0'..=b'7').contains(&b[11])
+        && [0, 1, 2, 3, 5, 6, 8, 9].iter().all(|&i| b[i].is_ascii_hexdigit())
+}
+
 /// Labels as a sorted map (shared by requests and records).
 pub type Labels = BTreeMap<String, String>;
 
@@ -218,6 +236,8 @@ mod tests {
         assert!(e.contains("data_dri"), "{e}");
         let e = Config::parse("accel = \"hvf\"").unwrap_err().to_string();
         assert!(e.contains("accel"), "{e}");
+        let e = Config::parse("managed_gpus = [\"not-a-bdf\"]").unwrap_err().to_string();
+        assert!(e.contains("not-a-bdf"), "{e}");
         let e = Config::parse("metrics_listen = \"0.0.0.0:9464\"").unwrap_err().to_string();
         assert!(e.contains("loopback"), "{e}");
         let e = Config::parse("vfio_attach = \"magic\"").unwrap_err().to_string();

@@ -515,8 +515,15 @@ impl Manager {
 
     /// Reads the host once to learn its profile names (called at startup).
     pub fn learn_inventory(&self) {
-        if let Err(e) = self.observe(None) {
-            tracing::warn!(error = %e, "initial GPU inventory failed");
+        match self.observe(None) {
+            Ok(obs) => {
+                for g in self.cfg.managed_gpus.iter().flatten() {
+                    if !obs.inventory.gpus.iter().any(|v| v.address.eq_ignore_ascii_case(g)) {
+                        tracing::warn!(gpu = %g, "managed_gpus names a GPU with no vGPU device on this host");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "initial GPU inventory failed"),
         }
     }
 
@@ -1153,7 +1160,14 @@ impl Manager {
     }
 
     fn vm_spec(&self, rec: &InstanceRecord, claim: Option<&Claim>) -> Result<hypervisor::VmSpec, ApiError> {
-        let image = images::load(&self.store.images_dir(), &rec.image)?;
+        let image = images::load(&self.store.images_dir(), &rec.image).map_err(|e| {
+            if e.code == ErrorCode::NotFound {
+                ApiError::invalid(format!("image {} of instance {} no longer exists", rec.image, rec.name))
+                    .with("image", rec.image.clone())
+            } else {
+                e
+            }
+        })?;
         let vfio = match claim {
             None => None,
             Some(c) => {
@@ -1520,6 +1534,12 @@ impl Manager {
                 ))
             }
             InstanceState::Stopped => {}
+            InstanceState::Deleting => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidState,
+                    format!("instance {} is being deleted; retry the delete", rec.name),
+                ))
+            }
             _ => {
                 if let Liveness::MaybeAlive { reason } = self.liveness(&rec)? {
                     return Err(ApiError::new(

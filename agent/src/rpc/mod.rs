@@ -252,10 +252,17 @@ pub async fn serve(
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    match std::fs::remove_file(socket) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => anyhow::bail!("cannot replace {}: {e}", socket.display()),
+    // Replace only a stale socket file: if something still accepts connections there,
+    // another agent serves it and must not be cut off.
+    if socket.exists() {
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            anyhow::bail!("another process is serving on {}; refusing to replace its socket", socket.display());
+        }
+        match std::fs::remove_file(socket) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => anyhow::bail!("cannot replace {}: {e}", socket.display()),
+        }
     }
     let listener = tokio::net::UnixListener::bind(socket)?;
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;

@@ -196,3 +196,19 @@ fn s031_processes_that_exit_during_the_scan_are_skipped() {
     assert!(a.claims().is_empty());
     let _ = churn.kill();
 }
+
+/// Regression: a second agent (another data dir) pointed at a live agent's socket used to
+/// unlink it and take the first agent's clients.
+#[test]
+fn a_second_agent_never_replaces_a_live_agents_socket() {
+    let a = Agent::start(HOST_V).unwrap();
+    a.create_gpu("a", "L40S-1Q").unwrap();
+    let cfg = std::fs::read_to_string(&a.config_path).unwrap();
+    let other_data = a.dir.path().join("other-data");
+    let second = a.dir.path().join("second.toml");
+    std::fs::write(&second, cfg.replace(&format!("{:?}", a.data_dir), &format!("{other_data:?}"))).unwrap();
+    let (status, out) = serve_expecting_exit(&second, Duration::from_secs(30)).unwrap();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("another process is serving"), "{out}");
+    assert_eq!(a.ok("instance.get", json!({"ref": "a"}))["state"], "running", "the first agent still answers");
+}
