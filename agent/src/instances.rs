@@ -66,10 +66,31 @@ pub struct CreateRequest {
     pub hypervisor: Option<String>,
 }
 
+/// Latency histogram buckets for policy calls and claims, seconds.
+fn latency_histogram() -> prometheus_client::metrics::histogram::Histogram {
+    prometheus_client::metrics::histogram::Histogram::new([
+        0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
+    ])
+}
+
+/// A histogram family labelled `plugin`, `kind`.
+pub type PolicyDurations = prometheus_client::metrics::family::Family<
+    Vec<(String, String)>,
+    prometheus_client::metrics::histogram::Histogram,
+    fn() -> prometheus_client::metrics::histogram::Histogram,
+>;
+
 /// Counters the metrics endpoint reads.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Counters {
+    /// Total of [`Counters::rejected`].
     pub policy_rejected_answers: AtomicU64,
+    /// Answers the agent rejected, by (plugin, kind, reason).
+    pub rejected: Mutex<BTreeMap<(String, String, String), u64>>,
+    /// `gpuvisor_policy_call_duration_seconds{plugin,kind}`.
+    pub policy_duration: PolicyDurations,
+    /// `gpuvisor_vgpu_claim_duration_seconds`: claim selection + creation + configure.
+    pub claim_duration: prometheus_client::metrics::histogram::Histogram,
     pub kill_escalations: AtomicU64,
     /// `gpuvisor_vmm_kill_escalations_total{signal="SIGKILL"|"SIGKILL_GROUP"}`.
     pub kill_escalations_sigkill: AtomicU64,
@@ -116,6 +137,47 @@ impl std::fmt::Display for ReleaseError {
             ReleaseError::Foreign(m) => write!(f, "foreign_write: {m}"),
             ReleaseError::Store(m) => write!(f, "store: {m}"),
         }
+    }
+}
+
+impl Default for Counters {
+    fn default() -> Counters {
+        Counters {
+            policy_rejected_answers: AtomicU64::new(0),
+            rejected: Mutex::new(BTreeMap::new()),
+            policy_duration: PolicyDurations::new_with_constructor(latency_histogram),
+            claim_duration: latency_histogram(),
+            kill_escalations: AtomicU64::new(0),
+            kill_escalations_sigkill: AtomicU64::new(0),
+            kill_escalations_group: AtomicU64::new(0),
+            releases_ok: AtomicU64::new(0),
+            releases_failed: AtomicU64::new(0),
+            reconcile_complete: AtomicU64::new(0),
+            reconcile_incomplete: AtomicU64::new(0),
+            reconcile_inventory_failures: AtomicU64::new(0),
+            reconcile_grace_failures: AtomicU64::new(0),
+            stale_released: AtomicU64::new(0),
+            stale_in_use: AtomicU64::new(0),
+            stale_scan_incomplete: AtomicU64::new(0),
+            stale_failed: AtomicU64::new(0),
+            orphans_released_vendor_vfio: AtomicU64::new(0),
+            orphans_released_mdev: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Counters {
+    /// Counts one plugin answer the agent rejected.
+    pub fn reject(&self, plugin: &str, kind: &str, reason: &str) {
+        self.policy_rejected_answers.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.rejected).entry((plugin.to_string(), kind.to_string(), reason.to_string())).or_insert(0) += 1;
+    }
+
+    /// Times one policy call.
+    pub fn observe_policy_call(&self, plugin: &str, kind: &str, started: Instant) {
+        self.policy_duration
+            .get_or_create(&vec![("plugin".to_string(), plugin.to_string()), ("kind".to_string(), kind.to_string())])
+            .observe(started.elapsed().as_secs_f64());
     }
 }
 
@@ -427,7 +489,10 @@ impl Manager {
             params: self.cfg.plugin_params(gpuvisor_sdk::PolicyKind::Hypervisor),
         };
         self.record_input("hypervisor", &input);
-        let answer = self.policies().hypervisor.call_hypervisor(&input).map_err(|e| {
+        let t = Instant::now();
+        let answer = self.policies().hypervisor.call_hypervisor(&input);
+        self.counters.observe_policy_call(&self.policies().hypervisor.manifest().name, "hypervisor", t);
+        let answer = answer.map_err(|e| {
             ApiError::new(ErrorCode::PolicyFailed, format!("the hypervisor plugin failed: {e}"))
                 .with("plugin", self.policies().hypervisor.manifest().name.clone())
         })?;
@@ -441,8 +506,9 @@ impl Manager {
                 .with("policy_reason", reason))
             }
         };
+        let hv_plugin = self.policies().hypervisor.manifest().name.clone();
         let Some(info) = hypervisors.iter().find(|h| h.name == chosen) else {
-            self.counters.policy_rejected_answers.fetch_add(1, Ordering::Relaxed);
+            self.counters.reject(&hv_plugin, "hypervisor", "unknown_hypervisor");
             return Err(ApiError::new(
                 ErrorCode::HypervisorUnsupported,
                 format!("the hypervisor plugin chose {chosen:?}, which gpuvisor does not know"),
@@ -451,7 +517,7 @@ impl Manager {
         };
         let kind = HypervisorKind::from_name(&chosen).ok_or_else(|| ApiError::internal("capability table"))?;
         if !hypervisor::can_carry(kind, framework) {
-            self.counters.policy_rejected_answers.fetch_add(1, Ordering::Relaxed);
+            self.counters.reject(&hv_plugin, "hypervisor", "cannot_carry_device");
             return Err(ApiError::new(
                 ErrorCode::HypervisorUnsupported,
                 format!(
@@ -807,7 +873,10 @@ impl Manager {
             params: self.cfg.plugin_params(gpuvisor_sdk::PolicyKind::Placement),
         };
         self.record_input("placement", &input);
-        let answer = self.policies().placement.call_placement(&input).map_err(|e| {
+        let t = Instant::now();
+        let answer = self.policies().placement.call_placement(&input);
+        self.counters.observe_policy_call(&self.policies().placement.manifest().name, "placement", t);
+        let answer = answer.map_err(|e| {
             ApiError::new(ErrorCode::PolicyFailed, format!("the placement plugin failed: {e}"))
                 .with("plugin", self.policies().placement.manifest().name.clone())
         })?;
@@ -826,7 +895,11 @@ impl Manager {
             match obs.candidates.iter().find(|c| c.device == dev) {
                 Some(c) if !out.iter().any(|o| o.device == dev) => out.push(c.clone()),
                 _ => {
-                    self.counters.policy_rejected_answers.fetch_add(1, Ordering::Relaxed);
+                    self.counters.reject(
+                        &self.policies().placement.manifest().name,
+                        "placement",
+                        "not_a_legal_candidate",
+                    );
                     tracing::warn!(plugin.name = %self.policies().placement.manifest().name, gpu.device = %dev,
                         "placement plugin ranked a device that is not a legal candidate; dropped");
                 }
@@ -928,6 +1001,7 @@ impl Manager {
                     claim.state = ClaimState::Configured;
                     self.store.update_claim(&claim)?;
                     crate::crash_point!("after_configure");
+                    self.counters.claim_duration.observe(started.elapsed().as_secs_f64());
                     tracing::info!(instance.id = %rec.id, gpu.device = %claim.device, type_id = ?claim.type_id,
                         duration_ms = started.elapsed().as_millis() as u64, "device claimed and configured");
                     return Ok(claim);

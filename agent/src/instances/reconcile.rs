@@ -525,7 +525,10 @@ impl Manager {
             params,
         };
         self.record_input("grace", &input);
-        match plugin.call_grace(&input) {
+        let t = Instant::now();
+        let answer = plugin.call_grace(&input);
+        self.counters.observe_policy_call(&plugin.manifest().name, "grace", t);
+        match answer {
             Ok(answer) => {
                 let asked: HashSet<String> = eligible.iter().map(|(e, _)| e.device()).collect();
                 let mut out = HashMap::new();
@@ -534,7 +537,7 @@ impl Manager {
                         out.insert(d.device.clone(), d);
                     } else {
                         // A decision about a device that was not asked about is ignored.
-                        self.counters.policy_rejected_answers.fetch_add(1, Ordering::Relaxed);
+                        self.counters.reject(&plugin.manifest().name, "grace", "unasked_device");
                     }
                 }
                 out

@@ -93,10 +93,39 @@ pub fn render(m: &Manager) -> String {
     reg.register("gpuvisor_vgpu_quarantined_devices", "Quarantined devices", quarantined);
     let c = &m.counters;
     let rejected = Family::<Labels, Counter>::default();
-    rejected
-        .get_or_create(&vec![("plugin".into(), m.policies().placement.manifest().name.clone())])
-        .inc_by(c.policy_rejected_answers.load(Ordering::Relaxed));
+    let p = m.policies();
+    // Every (plugin, kind, reason) the agent can reject is exported, at 0 until it happens.
+    let mut known: Vec<(String, &str, &str)> = vec![
+        (p.placement.manifest().name.clone(), "placement", "not_a_legal_candidate"),
+        (p.hypervisor.manifest().name.clone(), "hypervisor", "unknown_hypervisor"),
+        (p.hypervisor.manifest().name.clone(), "hypervisor", "cannot_carry_device"),
+    ];
+    if let Some(g) = &p.grace {
+        known.push((g.manifest().name.clone(), "grace", "unasked_device"));
+    }
+    for (plugin, kind, reason) in known {
+        let _ = rejected.get_or_create(&vec![
+            ("plugin".into(), plugin),
+            ("kind".into(), kind.into()),
+            ("reason".into(), reason.into()),
+        ]);
+    }
+    for ((plugin, kind, reason), n) in c.rejected.lock().map(|r| r.clone()).unwrap_or_default() {
+        rejected
+            .get_or_create(&vec![("plugin".into(), plugin), ("kind".into(), kind), ("reason".into(), reason)])
+            .inc_by(n);
+    }
     reg.register("gpuvisor_policy_rejected_answers", "Plugin answers the agent rejected", rejected);
+    reg.register(
+        "gpuvisor_policy_call_duration_seconds",
+        "Policy plugin call latency by plugin and kind",
+        c.policy_duration.clone(),
+    );
+    reg.register(
+        "gpuvisor_vgpu_claim_duration_seconds",
+        "Claim selection, creation and configure, seconds",
+        c.claim_duration.clone(),
+    );
     let esc = Family::<Labels, Counter>::default();
     esc.get_or_create(&vec![("signal".into(), "SIGKILL".into())])
         .inc_by(c.kill_escalations_sigkill.load(Ordering::Relaxed));

@@ -294,3 +294,29 @@ fn the_loopback_metrics_listener_serves_prometheus_text_and_agrees_with_agent_me
     assert!(rpc_text.as_str().unwrap().contains("gpuvisor_instances{state=\"running\"} 1"));
     assert!(get("/nope").starts_with("HTTP/1.1 404"));
 }
+
+#[test]
+fn policy_and_claim_latencies_and_rejections_are_exported_with_their_labels() {
+    let a = Agent::start("l40s-2x16").unwrap();
+    a.create_gpu("lat", "L40S-1Q").unwrap();
+    let text = a.ok("agent.metrics", serde_json::json!({}));
+    let text = text.as_str().unwrap();
+    assert!(
+        text.contains("gpuvisor_policy_call_duration_seconds_count{plugin=\"placement-spread\",kind=\"placement\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "gpuvisor_policy_call_duration_seconds_count{plugin=\"hypervisor-default\",kind=\"hypervisor\"} 1"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("gpuvisor_vgpu_claim_duration_seconds_count 1"), "{text}");
+    assert!(
+        text.contains(
+            "gpuvisor_policy_rejected_answers_total{plugin=\"placement-spread\",kind=\"placement\",reason=\"not_a_legal_candidate\"} 0"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("gpuvisor_rpc_calls_total{method=\"instance.create\",result=\"ok\"} 1"), "{text}");
+}
