@@ -195,6 +195,7 @@ fn s031_processes_that_exit_during_the_scan_are_skipped() {
     assert_eq!(a.vf_type(&vf), 0);
     assert!(a.claims().is_empty());
     let _ = churn.kill();
+    let _ = churn.wait();
 }
 
 /// Regression: a second agent (another data dir) pointed at a live agent's socket used to
