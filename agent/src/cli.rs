@@ -304,13 +304,10 @@ pub async fn run_client(cli: &Cli) -> i32 {
             eprintln!("error: {e}");
             3
         }
-        Err(ClientError::Rpc { message, data, .. }) => {
+        Err(ClientError::Rpc { code, message, data }) => {
             if cli.output == Output::Json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&json!({ "error": { "message": message, "data": data } }))
-                        .unwrap_or_default()
-                );
+                let err = json!({ "error": { "code": code, "message": message, "data": data } });
+                println!("{}", serde_json::to_string_pretty(&err).unwrap_or_default());
             } else {
                 let code = data.get("code").and_then(|c| c.as_str()).unwrap_or("error");
                 eprintln!("error: {message} [{code}]");

@@ -142,3 +142,16 @@ fn every_instance_gets_its_uuid_and_name_on_the_qemu_command_line() {
     );
     a.ok("instance.delete", json!({"ref": id}));
 }
+
+#[test]
+fn a_graceful_stop_powers_the_guest_off_through_acpi() {
+    // stop_timeout_s is 10 in the harness: a guest that ignored the power button would make
+    // the stop fall through to QMP quit; the serial log proves the guest powered itself off.
+    let a = Agent::start("l40s-2x16").unwrap();
+    let inst = a.create_gpu("acpi", "L40S-1Q").unwrap();
+    a.wait_serial(&inst, READY, BOOT).unwrap();
+    let stopped = a.ok("instance.stop", json!({"ref": "acpi"}));
+    assert_eq!(stopped["state"], "stopped");
+    a.wait_serial(&inst, "gpuvisor-guest: poweroff", Duration::from_secs(5)).unwrap();
+    assert!(set_vfs(&a.state()).is_empty());
+}
