@@ -1223,14 +1223,21 @@ impl Manager {
 
     // ------------------------------------------------------------------ VMM
 
-    fn liveness(&self, rec: &InstanceRecord) -> Result<Liveness, ApiError> {
-        let boot_id = self.boot_id()?;
-        let sock = rec
-            .vmm
+    /// The VMM control socket of an instance: the recorded one, else where QEMU would put it.
+    fn control_socket(&self, rec: &InstanceRecord) -> PathBuf {
+        rec.vmm
             .as_ref()
             .map(|v| v.control_socket.clone())
-            .unwrap_or_else(|| self.store.instance_dir(rec.id).join("qmp.sock"));
-        Ok(proc::vmm_liveness(rec.vmm.as_ref().map(|v| &v.identity), Some(&sock), &boot_id))
+            .unwrap_or_else(|| self.store.instance_dir(rec.id).join("qmp.sock"))
+    }
+
+    /// Liveness of an instance's VMM (recorded identity and control-socket owner).
+    fn liveness_at(&self, rec: &InstanceRecord, boot_id: &str) -> Liveness {
+        proc::vmm_liveness(rec.vmm.as_ref().map(|v| &v.identity), Some(&self.control_socket(rec)), boot_id)
+    }
+
+    fn liveness(&self, rec: &InstanceRecord) -> Result<Liveness, ApiError> {
+        Ok(self.liveness_at(rec, &self.boot_id()?))
     }
 
     fn vm_spec(&self, rec: &InstanceRecord, claim: Option<&Claim>) -> Result<hypervisor::VmSpec, ApiError> {

@@ -138,12 +138,8 @@ impl Manager {
                 continue;
             };
             let Ok(Some(mut rec)) = self.store.read_instance(rec.id) else { continue };
-            let sock = rec
-                .vmm
-                .as_ref()
-                .map(|v| v.control_socket.clone())
-                .unwrap_or_else(|| self.store.instance_dir(rec.id).join("qmp.sock"));
-            match proc::vmm_liveness(rec.vmm.as_ref().map(|v| &v.identity), Some(&sock), boot_id) {
+            let sock = self.control_socket(&rec);
+            match self.liveness_at(&rec, boot_id) {
                 Liveness::Dead if rec.vmm.is_none() && self.young_claim(rec.id, boot_id) => {
                     // A crash between claim and spawn (or before the identity was
                     // persisted): protected while its claim is younger than claim_grace in
@@ -225,12 +221,7 @@ impl Manager {
             };
             let same_boot = claim.claim_boot_id == boot_id;
             if let Some(o) = &owner {
-                let sock = o
-                    .vmm
-                    .as_ref()
-                    .map(|v| v.control_socket.clone())
-                    .unwrap_or_else(|| self.store.instance_dir(o.id).join("qmp.sock"));
-                match proc::vmm_liveness(o.vmm.as_ref().map(|v| &v.identity), Some(&sock), boot_id) {
+                match self.liveness_at(o, boot_id) {
                     Liveness::Dead => {}
                     Liveness::Alive { pid } => {
                         report
@@ -310,20 +301,8 @@ impl Manager {
                 // held open or not (persisted, so an agent restart does not reset it).
                 seen_now.insert(vf.bdf.clone());
                 let since = *lock(&self.orphan_seen).entry(vf.bdf.clone()).or_insert(now);
-                match scan(vendor_vfio::vf_targets(&self.host, vf)) {
-                    HandleScan::Clean => {}
-                    HandleScan::Held { pids } => {
-                        report
-                            .kept
-                            .push(json!({"device": vf.bdf, "reason": format!("dirty and held open by {pids:?}")}));
-                        continue;
-                    }
-                    HandleScan::Unknown { reason } => {
-                        report
-                            .kept
-                            .push(json!({"device": vf.bdf, "reason": format!("dirty, scan incomplete: {reason}")}));
-                        continue;
-                    }
+                if !idle(&vf.bdf, vendor_vfio::vf_targets(&self.host, vf), report) {
+                    continue;
                 }
                 out.push((
                     Eligible::OrphanVf { vf: vf.bdf.clone(), gpu: g.bdf.clone(), type_id: t },
@@ -396,16 +375,8 @@ impl Manager {
             if !self.cfg.manages(&pf_of(&self.host, &dev.parent)) {
                 continue;
             }
-            match scan(mdev::targets(&self.host, &uuid)) {
-                HandleScan::Clean => {}
-                HandleScan::Held { pids } => {
-                    report.kept.push(json!({"device": uuid, "reason": format!("held open by {pids:?}")}));
-                    continue;
-                }
-                HandleScan::Unknown { reason } => {
-                    report.kept.push(json!({"device": uuid, "reason": format!("scan incomplete: {reason}")}));
-                    continue;
-                }
+            if !idle(&uuid, mdev::targets(&self.host, &uuid), report) {
+                continue;
             }
             let same_boot = rec.boot_id == boot_id;
             let age = if same_boot { now.saturating_sub(rec.created_boottime_ms) } else { u64::MAX / 2 };
@@ -598,6 +569,21 @@ impl Manager {
         self.store.remove_mdev(rec.uuid).map_err(|e| ReleaseError::Store(e.to_string()))?;
         tracing::info!(mdev = %uuid, "orphan mdev removed");
         Ok(())
+    }
+}
+
+/// True when a fresh scan finds no holder of the device; otherwise records why it is kept.
+fn idle(device: &str, targets: Result<Vec<std::path::PathBuf>, String>, report: &mut PassReport) -> bool {
+    match scan(targets) {
+        HandleScan::Clean => true,
+        HandleScan::Held { pids } => {
+            report.kept.push(json!({"device": device, "reason": format!("held open by {pids:?}")}));
+            false
+        }
+        HandleScan::Unknown { reason } => {
+            report.kept.push(json!({"device": device, "reason": format!("scan incomplete: {reason}")}));
+            false
+        }
     }
 }
 
