@@ -204,6 +204,10 @@ pub struct Manager {
     /// catalog or a claim (NVIDIA-HOST.md §3.5: tells `unknown_profile` from `no_capacity`).
     /// Value: (the name as the catalog spells it, framebuffer MiB).
     known_profiles: Mutex<BTreeMap<String, (String, Option<u64>)>>,
+    /// (PF, type id) → profile name, from every catalog and claim seen under the current
+    /// driver: a VF holding a type shows an empty catalog, so a dirty VF's size is looked up
+    /// here when no sibling lists its type any more. Reset when the driver version changes.
+    type_names: Mutex<(Option<String>, HashMap<(String, u32), String>)>,
     /// PF → largest framebuffer seen in any of its catalogs (the GPU's size).
     gpu_framebuffer: Mutex<HashMap<String, u64>>,
     /// Orphan device → CLOCK_BOOTTIME ms when the reconciler first saw it dirty/unclaimed.
@@ -287,6 +291,7 @@ impl Manager {
             device_locks: Mutex::new(HashMap::new()),
             known_profiles: Mutex::new(known),
             gpu_framebuffer: Mutex::new(HashMap::new()),
+            type_names: Mutex::new((None, HashMap::new())),
             orphan_seen: Mutex::new(orphan_seen),
             held_by_policy: Mutex::new(BTreeMap::new()),
             pass_lock: Mutex::new(()),
@@ -631,6 +636,18 @@ impl Manager {
             .map_err(|e| ApiError::new(ErrorCode::NotReady, format!("health records cannot be read: {e}")))?;
         let labels_of: HashMap<Uuid, Labels> =
             self.store.list_instances().unwrap_or_default().into_iter().map(|i| (i.id, i.labels)).collect();
+        let driver = devices::read_attr(&self.host.nvidia_version_path()).ok();
+        {
+            let mut names = lock(&self.type_names);
+            if names.0 != driver {
+                *names = (driver.clone(), HashMap::new());
+            }
+            for c in &claims {
+                if let (Some(id), true) = (c.type_id, c.driver_version == driver) {
+                    names.1.insert((c.gpu.clone(), id), c.profile.clone());
+                }
+            }
+        }
         for c in &claims {
             self.learn_profile(&c.profile, profile_framebuffer_mib(&c.profile));
         }
@@ -655,6 +672,7 @@ impl Manager {
                             for e in &cat.entries {
                                 let fb = profile_framebuffer_mib(&e.name);
                                 self.learn_profile(&e.name, fb);
+                                lock(&self.type_names).1.insert((g.bdf.clone(), e.id), e.name.clone());
                                 self.learn_gpu_size(&g.bdf, fb);
                             }
                         }
@@ -831,7 +849,9 @@ impl Manager {
             .filter_map(|v| v.catalog.as_ref().ok())
             .flat_map(|c| c.entries.iter())
             .find(|e| e.id == type_id)
-            .and_then(|e| profile_framebuffer_mib(&e.name))
+            .map(|e| e.name.clone())
+            .or_else(|| lock(&self.type_names).1.get(&(g.bdf.clone(), type_id)).cloned())
+            .and_then(|name| profile_framebuffer_mib(&name))
     }
 
     fn gpu_model(&self, g: &vendor_vfio::GpuInfo) -> String {
