@@ -231,7 +231,11 @@ fn labels_json(labels: &[(String, String)]) -> Value {
 /// Runs a client subcommand; returns the process exit code.
 pub async fn run_client(cli: &Cli) -> i32 {
     let (method, params) = match &cli.command {
-        Command::Serve(_) => unreachable_serve(),
+        Command::Serve(_) => {
+            // `main` runs `serve` itself; reaching this is a wiring error, not user input.
+            eprintln!("error: `serve` is not a client command");
+            return 2;
+        }
         Command::Create { name, image, gpu, labels, vcpus, memory_mib, hypervisor } => {
             let mut p = json!({ "name": name, "image": image, "labels": labels_json(labels) });
             if let Some(g) = gpu {
@@ -319,10 +323,6 @@ pub async fn run_client(cli: &Cli) -> i32 {
             1
         }
     }
-}
-
-fn unreachable_serve() -> ! {
-    panic!("serve is handled by main")
 }
 
 fn plugin_test(plugin: &std::path::Path, input: &std::path::Path, kind: Option<&str>) -> i32 {
