@@ -1129,3 +1129,23 @@ impl Agent {
         (id, vf)
     }
 }
+
+/// `resources.get`'s placeable count for a profile (0 when it is not listed).
+pub fn placeable(res: &Value, profile: &str) -> u64 {
+    res["profiles"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["profile"] == profile))
+        .and_then(|p| p["placeable"].as_u64())
+        .unwrap_or(0)
+}
+
+/// Fails with a clear message when the agent binary was built without the `failpoints`
+/// feature (the crash tests need it).
+pub fn assert_failpoints_built() {
+    let bin = std::fs::read(agent_binary()).expect("agent binary");
+    assert!(
+        bin.windows(b"reconcile_before_release".len()).any(|w| w == b"reconcile_before_release"),
+        "{} was built without failpoints: run `cargo build --workspace --bins --features gpuvisor/failpoints`",
+        agent_binary().display()
+    );
+}

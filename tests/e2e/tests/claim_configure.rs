@@ -87,16 +87,8 @@ fn s013_a_dirty_vf_that_is_in_use_is_never_claimed() {
     a.sim.ctl(&["set-type", VF0, "1148"]).unwrap();
     let cdev = vf_entry(&a.state(), VF0)["cdev"].as_str().unwrap().to_string();
     let node = a.sim.path().join(format!("dev/vfio/devices/{cdev}"));
-    let mut holder =
-        a.ns.command("sh")
-            .arg("-c")
-            .arg(format!("exec 3<>{}; echo held; exec sleep 300", node.display()))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(holder.stdout.take().unwrap()), &mut line).unwrap();
-    assert_eq!(line.trim(), "held");
+    let (mut holder, line) = a.ns_sh(&format!("exec 3<>{}; echo held; exec sleep 300", node.display()));
+    assert_eq!(line, "held");
     let before = type_writes(&a, VF0);
 
     let e = a.create_gpu("a", "L40S-2Q").unwrap_err();

@@ -60,15 +60,6 @@ const MATRIX: &[(&str, Op)] = &[
     ("release_after_claim_remove", Op::Reconcile),
 ];
 
-fn assert_failpoints_built() {
-    let bin = std::fs::read(agent_binary()).expect("agent binary");
-    assert!(
-        bin.windows(b"reconcile_before_release".len()).any(|w| w == b"reconcile_before_release"),
-        "{} was built without failpoints: run `cargo build --workspace --bins --features gpuvisor/failpoints`",
-        agent_binary().display()
-    );
-}
-
 /// The names in `agent/src/failpoints.rs` `ALL`.
 fn all_failpoints() -> Vec<String> {
     let src = std::fs::read_to_string(repo_root().join("agent/src/failpoints.rs")).unwrap();

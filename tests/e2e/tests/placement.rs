@@ -8,16 +8,6 @@ const VF1: &str = "0000:41:00.5";
 const VF2: &str = "0000:41:00.6";
 const VF3: &str = "0000:41:00.7";
 
-fn placeable(res: &Value, profile: &str) -> u64 {
-    res["profiles"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["profile"] == profile)
-        .map(|p| p["placeable"].as_u64().unwrap())
-        .unwrap_or(0)
-}
-
 fn type_writes(a: &Agent, vf: &str) -> Vec<(String, String)> {
     let path = format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type");
     writes(&a.state()).into_iter().filter(|(p, _, _)| *p == path).map(|(_, v, r)| (v, r)).collect()
@@ -116,15 +106,7 @@ fn s007_a_dirty_vf_that_refuses_repair_is_skipped() {
     a.sim.ctl(&["set-type", VF1, "1148"]).unwrap();
     let cdev = vf_entry(&a.state(), VF0)["cdev"].as_str().unwrap().to_string();
     let node = a.sim.path().join(format!("dev/vfio/devices/{cdev}"));
-    let mut holder =
-        a.ns.command("sh")
-            .arg("-c")
-            .arg(format!("exec 3<>{}; echo held; exec sleep 300", node.display()))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(holder.stdout.take().unwrap()), &mut line).unwrap();
+    let (mut holder, _) = a.ns_sh(&format!("exec 3<>{}; echo held; exec sleep 300", node.display()));
     let n = type_writes(&a, VF0).len();
     let inst = a.create_gpu("a", "L40S-2Q").unwrap();
     assert_eq!(inst["gpu"]["device"], VF1);

@@ -17,15 +17,6 @@ const VF3: &str = "0000:41:00.7";
 const WF0: &str = "0001:81:00.4";
 const FOREIGN: &str = "6a7d6a8c-2222-4c1b-a0c4-6f0d0e9b7b03";
 
-fn assert_failpoints_built() {
-    let bin = std::fs::read(agent_binary()).expect("agent binary");
-    assert!(
-        bin.windows(b"reconcile_before_release".len()).any(|w| w == b"reconcile_before_release"),
-        "{} was built without failpoints: run `cargo build --workspace --bins --features gpuvisor/failpoints`",
-        agent_binary().display()
-    );
-}
-
 fn agent(model: &str, extra: &str) -> Agent {
     Agent::start_with(AgentOptions { model, extra, ..Default::default() }).unwrap()
 }

@@ -8,16 +8,6 @@ use std::time::Duration;
 const READY: &str = "gpuvisor-guest: ready";
 const BOOT: Duration = Duration::from_secs(90);
 
-fn profile_count(res: &Value, profile: &str) -> u64 {
-    res["profiles"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["profile"] == profile)
-        .map(|p| p["placeable"].as_u64().unwrap())
-        .unwrap_or(0)
-}
-
 fn devices(res: &Value) -> (u64, u64, u64) {
     let d = &res["devices"];
     (d["total"].as_u64().unwrap(), d["claimed"].as_u64().unwrap(), d["allocatable"].as_u64().unwrap())
@@ -50,8 +40,8 @@ fn spread_puts_two_2q_instances_on_different_gpus_and_everything_is_released() {
     let a = Agent::start("l40s-2x16").unwrap();
     let res = a.ok("resources.get", json!({}));
     assert_eq!(devices(&res), (32, 0, 32));
-    assert_eq!(profile_count(&res, "L40S-2Q"), 32);
-    assert_eq!(profile_count(&res, "L40S-48Q"), 2);
+    assert_eq!(placeable(&res, "L40S-2Q"), 32);
+    assert_eq!(placeable(&res, "L40S-48Q"), 2);
 
     let one = a.create_gpu("one", "L40S-2Q").unwrap();
     let two = a.create_gpu("two", "L40S-2Q").unwrap();
@@ -74,8 +64,8 @@ fn spread_puts_two_2q_instances_on_different_gpus_and_everything_is_released() {
     }
     let res = a.ok("resources.get", json!({}));
     assert_eq!(devices(&res), (32, 2, 30));
-    assert_eq!(profile_count(&res, "L40S-2Q"), 30);
-    assert_eq!(profile_count(&res, "L40S-4Q"), 0, "equal-size rule: both GPUs run 2Q");
+    assert_eq!(placeable(&res, "L40S-2Q"), 30);
+    assert_eq!(placeable(&res, "L40S-4Q"), 0, "equal-size rule: both GPUs run 2Q");
 
     // Stop one: its VF reads 0 and its claim is gone; the profile is kept.
     let stopped = a.ok("instance.stop", json!({"ref": "one"}));
@@ -103,7 +93,7 @@ fn spread_puts_two_2q_instances_on_different_gpus_and_everything_is_released() {
     assert_eq!(a.ok("instance.list", json!({}))["instances"], json!([]));
     let res = a.ok("resources.get", json!({}));
     assert_eq!(devices(&res), (32, 0, 32));
-    assert_eq!(profile_count(&res, "L40S-48Q"), 2);
+    assert_eq!(placeable(&res, "L40S-48Q"), 2);
 }
 
 #[test]
@@ -117,7 +107,7 @@ fn pack_puts_two_2q_instances_on_one_gpu() {
     assert_eq!(g1, g2, "pack keeps the same size on one GPU");
     assert_ne!(one["gpu"]["device"], two["gpu"]["device"]);
     let res = a.ok("resources.get", json!({}));
-    assert_eq!(profile_count(&res, "L40S-48Q"), 1, "the other GPU stays empty for large profiles");
+    assert_eq!(placeable(&res, "L40S-48Q"), 1, "the other GPU stays empty for large profiles");
     assert_eq!(a.ok("plugin.list", json!({}))["plugins"][0]["name"], "placement-pack");
     a.ok("instance.delete", json!({"ref": "one"}));
     a.ok("instance.delete", json!({"ref": "two"}));
