@@ -66,6 +66,9 @@ pub struct CreateRequest {
     pub hypervisor: Option<String>,
 }
 
+/// The driver version the names were learned under, and (PF, type id) → profile name.
+type TypeNames = (Option<String>, HashMap<(String, u32), String>);
+
 /// Latency histogram buckets for policy calls and claims, seconds.
 fn latency_histogram() -> prometheus_client::metrics::histogram::Histogram {
     prometheus_client::metrics::histogram::Histogram::new([
@@ -207,7 +210,7 @@ pub struct Manager {
     /// (PF, type id) → profile name, from every catalog and claim seen under the current
     /// driver: a VF holding a type shows an empty catalog, so a dirty VF's size is looked up
     /// here when no sibling lists its type any more. Reset when the driver version changes.
-    type_names: Mutex<(Option<String>, HashMap<(String, u32), String>)>,
+    type_names: Mutex<TypeNames>,
     /// PF → largest framebuffer seen in any of its catalogs (the GPU's size).
     gpu_framebuffer: Mutex<HashMap<String, u64>>,
     /// Orphan device → CLOCK_BOOTTIME ms when the reconciler first saw it dirty/unclaimed.
