@@ -138,10 +138,16 @@ fn s014c_a_foreign_write_during_ours_quarantines_the_vf_and_never_clears_it() {
     let create = std::thread::spawn(move || {
         rpc_raw(&sock, &json!({"jsonrpc":"2.0","id":1,"method":"instance.create","params":{"name":"c","image":"demo","gpu":"L40S-1Q"}}).to_string())
     });
-    // The claim is durable before the write: wait for it, then write as a foreign tool.
-    let claims_dir = a.data_dir.join("claims");
-    wait_for(Duration::from_secs(20), || claims_dir.join(format!("{VF0}.json")).exists().then_some(()))
-        .expect("the claim of vf0 appears");
+    // Wait until the agent is inside its (delayed) type write, then write as a foreign tool.
+    // Waiting only for the claim file raced: a foreign write landing before the agent's own
+    // catalog check makes the agent skip the VF instead of writing it.
+    wait_for(Duration::from_secs(20), || {
+        let st = a.state();
+        let begun = st["log"].as_array()?.iter().any(|e| e["op"] == "write-delayed" && e["path"] == type_path(VF0));
+        begun.then_some(())
+    })
+    .expect("the agent's type write on vf0 begins");
+    assert!(a.data_dir.join(format!("claims/{VF0}.json")).exists(), "the claim is durable before the write");
     a.sim.ctl(&["set-type", VF0, "1148"]).unwrap();
     let answer = create.join().unwrap().unwrap();
     let inst = &answer["result"];

@@ -820,7 +820,12 @@ impl State {
             self.log(pid, "write", &h.path, Some(&value), Err(e));
             return Err(e);
         }
-        Ok(self.take_fault(FaultKind::DelayWrite, &h.path).map(|(_, ms)| ms).unwrap_or(0))
+        let delay = self.take_fault(FaultKind::DelayWrite, &h.path).map(|(_, ms)| ms).unwrap_or(0);
+        if delay > 0 {
+            // Lets a test see that the writer is inside the delayed write(2) right now.
+            self.log(pid, "write-delayed", &h.path, Some(&value), Ok(()));
+        }
+        Ok(delay)
     }
 
     /// A `write(2)` on `fh`, after faults: runs the rules and logs the result.
