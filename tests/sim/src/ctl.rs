@@ -56,6 +56,7 @@ pub enum CtlCmd {
     /// The next N opens of PATH fail with ERRNO.
     FailOpen(FaultArgs),
     /// Matching writes block for MS milliseconds, then proceed (every write unless --times).
+    /// The log shows `write-delayed` when such a write begins, `write` when it completes.
     DelayWrite {
         /// Path or glob.
         path: String,

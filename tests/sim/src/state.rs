@@ -148,7 +148,8 @@ pub struct LogEntry {
     pub t_ms: u64,
     /// Requesting pid.
     pub pid: u32,
-    /// `write`, `open`, `set-type` or `create-mdev`.
+    /// `write`, `open`, `set-type`, `create-mdev`, or `write-delayed` (a `delay-write` fault
+    /// matched: the writer is blocked in `write(2)` from this entry until its `write` entry).
     pub op: String,
     /// Display path (`sys/bus/pci/devices/<BDF>/...`).
     pub path: String,

@@ -82,7 +82,8 @@ fn delay_write_does_not_block_the_filesystem() {
     assert_eq!(read(&ty(&sim, VF0)).unwrap(), "1147\n");
     let st = sim.state().unwrap();
     let ops: Vec<&str> = st["log"].as_array().unwrap().iter().map(|e| e["op"].as_str().unwrap()).collect();
-    assert_eq!(ops, vec!["set-type", "write"]);
+    // The delayed write is logged when it begins and again when it completes.
+    assert_eq!(ops, vec!["write-delayed", "set-type", "write"]);
 }
 
 #[test]
