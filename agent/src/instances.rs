@@ -16,7 +16,7 @@
 //! - **never lose the only record**: a failed release keeps the claim (`release_pending`).
 
 use crate::config::{Config, Labels, VfioAttach};
-use crate::devices::{self, mdev, vendor_vfio, HostMode};
+use crate::devices::{self, mdev, vendor_vfio, HostMode, WriteError};
 use crate::error::{ApiError, ErrorCode};
 use crate::host::proc::{self, HandleScan, Liveness};
 use crate::host::HostRoot;
@@ -124,7 +124,7 @@ pub enum ReleaseError {
     /// The open-handle scan could not be completed (`scan_incomplete`).
     ScanIncomplete(String),
     /// The clear/remove write failed.
-    Failed(String),
+    Failed(WriteError),
     /// The device reads a type gpuvisor did not write; quarantined, never cleared.
     Foreign(String),
     /// The store could not be updated.
@@ -960,6 +960,7 @@ impl Manager {
             quarantined: true,
             detail: detail.to_string(),
             at: now_rfc3339(),
+            eio_in_a_row: 0,
         };
         tracing::error!(gpu.device = %device, reason, detail, "device quarantined");
         if let Err(e) = self.store.write_health(&rec) {
@@ -980,6 +981,7 @@ impl Manager {
                     quarantined: false,
                     detail: detail.to_string(),
                     at: now_rfc3339(),
+                    eio_in_a_row: 0,
                 };
                 tracing::warn!(gpu.device = %device, reason, detail, "device marked suspect");
                 if let Err(e) = self.store.write_health(&rec) {
@@ -987,6 +989,64 @@ impl Manager {
                 }
             }
         }
+    }
+
+    /// A type write, mdev create/remove or clear on `device` failed: an EIO is a strike
+    /// (LIFECYCLE.md Device health: the first makes the device `suspect`, a second in a row
+    /// quarantines it); other errnos are not.
+    fn write_failed(&self, device: &str, w: &WriteError) {
+        if !w.eio {
+            return;
+        }
+        let prior = match self.store.read_health(device) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(gpu.device = %device, error = %e, "cannot read the health record; EIO strike not counted");
+                return;
+            }
+        };
+        match prior {
+            Some(h) if h.quarantined => {}
+            Some(h) if h.eio_in_a_row >= 1 => {
+                self.quarantine(device, "eio", &format!("EIO twice in a row: {}", w.message));
+            }
+            prior => {
+                let rec = HealthRecord {
+                    device: device.to_string(),
+                    reason: prior.as_ref().map(|h| h.reason.clone()).unwrap_or_else(|| "eio".into()),
+                    quarantined: false,
+                    detail: w.message.clone(),
+                    at: now_rfc3339(),
+                    eio_in_a_row: 1,
+                };
+                tracing::warn!(gpu.device = %device, detail = %w.message, "device marked suspect after EIO");
+                if let Err(e) = self.store.write_health(&rec) {
+                    tracing::error!(gpu.device = %device, error = %e, "cannot write the suspect record");
+                }
+            }
+        }
+    }
+
+    /// A write on `device` took effect: an EIO streak ends (the `suspect` mark stays, for
+    /// the operator to see).
+    fn write_succeeded(&self, device: &str) {
+        if let Ok(Some(mut h)) = self.store.read_health(device) {
+            if !h.quarantined && h.eio_in_a_row > 0 {
+                h.eio_in_a_row = 0;
+                if let Err(e) = self.store.write_health(&h) {
+                    tracing::error!(gpu.device = %device, error = %e, "cannot update the suspect record");
+                }
+            }
+        }
+    }
+
+    /// Counts the outcome of a write on `device` for its health, and passes it on.
+    pub(crate) fn checked_write(&self, device: &str, r: Result<(), WriteError>) -> Result<(), WriteError> {
+        match &r {
+            Ok(()) => self.write_succeeded(device),
+            Err(w) => self.write_failed(device, w),
+        }
+        r
     }
 
     /// Claims and configures a device for `rec` (LIFECYCLE.md Create steps 3–4). On
@@ -1074,9 +1134,13 @@ impl Manager {
         match vendor_vfio::set_type(&self.host, vf, &claim.profile) {
             Ok(id) => {
                 claim.type_id = Some(id);
+                self.write_succeeded(vf);
                 Ok(())
             }
-            Err(vendor_vfio::ConfigureError::NotCreatable(m)) => Err((true, m)),
+            Err(vendor_vfio::ConfigureError::NotCreatable(w)) => {
+                self.write_failed(vf, &w);
+                Err((true, w.message))
+            }
             Err(vendor_vfio::ConfigureError::Foreign { value }) => {
                 self.quarantine(vf, "foreign_write", &format!("read back type {value} that gpuvisor did not write"));
                 Err((true, format!("foreign write: reads {value}")))
@@ -1107,13 +1171,17 @@ impl Manager {
         };
         self.store.write_mdev(&mrec).map_err(|e| (true, e.to_string()))?;
         match mdev::create(&self.host, &claim.device, &t, &uuid.to_string()) {
-            Ok(()) => Ok(()),
-            Err(why) => {
+            Ok(()) => {
+                self.write_succeeded(&claim.device);
+                Ok(())
+            }
+            Err(w) => {
+                self.write_failed(&claim.device, &w);
                 if mdev::read_device(&self.host, &uuid.to_string()).is_none() {
                     let _ = self.store.remove_mdev(uuid);
-                    Err((true, why))
+                    Err((true, w.message))
                 } else {
-                    Err((false, why))
+                    Err((false, w.message))
                 }
             }
         }
@@ -1220,17 +1288,21 @@ impl Manager {
             crate::crash_point!("release_before_write");
             match (cur.framework, cur.mdev_uuid) {
                 (Framework::Mdev, Some(u)) => {
-                    mdev::remove(&self.host, &u.to_string()).map_err(ReleaseError::Failed)?;
+                    self.checked_write(&cur.device, mdev::remove(&self.host, &u.to_string()))
+                        .map_err(ReleaseError::Failed)?;
                     let _ = self.store.remove_mdev(u);
                 }
                 _ => match vendor_vfio::clear(&self.host, &cur.device, cur.type_id) {
-                    Ok(()) => {}
+                    Ok(()) => self.write_succeeded(&cur.device),
                     Err(vendor_vfio::ClearError::Foreign { value }) => {
                         let detail = format!("reads type {value}, claim recorded {:?}", cur.type_id);
                         self.quarantine(&cur.device, "foreign_write", &detail);
                         return Err(ReleaseError::Foreign(detail));
                     }
-                    Err(vendor_vfio::ClearError::Failed(m)) => return Err(ReleaseError::Failed(m)),
+                    Err(vendor_vfio::ClearError::Failed(w)) => {
+                        self.write_failed(&cur.device, &w);
+                        return Err(ReleaseError::Failed(w));
+                    }
                 },
             }
         }

@@ -193,6 +193,10 @@ pub struct HealthRecord {
     pub quarantined: bool,
     pub detail: String,
     pub at: String,
+    /// EIO strikes in a row on this device (type write, mdev create/remove, clear); reset
+    /// by a write that takes effect. Two quarantine the device.
+    #[serde(default)]
+    pub eio_in_a_row: u32,
 }
 
 fn yes() -> bool {
@@ -399,6 +403,11 @@ impl Store {
     /// Writes a quarantine mark.
     pub fn write_health(&self, rec: &HealthRecord) -> Result<()> {
         write_json_atomic(&self.health_path(&rec.device), rec)
+    }
+
+    /// The health record of `device`, if any (an undecodable one is an error).
+    pub fn read_health(&self, device: &str) -> Result<Option<HealthRecord>> {
+        read_json_opt(&self.health_path(device))
     }
 
     /// Every quarantine mark, strictly (an unreadable one makes placement fail closed).

@@ -4,7 +4,7 @@
 //! (Linux `Documentation/driver-api/vfio-mediated-device.rst`, NVIDIA-HOST.md §6).
 //! gpuvisor creates only transient mdevs and never removes one it did not create.
 
-use super::{errno_name, link_basename, read_attr, write_attr};
+use super::{errno_name, link_basename, read_attr, write_attr, WriteError};
 use crate::host::HostRoot;
 use std::fs;
 use std::io;
@@ -161,19 +161,19 @@ pub fn targets(host: &HostRoot, uuid: &str) -> Result<Vec<PathBuf>, String> {
 /// Creates an mdev of `type_dir` on `parent` with `uuid`, then verifies it exists with
 /// that type. Errors: the create write failed (EEXIST, EINVAL, EUSERS, ... — all mean
 /// "not creatable here") or the device did not appear as asked.
-pub fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Result<(), String> {
+pub fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Result<(), WriteError> {
     let path = host.mdev_bus_dir().join(parent).join("mdev_supported_types").join(type_dir).join("create");
-    write_attr(&path, uuid).map_err(|e| format!("creating mdev {uuid} on {parent} failed with {}", errno_name(&e)))?;
+    write_attr(&path, uuid).map_err(|e| WriteError::from_io(&format!("creating mdev {uuid} on {parent}"), &e))?;
     match read_device(host, uuid) {
         Some(d) if d.mdev_type == type_dir && d.parent == parent => Ok(()),
-        Some(d) => Err(format!("mdev {uuid} appeared as {} on {}", d.mdev_type, d.parent)),
-        None => Err(format!("mdev {uuid} did not appear after create")),
+        Some(d) => Err(WriteError::other(format!("mdev {uuid} appeared as {} on {}", d.mdev_type, d.parent))),
+        None => Err(WriteError::other(format!("mdev {uuid} did not appear after create"))),
     }
 }
 
 /// Removes an mdev gpuvisor created: a missing device is already done. Errors: the remove
 /// write failed (EBUSY while held or during teardown) and the device still exists.
-pub fn remove(host: &HostRoot, uuid: &str) -> Result<(), String> {
+pub fn remove(host: &HostRoot, uuid: &str) -> Result<(), WriteError> {
     let d = host.mdev_device(uuid);
     if fs::symlink_metadata(&d).is_err() {
         return Ok(());
@@ -183,9 +183,9 @@ pub fn remove(host: &HostRoot, uuid: &str) -> Result<(), String> {
         return Ok(());
     }
     match res {
-        Ok(()) => Err(format!("mdev {uuid} still exists after remove")),
+        Ok(()) => Err(WriteError::other(format!("mdev {uuid} still exists after remove"))),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(format!("removing mdev {uuid} failed with {}", errno_name(&e))),
+        Err(e) => Err(WriteError::from_io(&format!("removing mdev {uuid}"), &e)),
     }
 }
 

@@ -94,6 +94,39 @@ pub(crate) fn write_attr(path: &Path, value: &str) -> io::Result<()> {
     Ok(())
 }
 
+/// A sysfs write that did not take effect: the message for people, and whether the kernel
+/// answered EIO. LIFECYCLE.md "Device health" counts EIO strikes (the first makes a device
+/// `suspect`, a second in a row quarantines it). NVIDIA-HOST.md §4: on a type write, EIO is
+/// the resource manager refusing a type the VF's catalog listed (`NVRM: Failed to add vgpu
+/// create request`), not the transient EBUSY of a teardown.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteError {
+    pub message: String,
+    pub eio: bool,
+}
+
+impl WriteError {
+    /// A failure that is not an errno of the write itself (read-back mismatch, a device
+    /// that did not appear, an unreadable file).
+    pub fn other(message: impl Into<String>) -> WriteError {
+        WriteError { message: message.into(), eio: false }
+    }
+
+    /// `what` failed with the errno of `e` (`"<what> failed with EIO"`).
+    pub fn from_io(what: &str, e: &io::Error) -> WriteError {
+        WriteError {
+            message: format!("{what} failed with {}", errno_name(e)),
+            eio: e.raw_os_error() == Some(libc::EIO),
+        }
+    }
+}
+
+impl std::fmt::Display for WriteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// The errno name of an I/O error (`EBUSY`, `EIO`, ...) for messages and records.
 pub fn errno_name(e: &io::Error) -> String {
     match e.raw_os_error() {

@@ -4,7 +4,7 @@
 //! writes `sriov_numvfs`.
 
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
-use super::{errno_name, link_basename, read_attr, write_attr, NVIDIA_VENDOR};
+use super::{errno_name, link_basename, read_attr, write_attr, WriteError, NVIDIA_VENDOR};
 use crate::host::HostRoot;
 use std::fs;
 use std::io;
@@ -207,8 +207,9 @@ pub fn inventory(host: &HostRoot) -> Result<Vec<GpuInfo>, String> {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConfigureError {
     /// The driver refused the type here now (EINVAL/EIO/not in the fresh catalog): try the
-    /// next candidate. Never branch on which errno came back (NVIDIA-HOST.md §4).
-    NotCreatable(String),
+    /// next candidate. Never branch on which errno came back for placement (NVIDIA-HOST.md
+    /// §4); `eio` only feeds the device's health strikes.
+    NotCreatable(WriteError),
     /// The read-back shows a value gpuvisor did not write: another writer is on the VF.
     Foreign { value: u32 },
     /// Unexpected I/O error (the VF vanished, unreadable file).
@@ -218,7 +219,7 @@ pub enum ConfigureError {
 impl std::fmt::Display for ConfigureError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ConfigureError::NotCreatable(m) => write!(f, "not creatable here now: {m}"),
+            ConfigureError::NotCreatable(w) => write!(f, "not creatable here now: {w}"),
             ConfigureError::Foreign { value } => write!(f, "another writer set type {value} on the VF"),
             ConfigureError::Io(m) => write!(f, "{m}"),
         }
@@ -231,7 +232,9 @@ impl std::fmt::Display for ConfigureError {
 pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, ConfigureError> {
     let catalog = read_catalog(host, vf).map_err(|e| ConfigureError::Io(format!("catalog: {}", errno_name(&e))))?;
     let Some(entry) = catalog.find(profile) else {
-        return Err(ConfigureError::NotCreatable(format!("{profile} is not in the catalog of {vf}")));
+        return Err(ConfigureError::NotCreatable(WriteError::other(format!(
+            "{profile} is not in the catalog of {vf}"
+        ))));
     };
     let id = entry.id;
     let write = write_type(host, vf, id);
@@ -241,8 +244,8 @@ pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, Configu
     match back {
         v if v == id => Ok(id),
         0 => Err(ConfigureError::NotCreatable(match write {
-            Err(e) => format!("writing {id} failed with {}", errno_name(&e)),
-            Ok(()) => format!("{id} was accepted but reads back 0"),
+            Err(e) => WriteError::from_io(&format!("writing {id}"), &e),
+            Ok(()) => WriteError::other(format!("{id} was accepted but reads back 0")),
         })),
         v => Err(ConfigureError::Foreign { value: v }),
     }
@@ -252,7 +255,7 @@ pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, Configu
 #[derive(Debug, Clone, PartialEq)]
 pub enum ClearError {
     /// The write failed and the VF still holds a type (EBUSY during teardown, EIO, ...).
-    Failed(String),
+    Failed(WriteError),
     /// The read-back shows another non-zero type than the one expected (a foreign writer).
     Foreign { value: u32 },
 }
@@ -275,7 +278,12 @@ pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<(), Cle
     let cur = match read_current_type(host, vf) {
         Ok(v) => v,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(ClearError::Failed(format!("cannot read current_vgpu_type: {}", errno_or_msg(&e)))),
+        Err(e) => {
+            return Err(ClearError::Failed(WriteError::other(format!(
+                "cannot read current_vgpu_type: {}",
+                errno_or_msg(&e)
+            ))))
+        }
     };
     if cur == 0 {
         return Ok(());
@@ -290,9 +298,12 @@ pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<(), Cle
         Ok(0) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Ok(v) => Err(ClearError::Failed(match write {
-            Err(e) => format!("writing 0 failed with {} (still reads {v})", errno_name(&e)),
-            Ok(()) => format!("0 was accepted but the VF still reads {v}"),
+            Err(e) => {
+                let w = WriteError::from_io("writing 0", &e);
+                WriteError { message: format!("{} (still reads {v})", w.message), ..w }
+            }
+            Ok(()) => WriteError::other(format!("0 was accepted but the VF still reads {v}")),
         })),
-        Err(e) => Err(ClearError::Failed(format!("read-back after clear: {}", errno_or_msg(&e)))),
+        Err(e) => Err(ClearError::Failed(WriteError::other(format!("read-back after clear: {}", errno_or_msg(&e))))),
     }
 }

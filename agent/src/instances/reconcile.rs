@@ -126,7 +126,8 @@ impl Manager {
         report
     }
 
-    /// Step 2: records whose VMM is provably dead move to `stopped`.
+    /// Step 2: records whose VMM is provably dead move to `stopped`; a `stopping` record
+    /// whose VMM still runs (a stop interrupted by an agent restart) moves back to `running`.
     fn reconcile_records(&self, instances: &[InstanceRecord], boot_id: &str, report: &mut PassReport) {
         for rec in instances {
             if !matches!(rec.state, InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
@@ -174,6 +175,19 @@ impl Manager {
                                 "from": rec.state.as_str(), "to": rec.state.as_str(),
                                 "reason": format!("recorded the identity of the control socket owner {pid}")}));
                         }
+                    }
+                }
+                Liveness::Alive { pid } if rec.state == InstanceState::Stopping => {
+                    // A stop interrupted by an agent restart (no operation holds the
+                    // instance: its lock is ours). The stop was never acknowledged and the
+                    // VMM still runs: say so, instead of a `stopping` that never ends (I8).
+                    rec.state = InstanceState::Running;
+                    let reason = format!("the agent restarted during a stop; the VMM {pid} still runs: stop again");
+                    rec.last_error = Some(reason.clone());
+                    match self.store.write_instance(&rec) {
+                        Ok(()) => report.records.push(json!({"instance": rec.id.to_string(), "name": rec.name,
+                            "from": "stopping", "to": "running", "reason": reason})),
+                        Err(e) => report.errors.push(format!("cannot mark {} running: {e}", rec.name)),
                     }
                 }
                 Liveness::Alive { .. } => {}
@@ -543,8 +557,12 @@ impl Manager {
             vendor_vfio::ClearError::Foreign { value } => {
                 ReleaseError::Foreign(format!("type changed to {value} during the sweep"))
             }
-            vendor_vfio::ClearError::Failed(m) => ReleaseError::Failed(m),
+            vendor_vfio::ClearError::Failed(w) => {
+                self.write_failed(vf, &w);
+                ReleaseError::Failed(w)
+            }
         })?;
+        self.write_succeeded(vf);
         tracing::info!(gpu.device = %vf, type_id, "orphan VF cleared");
         Ok(())
     }
@@ -565,7 +583,7 @@ impl Manager {
             HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
             HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
         }
-        mdev::remove(&self.host, &uuid).map_err(ReleaseError::Failed)?;
+        self.checked_write(&rec.parent, mdev::remove(&self.host, &uuid)).map_err(ReleaseError::Failed)?;
         self.store.remove_mdev(rec.uuid).map_err(|e| ReleaseError::Store(e.to_string()))?;
         tracing::info!(mdev = %uuid, "orphan mdev removed");
         Ok(())

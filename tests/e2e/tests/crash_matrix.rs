@@ -224,6 +224,14 @@ fn run_case(fp: &str, op: Op, fp2: &str) -> CaseReport {
         }
         std::thread::sleep(Duration::from_millis(400));
     }
+    // Recovery alone must have settled an interrupted stop: a record that still says
+    // `stopping` (or `running` without a VMM) after the window breaks I8. An interrupted
+    // delete may stay `deleting` (nothing may restart it) until the client retries.
+    if op != Op::Delete {
+        for v in World::observe(&a).liveness_violations() {
+            r.violations.push(format!("[end of window, before any retry] {v}"));
+        }
+    }
     // A client retries an interrupted stop/delete (the transport error told it nothing).
     let retried = match op {
         Op::Stop => Some(a.call("instance.stop", json!({"ref": "vm", "force": true}))),
@@ -291,6 +299,13 @@ fn check(fp: &str, op: Op, fp2: &str) {
 }
 
 // ------------------------------------------------------------------------------------- CI subset
+
+#[test]
+fn crash_stop_after_stopping_mark() {
+    // Regression: the interrupted stop left the record `stopping` (with its VMM alive) until
+    // a client retried; recovery now moves it back to `running` by itself.
+    check("stop_after_stopping_mark", Op::Stop, "release_after_write");
+}
 
 #[test]
 fn crash_after_claim_commit_during_create() {
