@@ -51,7 +51,9 @@ pub struct ProcessIdentity {
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
     /// `/proc/<pid>` (or a file in it) exists but could not be read.
-    #[error("process {pid} could not be inspected in /proc")]
+    // The cause is part of the message: operators read these in `last_error` and reports,
+    // where the errno (EACCES, EIO, ...) is the useful part.
+    #[error("process {pid} could not be inspected in /proc: {source}")]
     Process {
         /// The process id.
         pid: i32,
@@ -60,7 +62,7 @@ pub enum ProcError {
         source: procfs::ProcError,
     },
     /// A `/proc` path could not be read for a reason other than the process having exited.
-    #[error("{} could not be read", path.display())]
+    #[error("{} could not be read: {source}", path.display())]
     Io {
         /// The path that failed.
         path: PathBuf,

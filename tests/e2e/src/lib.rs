@@ -191,6 +191,9 @@ pub struct Agent {
     pub config_path: PathBuf,
     /// Extra environment for the next [`Agent::spawn`] (e.g. `FAILPOINTS`).
     pub env: Vec<(String, String)>,
+    /// Command prefix run inside the namespace before the agent binary on the next
+    /// [`Agent::spawn`] (e.g. `["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]`).
+    pub wrap: Vec<String>,
     child: Option<Child>,
 }
 
@@ -229,9 +232,15 @@ impl Agent {
     /// Spawns `gpuvisor serve` and waits until its socket answers `agent.health`.
     pub fn spawn(&mut self) -> anyhow::Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("agent.log"))?;
-        let child = self
-            .ns
-            .command(agent_binary())
+        let mut cmd = match self.wrap.split_first() {
+            Some((first, rest)) => {
+                let mut c = self.ns.command(first);
+                c.args(rest).arg(agent_binary());
+                c
+            }
+            None => self.ns.command(agent_binary()),
+        };
+        let child = cmd
             .args(["serve", "--config"])
             .arg(&self.config_path)
             .env("GPUVISOR_LOG", "info,gpuvisor=debug")
@@ -930,7 +939,8 @@ impl Agent {
         let config_path = dir.path().join("gpuvisor.toml");
         std::fs::write(&config_path, harness_config(&base, set))?;
         let ns = PidNs::new()?;
-        let mut agent = Agent { sim, ns, dir, socket, data_dir, config_path, env: Vec::new(), child: None };
+        let mut agent =
+            Agent { sim, ns, dir, socket, data_dir, config_path, env: Vec::new(), wrap: Vec::new(), child: None };
         agent.spawn()?;
         agent.wait_ready()?;
         agent
