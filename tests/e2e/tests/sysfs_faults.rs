@@ -458,7 +458,7 @@ impl<'a> Cell<'a> {
         let mut unmarked = Vec::new();
         let mut not_quarantined = Vec::new();
         for (d, rs) in seqs {
-            let eio = rs.iter().any(|r| *r == "EIO");
+            let eio = rs.contains(&"EIO");
             let twice = rs.windows(2).any(|p| p[0] == "EIO" && p[1] == "EIO");
             match now.get(d) {
                 None if eio => unmarked.push(format!("{d} {rs:?}")),
