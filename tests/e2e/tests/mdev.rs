@@ -209,3 +209,154 @@ fn a_foreign_mdev_parent_is_listed_as_unavailable_not_free() {
     assert_eq!(after["devices"]["allocatable"], 31, "the foreign parent is not allocatable: {}", after["devices"]);
     assert_ne!(dev["state"], "free", "the foreign mdev's parent is not free: {dev}");
 }
+
+// ------------------------------------------------------------------------------------- S060
+
+/// `target/debug/e2e-helper` (built by `cargo build --workspace --bins`).
+fn helper_binary() -> std::path::PathBuf {
+    let p = target_dir().join("debug/e2e-helper");
+    assert!(p.is_file(), "{} not built (cargo build --workspace --bins)", p.display());
+    p
+}
+
+/// S060: the mdev sweep removes only its own old, idle, unclaimed mdevs. On host M (two
+/// GPUs, every VF an mdev parent) gpuvisor made five mdevs; then the agent is stopped and the
+/// store edited so that: Ua is unclaimed and old but held open through its group node; Ub is
+/// unclaimed and young; Uc is unclaimed, old and idle; Ud is unclaimed, old and idle but on g1,
+/// which the new config no longer manages; Ue is claimed by running E. The restart's pass
+/// (and one more) removes Uc only.
+#[test]
+fn s060_the_mdev_sweep_removes_only_its_own_old_idle_unclaimed_mdevs() {
+    const G0: &str = "0000:41:";
+    // Paused QEMUs: the sweep needs VMMs holding their mdevs, not seven booting guests.
+    let wrap = QemuWrapper::new();
+    let extra = format!("claim_grace_s = 60\nreconcile_interval_s = 3600\n{}", wrap.extra());
+    let mut a = Agent::start_with(AgentOptions { model: "l40s-mdev", extra: &extra, ..Default::default() }).unwrap();
+    // Spread alternates the GPUs: four mdevs on g0 (roles a, b, c, e) and three on g1 (d, and
+    // two that are deleted normally).
+    let mut g0 = Vec::new();
+    let mut g1 = Vec::new();
+    for i in 0..7 {
+        let inst = a.create_gpu(&format!("i{i}"), "L40S-1Q").unwrap();
+        let dev = inst["gpu"]["device"].as_str().unwrap().to_string();
+        if dev.starts_with(G0) {
+            g0.push(inst)
+        } else {
+            g1.push(inst)
+        }
+    }
+    assert_eq!((g0.len(), g1.len()), (4, 3), "spread alternates the two GPUs");
+    for extra in &g1[1..] {
+        a.ok("instance.delete", json!({"ref": extra["id"]}));
+    }
+    let role = |i: &Value| {
+        (
+            i["id"].as_str().unwrap().to_string(),
+            i["gpu"]["mdev_uuid"].as_str().unwrap().to_string(),
+            i["gpu"]["device"].as_str().unwrap().to_string(),
+        )
+    };
+    let (ua, ub, uc, ue, ud) = (role(&g0[0]), role(&g0[1]), role(&g0[2]), role(&g0[3]), role(&g1[0]));
+
+    // The agent goes away; the VMs of a, b, c and d die; a, b, c, d lose record and claim.
+    a.kill_agent();
+    let ids = [&ua.0, &ub.0, &uc.0, &ud.0];
+    for q in a.live_qemus() {
+        if q.instance_id.as_ref().is_some_and(|id| ids.contains(&id)) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(q.pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+    wait_for(Duration::from_secs(10), || (a.qemu_pids().len() == 1).then_some(())).expect("only E's QEMU left");
+    for (id, uuid, parent) in [&ua, &ub, &uc, &ud] {
+        std::fs::remove_dir_all(a.data_dir.join("instances").join(id)).unwrap();
+        std::fs::remove_file(a.data_dir.join("claims").join(format!("{parent}.json"))).unwrap();
+        // Old (made long before claim_grace) except Ub.
+        if uuid != &ub.1 {
+            let p = a.data_dir.join("mdevs").join(format!("{uuid}.json"));
+            let mut rec: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+            rec["created_boottime_ms"] = json!(boottime_now_ms().saturating_sub(600_000));
+            std::fs::write(&p, serde_json::to_vec(&rec).unwrap()).unwrap();
+        }
+    }
+    // Ua is held open through its group node by another process.
+    let group = sim_mdev(&a, &ua.1)["group"].as_u64().unwrap();
+    let node = a.sim.path().join(format!("dev/vfio/{group}"));
+    let mut holder =
+        a.ns.command(helper_binary()).arg("hold").arg(&node).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(holder.stdout.take().unwrap()), &mut line).unwrap();
+    assert!(line.starts_with("holding"), "the holder opened {}: {line:?}", node.display());
+    // g1 is no longer managed.
+    let cfg = std::fs::read_to_string(&a.config_path).unwrap();
+    std::fs::write(&a.config_path, format!("managed_gpus = [\"0000:41:00.0\"]\n{cfg}")).unwrap();
+
+    let seq = last_seq(&a.state());
+    a.restart().unwrap(); // its startup pass is the pass of the scenario
+    let rep = a.pass();
+    let present: Vec<String> = sim_mdevs(&a.state()).iter().map(|m| m["uuid"].as_str().unwrap().to_string()).collect();
+    assert!(!present.contains(&uc.1), "Uc (old, idle, unclaimed, managed) is removed: {present:?}");
+    for (what, u) in
+        [("Ua (held)", &ua.1), ("Ub (young)", &ub.1), ("Ud (unmanaged GPU)", &ud.1), ("Ue (claimed)", &ue.1)]
+    {
+        assert!(present.contains(u), "{what} {u} survives: {present:?}; pass {rep}");
+    }
+    let removes: Vec<_> = log_after(&a.state(), seq)
+        .into_iter()
+        .filter(|e| e["op"] == "write" && e["path"].as_str().unwrap_or("").ends_with("/remove"))
+        .collect();
+    assert_eq!(removes.len(), 1, "one remove write, Uc's: {removes:?}");
+    assert_eq!(removes[0]["path"], format!("sys/bus/mdev/devices/{}/remove", uc.1));
+    assert_eq!(metric(&a.metrics(), "gpuvisor_vgpu_orphans_released_total", &[("framework", "mdev")]), Some(1.0));
+    assert!(!a.data_files("mdevs").contains(&format!("{}.json", uc.1)), "Uc's record is gone");
+    assert_eq!(a.ok("instance.get", json!({"ref": ue.0}))["state"], "running", "E runs on");
+    let _ = holder.kill();
+    let _ = holder.wait();
+}
+
+// ------------------------------------------------------------------------------------- S062
+
+/// S062: mdev placement follows parent load. Two of g0's VFs hold 1Q mdevs of running
+/// instances and g1 has none: a new 1Q mdev goes under a g1 VF, and its claim (for that VF,
+/// holding the new UUID) is durable before the UUID is written to `create` — checked while
+/// the simulator holds that write (`delay-write`, logged as `write-delayed`).
+#[test]
+fn s062_mdev_placement_follows_parent_load_and_claims_before_create() {
+    let wrap = QemuWrapper::new();
+    let a = Agent::start_with(AgentOptions { model: "l40s-mdev", extra: &wrap.extra(), ..Default::default() }).unwrap();
+    // Spread: g0, g1, g0; then the g1 one goes, leaving two on g0 and none on g1.
+    for n in ["x0", "x1", "x2"] {
+        a.create_gpu(n, "L40S-1Q").unwrap();
+    }
+    let x1 = a.ok("instance.get", json!({"ref": "x1"}));
+    assert!(x1["gpu"]["device"].as_str().unwrap().starts_with("0001:81:"), "{x1}");
+    a.ok("instance.delete", json!({"ref": "x1"}));
+
+    a.sim.ctl(&["delay-write", "sys/class/mdev_bus/*/mdev_supported_types/*/create", "1000", "--times", "1"]).unwrap();
+    let sock = a.socket.clone();
+    let create = std::thread::spawn(move || {
+        rpc_raw(
+            &sock,
+            &json!({"jsonrpc":"2.0","id":1,"method":"instance.create",
+                "params":{"name":"a","image":"demo","gpu":"L40S-1Q"}})
+            .to_string(),
+        )
+    });
+    let begun = wait_for(Duration::from_secs(20), || {
+        let st = a.state();
+        st["log"].as_array()?.iter().find(|e| e["op"] == "write-delayed").cloned()
+    })
+    .expect("the mdev create write begins");
+    let path = begun["path"].as_str().unwrap().to_string();
+    let parent = path.split('/').nth(3).unwrap().to_string();
+    let uuid = begun["value"].as_str().unwrap().trim().to_string();
+    // The claim is already on disk, for the parent VF, holding the UUID being written.
+    let claim = a.claim(&parent).unwrap_or_else(|| panic!("no claim for {parent} during the create write"));
+    assert_eq!(claim["mdev_uuid"], uuid.as_str(), "{claim}");
+    assert!(parent.starts_with("0001:81:"), "the idle g1 is chosen, not g0 with two mdevs: {parent}");
+
+    let answer = create.join().unwrap().unwrap();
+    let inst = &answer["result"];
+    assert_eq!(inst["gpu"]["device"], parent.as_str(), "{answer}");
+    assert_eq!(inst["gpu"]["mdev_uuid"], uuid.as_str(), "{answer}");
+    assert_on_own_mdev(&a, inst, 1147);
+}

@@ -1,5 +1,7 @@
 //! Small process shapes for the end-to-end tests that `sh` cannot make (tests/proc_faults.rs).
 //!
+//! - `hold PATH`: opens PATH read-only (retrying EBUSY as below), prints `holding <pid>` and
+//!   sleeps forever: an ordinary holder of a VFIO node.
 //! - `hold-nondumpable PATH`: opens PATH read-only and keeps the fd, makes itself
 //!   non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`), prints `holding <pid>` and sleeps forever.
 //!   A process without CAP_SYS_PTRACE can then list its `/proc/<pid>/fd` but `readlink` of an
@@ -17,7 +19,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 fn usage() -> ! {
-    eprintln!("usage: e2e-helper hold-nondumpable PATH | zombie-leader [PATH]");
+    eprintln!("usage: e2e-helper hold PATH | hold-nondumpable PATH | zombie-leader [PATH]");
     std::process::exit(2)
 }
 
@@ -52,6 +54,11 @@ fn say(line: &str) {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+        ["hold", path] => {
+            let _keep = open_retrying_ebusy(path);
+            say(&format!("holding {}", std::process::id()));
+            sleep_forever()
+        }
         ["hold-nondumpable", path] => {
             let f = open_retrying_ebusy(path);
             // SAFETY: prctl(PR_SET_DUMPABLE, 0) takes plain integer arguments.
