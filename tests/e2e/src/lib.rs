@@ -1159,3 +1159,30 @@ pub fn assert_failpoints_built() {
         agent_binary().display()
     );
 }
+
+/// SIGKILL to a root-namespace pid (errors ignored: the process may be gone already).
+pub fn sigkill(pid: i32) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+}
+
+/// The failpoint names of `agent/src/failpoints.rs` (`ALL`), read from the source so the
+/// crash tests follow every failpoint added there.
+pub fn all_failpoints() -> Vec<String> {
+    let src = std::fs::read_to_string(repo_root().join("agent/src/failpoints.rs")).expect("agent/src/failpoints.rs");
+    let start = src.find("pub const ALL").expect("ALL in failpoints.rs");
+    let body = &src[start..start + src[start..].find("];").expect("end of ALL")];
+    body.split('"').skip(1).step_by(2).map(String::from).collect()
+}
+
+/// `target/debug/e2e-helper` (`tests/e2e/src/bin/e2e-helper.rs`, built by `cargo build
+/// --workspace --bins`): process shapes `sh` cannot make (holders, non-dumpable processes,
+/// zombie leaders).
+pub fn helper_binary() -> PathBuf {
+    let p = target_dir().join("debug/e2e-helper");
+    assert!(
+        p.is_file(),
+        "{} not built (run `cargo build --workspace --bins --features gpuvisor/failpoints`)",
+        p.display()
+    );
+    p
+}

@@ -60,18 +60,6 @@ const MATRIX: &[(&str, Op)] = &[
     ("release_after_claim_remove", Op::Reconcile),
 ];
 
-/// The names in `agent/src/failpoints.rs` `ALL`.
-fn all_failpoints() -> Vec<String> {
-    let src = std::fs::read_to_string(repo_root().join("agent/src/failpoints.rs")).unwrap();
-    let start = src.find("pub const ALL").expect("ALL in failpoints.rs");
-    let body = &src[start..start + src[start..].find("];").unwrap()];
-    body.split('"').skip(1).step_by(2).map(String::from).collect()
-}
-
-fn sigkill(pid: i32) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-}
-
 fn wait_idle(a: &Agent, vf: &str) {
     wait_for(Duration::from_secs(10), || {
         let e = vf_entry(&a.state(), vf);

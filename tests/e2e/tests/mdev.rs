@@ -212,13 +212,6 @@ fn a_foreign_mdev_parent_is_listed_as_unavailable_not_free() {
 
 // ------------------------------------------------------------------------------------- S060
 
-/// `target/debug/e2e-helper` (built by `cargo build --workspace --bins`).
-fn helper_binary() -> std::path::PathBuf {
-    let p = target_dir().join("debug/e2e-helper");
-    assert!(p.is_file(), "{} not built (cargo build --workspace --bins)", p.display());
-    p
-}
-
 /// S060: the mdev sweep removes only its own old, idle, unclaimed mdevs. On host M (two
 /// GPUs, every VF an mdev parent) gpuvisor made five mdevs; then the agent is stopped and the
 /// store edited so that: Ua is unclaimed and old but held open through its group node; Ub is

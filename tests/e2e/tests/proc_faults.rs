@@ -47,7 +47,6 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::{json, Value};
 use std::io::BufRead;
-use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
@@ -58,17 +57,6 @@ const STALE: &str = "gpuvisor_vgpu_stale_releases";
 const CAP_DAC_OVERRIDE: u32 = 1;
 const CAP_DAC_READ_SEARCH: u32 = 2;
 const CAP_SYS_PTRACE: u32 = 19;
-
-/// `target/debug/e2e-helper` (built by `cargo build --workspace --bins`).
-fn helper_binary() -> PathBuf {
-    let p = target_dir().join("debug/e2e-helper");
-    assert!(
-        p.is_file(),
-        "{} not built (run `cargo build --workspace --bins --features gpuvisor/failpoints`)",
-        p.display()
-    );
-    p
-}
 
 fn agent(w: &QemuWrapper) -> Agent {
     let extra = w.extra() + "reconcile_interval_s = 3600\n";

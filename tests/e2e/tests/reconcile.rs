@@ -59,10 +59,6 @@ fn qemu_of(a: &Agent, id: &str) -> i32 {
     q[0].pid
 }
 
-fn sigkill(pid: i32) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-}
-
 /// SIGKILLs the instance's QEMU behind the agent's back (root-namespace pid) and waits until
 /// it is gone and the simulator's teardown lag on `vf` has run out.
 fn kill_qemu(a: &Agent, inst: &Value, vf: &str) {

@@ -75,17 +75,6 @@ struct Soak {
     trace: Vec<String>,
 }
 
-fn all_failpoints() -> Vec<String> {
-    let src = std::fs::read_to_string(repo_root().join("agent/src/failpoints.rs")).unwrap();
-    let start = src.find("pub const ALL").expect("ALL in failpoints.rs");
-    let body = &src[start..start + src[start..].find("];").unwrap()];
-    body.split('"').skip(1).step_by(2).map(String::from).collect()
-}
-
-fn sigkill(pid: i32) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-}
-
 impl Soak {
     fn new(seed: u64) -> Soak {
         assert_failpoints_built();
