@@ -1,5 +1,6 @@
 //! The `gpuvisor` binary: `gpuvisor serve` runs the agent; other subcommands are clients.
 
+use anyhow::Context;
 use clap::Parser;
 use gpuvisor::cli::{Cli, Command};
 use gpuvisor::config::Config;
@@ -19,10 +20,23 @@ fn init_logging(format: &str) {
     }
 }
 
+/// Creates `dir` if needed and proves a file can be created in it (a probe, removed again):
+/// a directory that cannot take recordings is refused at start, not at the first call.
+fn check_writable_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(".gpuvisor-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(&probe)
+}
+
 async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     let store = Store::open(&cfg.data_dir)?;
     // One agent per data directory: refuse before touching anything else.
     let _lock = store.lock_exclusive()?;
+    if let Some(dir) = &cfg.record_policy_inputs {
+        check_writable_dir(dir)
+            .with_context(|| format!("record_policy_inputs: {} is not a writable directory", dir.display()))?;
+    }
     let policies = Policies::load(&cfg)?;
     let socket = cfg.socket.clone();
     let interval = std::time::Duration::from_secs(cfg.reconcile_interval_s);

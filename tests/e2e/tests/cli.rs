@@ -207,3 +207,26 @@ fn serve_refuses_a_config_with_an_unknown_key_and_names_it() {
     assert!(out.contains("reconcile_intreval_s"), "names the key: {out}");
     assert!(!dir.path().join("s.sock").exists(), "no socket was created");
 }
+
+#[test]
+fn serve_refuses_a_record_policy_inputs_path_it_cannot_write() {
+    let dir = tempfile::tempdir().unwrap();
+    // A regular file where the directory should be.
+    let not_a_dir = dir.path().join("inputs");
+    std::fs::write(&not_a_dir, "").unwrap();
+    let cfg = dir.path().join("gpuvisor.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "data_dir = {:?}\nsocket = {:?}\nrecord_policy_inputs = {:?}\n",
+            dir.path().join("data"),
+            dir.path().join("s.sock"),
+            not_a_dir
+        ),
+    )
+    .unwrap();
+    let (status, out) = serve_expecting_exit(&cfg, Duration::from_secs(30)).unwrap();
+    assert!(!status.success(), "{status}: {out}");
+    assert!(out.contains("record_policy_inputs") && out.contains("not a writable directory"), "{out}");
+    assert!(!dir.path().join("s.sock").exists(), "no socket was created");
+}
