@@ -228,8 +228,23 @@ fn labels_json(labels: &[(String, String)]) -> Value {
     Value::Object(labels.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect())
 }
 
+/// The first label key given more than once (`--label a=1 --label a=2` is ambiguous).
+fn duplicate_label(labels: &[(String, String)]) -> Option<&str> {
+    labels
+        .iter()
+        .enumerate()
+        .find(|(i, (k, _))| labels[..*i].iter().any(|(k2, _)| k2 == k))
+        .map(|(_, (k, _))| k.as_str())
+}
+
 /// Runs a client subcommand; returns the process exit code.
 pub async fn run_client(cli: &Cli) -> i32 {
+    if let Command::Create { labels, .. } | Command::DryRun { labels, .. } = &cli.command {
+        if let Some(k) = duplicate_label(labels) {
+            eprintln!("error: label {k:?} is given more than once");
+            return 2;
+        }
+    }
     let (method, params) = match &cli.command {
         Command::Serve(_) => {
             // `main` runs `serve` itself; reaching this is a wiring error, not user input.

@@ -176,6 +176,7 @@ fn bad_flags_are_refused_with_a_clear_error() {
         (vec!["ps", "--bogus"], "--bogus"),
         (vec!["create", "x"], "--image"),
         (vec!["create", "x", "--image", "demo", "--label", "notkv"], "not key=value"),
+        (vec!["create", "x", "--image", "demo", "--label", "a=1", "--label", "a=2"], "\"a\" is given more than once"),
         (vec!["create", "x", "--image", "demo", "--vcpus", "many"], "many"),
         (vec!["--output", "yaml", "ps"], "yaml"),
         (vec!["frobnicate"], "frobnicate"),
