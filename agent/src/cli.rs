@@ -459,7 +459,12 @@ fn print_result(cli: &Cli, v: &Value) {
                 .cloned()
                 .unwrap_or_default()
                 .iter()
-                .map(|p| vec![s(&p["profile"]), s(&p["type_id"]), s(&p["framebuffer_mib"]), s(&p["placeable"])])
+                .map(|p| {
+                    // A profile whose name carries no size: its framebuffer is unknown.
+                    let fb =
+                        if p["framebuffer_mib"].is_null() { "unknown".to_string() } else { s(&p["framebuffer_mib"]) };
+                    vec![s(&p["profile"]), s(&p["type_id"]), fb, s(&p["placeable"])]
+                })
                 .collect();
             table(&["PROFILE", "TYPE", "FB_MIB", "PLACEABLE"], rows);
         }

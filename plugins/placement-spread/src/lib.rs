@@ -2,8 +2,10 @@
 //! the GPUs so each gets as much headroom as possible.
 //!
 //! Order:
-//! 1. GPUs by least `claimed_framebuffer_mib`; on equal load a GPU whose load is known
-//!    (`load_known`) before one whose load is a lower bound; then by PF address.
+//! 1. GPUs whose load is known (`load_known`) before those whose load is only a lower
+//!    bound (a claim of a profile without a size in its name): an unknown load puts a GPU
+//!    last but does not exclude it (SCENARIOS.md S005). Then by least
+//!    `claimed_framebuffer_mib`, then by PF address.
 //! 2. Within a GPU: `free` devices before `dirty` ones (a dirty VF needs a repair first),
 //!    then by address.
 //!
@@ -23,9 +25,9 @@ use gpuvisor_sdk::{
 pub fn place(input: &PlacementInput) -> PlacementAnswer {
     let mut gpus: Vec<&GpuView> = input.inventory.gpus.iter().collect();
     gpus.sort_by(|a, b| {
-        a.claimed_framebuffer_mib
-            .cmp(&b.claimed_framebuffer_mib)
-            .then_with(|| b.load_known.cmp(&a.load_known))
+        b.load_known
+            .cmp(&a.load_known)
+            .then_with(|| a.claimed_framebuffer_mib.cmp(&b.claimed_framebuffer_mib))
             .then_with(|| address_key(&a.address).cmp(&address_key(&b.address)))
     });
     let ranked: Vec<String> = gpus.into_iter().flat_map(|gpu| ranked_devices(gpu, &input.request)).collect();
@@ -90,6 +92,19 @@ mod tests {
         input.inventory.gpus[0].load_known = false;
         let PlacementAnswer::Ranked(r) = place(&input) else { panic!("rejected") };
         assert_eq!(r[0], "0001:81:00.4");
+    }
+
+    #[test]
+    fn an_unknown_load_ranks_last_even_when_its_lower_bound_is_smaller() {
+        // S005: g0's claims include a profile of unknown size (lower bound 0 MiB), g1 holds
+        // 1 GiB of known load: g1 first; g0 still ranked, after it.
+        let mut input: PlacementInput = load_input(format!("{FIXTURES}placement-empty-2q.json")).unwrap();
+        input.inventory.gpus[0].load_known = false;
+        input.inventory.gpus[0].claimed_framebuffer_mib = 0;
+        input.inventory.gpus[1].claimed_framebuffer_mib = 1024;
+        let PlacementAnswer::Ranked(r) = place(&input) else { panic!("rejected") };
+        assert!(r[0].starts_with("0001:81:"), "{r:?}");
+        assert!(r.iter().any(|d| d.starts_with("0000:41:")), "g0 is not excluded: {r:?}");
     }
 
     #[test]

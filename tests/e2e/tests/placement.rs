@@ -170,3 +170,78 @@ fn s009_the_catalog_shrinks_after_the_first_assignment() {
     let res = a.ok("resources.get", json!({}));
     assert_eq!(res["devices"]["claimed"], 1);
 }
+
+/// Host V whose type table adds `NVIDIA L40S-0Q` (512 MiB) and `NVIDIA L40S-Pro` (a name
+/// without a size suffix; 1024 MiB in the table, which gpuvisor cannot read).
+fn host_with_extra_types(gpus: &[(&str, u32)]) -> String {
+    let mut m = String::from(
+        "release_delay_ms = 300\n\
+         [[type_table]]\nname = \"l40s-plus\"\ntypes = [\n\
+         { id = 1146, name = \"NVIDIA L40S-0Q\", fb_mib = 512, max = 64 },\n\
+         { id = 1147, name = \"NVIDIA L40S-1Q\", fb_mib = 1024, max = 32 },\n\
+         { id = 1148, name = \"NVIDIA L40S-2Q\", fb_mib = 2048, max = 24 },\n\
+         { id = 1159, name = \"NVIDIA L40S-48Q\", fb_mib = 49152, max = 1 },\n\
+         { id = 1199, name = \"NVIDIA L40S-Pro\", fb_mib = 1024, max = 32 },\n]\n",
+    );
+    for (bdf, group) in gpus {
+        m.push_str(&format!(
+            "[[gpu]]\nbdf = \"{bdf}\"\nvf_count = 4\niommu_group = {group}\ntype_table = \"l40s-plus\"\n"
+        ));
+    }
+    m
+}
+
+fn profile_row(res: &Value, profile: &str) -> Value {
+    res["profiles"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["profile"] == profile)
+        .cloned()
+        .unwrap_or_else(|| panic!("{profile} is not listed: {res}"))
+}
+
+#[test]
+fn s001_profiles_and_sizes_come_from_the_live_catalog() {
+    let a = Agent::start(&host_with_extra_types(&[("0000:41:00.0", 40)])).unwrap();
+    let res = a.ok("resources.get", json!({}));
+    for (p, id, fb) in
+        [("L40S-1Q", 1147, 1024), ("L40S-2Q", 1148, 2048), ("L40S-48Q", 1159, 49152), ("L40S-0Q", 1146, 512)]
+    {
+        let row = profile_row(&res, p);
+        assert_eq!((row["type_id"].as_u64(), row["framebuffer_mib"].as_u64()), (Some(id), Some(fb)), "{row}");
+    }
+    // A name without a size suffix: the size is unknown (null), never 0.
+    let pro = profile_row(&res, "L40S-Pro");
+    assert_eq!(pro["type_id"], 1199, "{pro}");
+    assert!(pro["framebuffer_mib"].is_null(), "unknown, not a number: {pro}");
+    // The catalog header line is not a profile.
+    assert!(
+        res["profiles"].as_array().unwrap().iter().all(|p| !p["profile"].as_str().unwrap().contains("ID")),
+        "{res}"
+    );
+    // The table for people says "unknown".
+    let out = a.cli(&["profiles"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("L40S-Pro")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("unknown"), "{line}");
+}
+
+#[test]
+fn s005_a_gpu_of_known_load_beats_one_of_unknown_load() {
+    let a = Agent::start(&host_with_extra_types(&[("0000:41:00.0", 40), ("0001:81:00.0", 60)])).unwrap();
+    let pro = a.create_gpu("a", "L40S-Pro").unwrap();
+    assert_eq!(pro["gpu"]["device"], VF0, "both idle: address order");
+    let b = a.create_gpu("b", "L40S-1Q").unwrap();
+    assert_eq!(b["gpu"]["device"], "0001:81:00.4", "g1's load is known (0), g0's is not");
+    // C: g1 holds 1 GiB (known), g0 holds a type of unknown size: g1 wins.
+    let c = a.create_gpu("c", "L40S-1Q").unwrap();
+    assert!(c["gpu"]["device"].as_str().unwrap().starts_with("0001:81:"), "{c}");
+    // Fill g1; unknown load puts g0 last but does not exclude it.
+    for n in ["e", "f"] {
+        let i = a.create_gpu(n, "L40S-1Q").unwrap();
+        assert!(i["gpu"]["device"].as_str().unwrap().starts_with("0001:81:"), "{i}");
+    }
+    let d = a.create_gpu("d", "L40S-Pro").unwrap();
+    assert!(d["gpu"]["device"].as_str().unwrap().starts_with("0000:41:"), "{d}");
+}
