@@ -282,7 +282,9 @@ pub async fn run_client(cli: &Cli) -> i32 {
             ("placement.dry_run", json!({ "profile": profile, "labels": labels_json(labels) }))
         }
         Command::Image { action: ImageAction::Import { name, kernel, initrd, cmdline } } => {
-            let abs = |p: &PathBuf| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+            let abs = |p: &PathBuf| {
+                std::fs::canonicalize(p).or_else(|_| std::path::absolute(p)).unwrap_or_else(|_| p.clone())
+            };
             let mut p = json!({ "name": name, "kernel": abs(kernel) });
             if let Some(i) = initrd {
                 p["initrd"] = json!(abs(i));

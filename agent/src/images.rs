@@ -100,6 +100,12 @@ pub fn import(
     if !valid_name(name) {
         return Err(ApiError::invalid(format!("image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})")));
     }
+    // Relative paths would resolve against the agent's working directory, not the caller's.
+    for (what, path) in [("kernel", Some(kernel)), ("initrd", initrd)] {
+        if let Some(p) = path.filter(|p| !p.is_absolute()) {
+            return Err(ApiError::invalid(format!("{what} path {} must be absolute", p.display())));
+        }
+    }
     let dir = images_dir.join(name);
     if dir.exists() {
         return Err(ApiError::new(crate::error::ErrorCode::NameTaken, format!("image {name} already exists")));

@@ -1480,6 +1480,13 @@ impl Manager {
                 return Err(ApiError::invalid(format!("label {k:?} is not valid (key 1..63, value ..255 bytes)")));
             }
         }
+        if let Some(h) = &req.hypervisor {
+            if HypervisorKind::from_name(h).is_none() {
+                return Err(ApiError::invalid(format!(
+                    "hypervisor {h:?} is not one of \"qemu\", \"cloud-hypervisor\""
+                )));
+            }
+        }
         images::load(&self.store.images_dir(), &req.image).map_err(|e| {
             if e.code == ErrorCode::NotFound {
                 ApiError::invalid(e.message)
@@ -1998,6 +2005,9 @@ impl Manager {
     /// `placement.dry_run`: what the placement plugin would pick for a profile now, after
     /// native validation. Claims nothing.
     pub fn dry_run(&self, profile: &str, name: Option<String>, labels: Labels) -> Result<Value, ApiError> {
+        if let Some(n) = name.as_deref().filter(|n| !valid_instance_name(n)) {
+            return Err(ApiError::invalid(format!("instance name {n:?} is not valid (use [a-z0-9][a-z0-9-]{{0,62}})")));
+        }
         let framework = self.vgpu_framework()?;
         let _ = self.observe(None);
         if !self.profile_known(profile) {

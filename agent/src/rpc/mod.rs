@@ -104,18 +104,33 @@ struct DeviceParams {
     device: String,
 }
 
-/// Parses object parameters; absent params parse as `{}`.
+fn invalid_params(msg: String) -> ErrorObjectOwned {
+    ErrorObjectOwned::owned(jsonrpsee::types::error::INVALID_PARAMS_CODE, msg, None::<()>)
+}
+
+/// Parses object parameters; absent params parse as `{}`. Positional (array) params are
+/// refused: every method is declared `paramStructure: by-name` in the OpenRPC document, and
+/// serde would otherwise bind `["a", true]` to fields by order.
 fn parse<T: serde::de::DeserializeOwned>(p: &jsonrpsee::types::Params<'_>) -> Result<T, ErrorObjectOwned> {
-    if p.as_str().is_none() {
-        return serde_json::from_value(json!({})).map_err(|e| {
-            ErrorObjectOwned::owned(
-                jsonrpsee::types::error::INVALID_PARAMS_CODE,
-                format!("invalid params: {e}"),
-                None::<()>,
-            )
-        });
+    let Some(raw) = p.as_str() else {
+        return serde_json::from_value(json!({})).map_err(|e| invalid_params(format!("invalid params: {e}")));
+    };
+    if !raw.trim_start().starts_with('{') {
+        return Err(invalid_params("invalid params: params must be an object of named parameters".into()));
     }
     p.parse::<T>()
+}
+
+/// For methods without parameters: absent, `null`, `{}` or `[]` only (an unknown parameter
+/// is an error here as everywhere else).
+fn no_params(p: &jsonrpsee::types::Params<'_>) -> Result<(), ErrorObjectOwned> {
+    let Some(raw) = p.as_str() else { return Ok(()) };
+    match serde_json::from_str::<Value>(raw) {
+        Ok(Value::Null) => Ok(()),
+        Ok(Value::Object(o)) if o.is_empty() => Ok(()),
+        Ok(Value::Array(a)) if a.is_empty() => Ok(()),
+        _ => Err(invalid_params(format!("invalid params: this method takes no parameters, got {raw}"))),
+    }
 }
 
 /// Builds the module with every method of [`openrpc::METHODS`].
@@ -129,7 +144,8 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         let r: RefParams = parse(&p)?;
         blocking("instance.get", &m, move |m| m.get(&r.r#ref)).await
     })?;
-    module.register_async_method("instance.list", |_p, m, _| async move {
+    module.register_async_method("instance.list", |p, m, _| async move {
+        no_params(&p)?;
         blocking("instance.list", &m, |m| m.list()).await
     })?;
     module.register_async_method("instance.start", |p, m, _| async move {
@@ -159,10 +175,14 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
             blocking(method, &m, move |m| m.save_state_op(&s.r#ref, op)).await
         })?;
     }
-    module.register_async_method("resources.get", |_p, m, _| async move {
+    module.register_async_method("resources.get", |p, m, _| async move {
+        no_params(&p)?;
         blocking("resources.get", &m, |m| m.resources()).await
     })?;
-    module.register_async_method("gpu.list", |_p, m, _| async move { blocking("gpu.list", &m, |m| m.gpus()).await })?;
+    module.register_async_method("gpu.list", |p, m, _| async move {
+        no_params(&p)?;
+        blocking("gpu.list", &m, |m| m.gpus()).await
+    })?;
     module.register_async_method("gpu.unquarantine", |p, m, _| async move {
         let d: DeviceParams = parse(&p)?;
         blocking("gpu.unquarantine", &m, move |m| m.unquarantine(&d.device)).await
@@ -180,7 +200,8 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         })
         .await
     })?;
-    module.register_async_method("image.list", |_p, m, _| async move {
+    module.register_async_method("image.list", |p, m, _| async move {
+        no_params(&p)?;
         blocking("image.list", &m, |m| Ok(json!({ "images": crate::images::list(&m.store().images_dir()) }))).await
     })?;
     module.register_async_method("image.delete", |p, m, _| async move {
@@ -191,7 +212,8 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         })
         .await
     })?;
-    module.register_async_method("plugin.list", |_p, m, _| async move {
+    module.register_async_method("plugin.list", |p, m, _| async move {
+        no_params(&p)?;
         blocking("plugin.list", &m, |m| {
             let p = m.policies();
             let mut out = vec![plugin_json("placement", &p.placement), plugin_json("hypervisor", &p.hypervisor)];
@@ -202,19 +224,26 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         })
         .await
     })?;
-    module.register_async_method("plugin.reload", |_p, m, _| async move {
+    module.register_async_method("plugin.reload", |p, m, _| async move {
+        no_params(&p)?;
         blocking("plugin.reload", &m, |m| m.reload_plugins()).await
     })?;
-    module.register_async_method("reconcile.run", |_p, m, _| async move {
+    module.register_async_method("reconcile.run", |p, m, _| async move {
+        no_params(&p)?;
         blocking("reconcile.run", &m, |m| Ok(serde_json::to_value(m.reconcile()).unwrap_or(Value::Null))).await
     })?;
-    module.register_async_method("agent.health", |_p, m, _| async move {
+    module.register_async_method("agent.health", |p, m, _| async move {
+        no_params(&p)?;
         blocking("agent.health", &m, |m| Ok(m.health())).await
     })?;
-    module.register_async_method("agent.metrics", |_p, m, _| async move {
+    module.register_async_method("agent.metrics", |p, m, _| async move {
+        no_params(&p)?;
         blocking("agent.metrics", &m, |m| Ok(Value::String(metrics::render(m)))).await
     })?;
-    module.register_method("rpc.discover", |_p, _m, _| Ok::<Value, ErrorObjectOwned>(openrpc::document()))?;
+    module.register_method("rpc.discover", |p, _m, _| {
+        no_params(&p)?;
+        Ok::<Value, ErrorObjectOwned>(openrpc::document())
+    })?;
     // rpc.discover must describe exactly what is served.
     let served: std::collections::BTreeSet<&str> = module.method_names().collect();
     let declared: std::collections::BTreeSet<&str> = openrpc::METHODS.iter().map(|m| m.name).collect();
