@@ -1052,7 +1052,10 @@ impl Manager {
     /// Claims and configures a device for `rec` (LIFECYCLE.md Create steps 3–4). On
     /// success the claim is durable and `configured`. On `no_capacity` nothing is left
     /// behind.
-    fn claim_and_configure(&self, rec: &InstanceRecord) -> Result<Claim, ApiError> {
+    /// `configured`: set when the device was configured and its claim is durable but a later
+    /// step failed (e.g. the claim's state could not be persisted on a full disk): the caller
+    /// must roll back through the release guard.
+    fn claim_and_configure(&self, rec: &InstanceRecord, configured: &mut Option<Claim>) -> Result<Claim, ApiError> {
         if !self.is_ready() {
             return Err(ApiError::new(
                 ErrorCode::NotReady,
@@ -1082,7 +1085,11 @@ impl Manager {
             match result {
                 Ok(()) => {
                     claim.state = ClaimState::Configured;
-                    self.store.update_claim(&claim)?;
+                    if let Err(e) = self.store.update_claim(&claim) {
+                        claim.state = ClaimState::Claimed;
+                        *configured = Some(claim);
+                        return Err(e.into());
+                    }
                     crate::crash_point!("after_configure");
                     self.counters.claim_duration.observe(started.elapsed().as_secs_f64());
                     tracing::info!(instance.id = %rec.id, gpu.device = %claim.device, type_id = ?claim.type_id,
@@ -1571,9 +1578,13 @@ impl Manager {
 
     /// Claim, configure, spawn for a `starting` record; on failure roll back as `mode` says.
     fn boot(&self, mut rec: InstanceRecord, mode: Rollback) -> Result<InstanceRecord, ApiError> {
+        let mut configured = None;
         let claim = match &rec.gpu_profile {
-            Some(_) => match self.claim_and_configure(&rec) {
+            Some(_) => match self.claim_and_configure(&rec, &mut configured) {
                 Ok(c) => Some(c),
+                // A configured device whose claim could not be updated: roll back like a
+                // failed spawn (release through the guard, retain on failure).
+                Err(e) if configured.is_some() => return Err(self.rollback(rec, configured, mode, e)),
                 Err(e) => {
                     // Nothing was claimed (every refused candidate's claim was dropped or kept
                     // as release_pending with the VF blocked).

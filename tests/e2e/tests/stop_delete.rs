@@ -380,3 +380,54 @@ fn s026_deleting_a_plain_instance_works_on_a_full_disk() {
     assert!(w.is_empty(), "no sysfs write: {w:?}");
     drop(a);
 }
+
+/// Regression: a full disk between configure and persisting the claim's `configured` state
+/// left the VF configured and its claim behind with the instance record gone, and answered
+/// without any release attempt. Create rollback (LIFECYCLE.md Create step 6) now releases
+/// through the guard: the VF reads 0, no claim and no record are left, and the caller gets
+/// the original error.
+#[test]
+fn a_full_disk_after_configure_rolls_the_create_back_through_the_release_guard() {
+    let mnt = tempfile::Builder::new().prefix("gpuvisor-tmpfs.").tempdir().unwrap();
+    let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"]).arg(mnt.path()).status().unwrap();
+    assert!(st.success(), "mount tmpfs");
+    let _guard = Tmpfs(mnt.path().to_path_buf());
+    let data = mnt.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let w = QemuWrapper::new();
+    let extra = w.extra();
+    let a = Agent::start_tuned(AgentOptions { model: HOST_V, extra: &extra, ..Default::default() }, Some(data), &[])
+        .unwrap();
+    a.sim.ctl(&["delay-write", "sys/bus/pci/devices/*/nvidia/current_vgpu_type", "1500", "--times", "1"]).unwrap();
+    let sock = a.socket.clone();
+    let create = std::thread::spawn(move || {
+        rpc_raw(
+            &sock,
+            &json!({"jsonrpc":"2.0","id":1,"method":"instance.create",
+                "params":{"name":"c","image":"demo","gpu":"L40S-2Q"}})
+            .to_string(),
+        )
+    });
+    // While the type write is held, fill the disk.
+    wait_for(Duration::from_secs(20), || {
+        a.state()["log"].as_array()?.iter().any(|e| e["op"] == "write-delayed").then_some(())
+    })
+    .expect("the type write begins");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(mnt.path().join("fill")).unwrap();
+        let chunk = vec![0u8; 64 * 1024];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+    }
+    let answer = create.join().unwrap().unwrap();
+    assert!(answer["error"].is_object(), "the create fails: {answer}");
+    let st = a.state();
+    assert!(set_vfs(&st).is_empty(), "the configured VF was released: {:?}", set_vfs(&st));
+    assert!(a.claims().is_empty(), "no claim left: {:?}", a.claims());
+    assert!(not_found(&a, "c"), "no record left");
+    assert!(a.qemu_pids().is_empty(), "no QEMU");
+    // Space again: the same create succeeds.
+    std::fs::remove_file(mnt.path().join("fill")).unwrap();
+    a.ok("instance.create", json!({"name": "c", "image": "demo", "gpu": "L40S-2Q"}));
+}
