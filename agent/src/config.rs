@@ -125,6 +125,9 @@ impl Default for Config {
     }
 }
 
+/// The largest value any `*_s` duration key accepts: one year.
+pub const MAX_DURATION_S: u64 = 365 * 24 * 3600;
+
 impl Config {
     /// Reads a TOML config file. Errors name the file and the offending key.
     pub fn load(path: &Path) -> anyhow::Result<Config> {
@@ -140,7 +143,8 @@ impl Config {
         Ok(cfg)
     }
 
-    /// Checks values that TOML types cannot express.
+    /// Checks what TOML cannot: enums, BDFs, loopback-only metrics, duration bounds, and that
+    /// `host_root` exists. Errors name the key.
     pub fn validate(&self) -> anyhow::Result<()> {
         if !matches!(self.accel.as_str(), "kvm" | "tcg") {
             anyhow::bail!("accel must be \"kvm\" or \"tcg\", not {:?}", self.accel);
@@ -162,6 +166,22 @@ impl Config {
         }
         if self.reconcile_interval_s == 0 {
             anyhow::bail!("reconcile_interval_s must be at least 1");
+        }
+        // Durations are added to clock readings; a bound keeps every sum finite (and a
+        // grace of more than a year is a typo, not a policy).
+        for (key, v) in [
+            ("reconcile_interval_s", self.reconcile_interval_s),
+            ("claim_grace_s", self.claim_grace_s),
+            ("vfio_term_grace_s", self.vfio_term_grace_s),
+            ("stop_timeout_s", self.stop_timeout_s),
+            ("release_retry_s", self.release_retry_s),
+        ] {
+            if v > MAX_DURATION_S {
+                anyhow::bail!("{key} = {v} is too large (at most {MAX_DURATION_S} s, one year)");
+            }
+        }
+        if !self.host_root.is_dir() {
+            anyhow::bail!("host_root {} is not a directory", self.host_root.display());
         }
         Ok(())
     }

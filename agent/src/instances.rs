@@ -236,12 +236,27 @@ pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 
-fn valid_instance_name(name: &str) -> bool {
+/// At most this many labels per instance: every policy input carries them, and plugins run
+/// under a fuel budget (PLUGINS.md), so an unbounded map would surface as `policy_failed`.
+pub const MAX_LABELS: usize = 64;
+
+/// Instance names: `[a-z0-9][a-z0-9-]{0,62}`, and never UUID-shaped — a `ref` is first
+/// looked up as an instance id, so a name equal to another instance's id would make
+/// `delete <name>` act on that other instance. Errors: `invalid_request`.
+fn check_instance_name(name: &str) -> Result<(), ApiError> {
     let b = name.as_bytes();
-    !b.is_empty()
+    let ok = !b.is_empty()
         && b.len() <= 63
         && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
         && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && Uuid::parse_str(name).is_err();
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!(
+            "instance name {name:?} is not valid (use [a-z0-9][a-z0-9-]{{0,62}}, not a UUID)"
+        )))
+    }
 }
 
 /// A placeable device as the native side sees it (the legal-candidate check).
@@ -1468,12 +1483,7 @@ impl Manager {
     /// `instance.create`: validate, choose the hypervisor, write the record, claim,
     /// configure, spawn; roll back on failure (LIFECYCLE.md Create).
     pub fn create(&self, req: CreateRequest) -> Result<Value, ApiError> {
-        if !valid_instance_name(&req.name) {
-            return Err(ApiError::invalid(format!(
-                "instance name {:?} is not valid (use [a-z0-9][a-z0-9-]{{0,62}})",
-                req.name
-            )));
-        }
+        check_instance_name(&req.name)?;
         let vcpus = req.vcpus.unwrap_or(1);
         let memory_mib = req.memory_mib.unwrap_or(256);
         if !(1..=64).contains(&vcpus) {
@@ -1481,6 +1491,9 @@ impl Manager {
         }
         if !(64..=1_048_576).contains(&memory_mib) {
             return Err(ApiError::invalid(format!("memory_mib must be 64..=1048576, not {memory_mib}")));
+        }
+        if req.labels.len() > MAX_LABELS {
+            return Err(ApiError::invalid(format!("{} labels; at most {MAX_LABELS} are allowed", req.labels.len())));
         }
         for (k, v) in &req.labels {
             if k.is_empty() || k.len() > 63 || v.len() > 255 {
@@ -1832,11 +1845,7 @@ impl Manager {
     pub fn fork(&self, r: &str, name: &str) -> Result<Value, ApiError> {
         let src = self.find(r)?;
         Self::refuse_cleanup_pending(&src)?;
-        if !valid_instance_name(name) {
-            return Err(ApiError::invalid(format!(
-                "instance name {name:?} is not valid (use [a-z0-9][a-z0-9-]{{0,62}})"
-            )));
-        }
+        check_instance_name(name)?;
         let rec = InstanceRecord {
             id: Uuid::new_v4(),
             name: name.to_string(),
@@ -2016,8 +2025,11 @@ impl Manager {
     /// `placement.dry_run`: what the placement plugin would pick for a profile now, after
     /// native validation. Claims nothing.
     pub fn dry_run(&self, profile: &str, name: Option<String>, labels: Labels) -> Result<Value, ApiError> {
-        if let Some(n) = name.as_deref().filter(|n| !valid_instance_name(n)) {
-            return Err(ApiError::invalid(format!("instance name {n:?} is not valid (use [a-z0-9][a-z0-9-]{{0,62}})")));
+        if let Some(n) = name.as_deref() {
+            check_instance_name(n)?;
+        }
+        if labels.len() > MAX_LABELS {
+            return Err(ApiError::invalid(format!("{} labels; at most {MAX_LABELS} are allowed", labels.len())));
         }
         let framework = self.vgpu_framework()?;
         let _ = self.observe(None);

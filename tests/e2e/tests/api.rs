@@ -136,6 +136,17 @@ fn invalid_names_and_unknown_images_are_400_invalid_request_and_leave_nothing() 
         let e = a.err("instance.create", json!({"name": name, "image": "demo", "gpu": "L40S-2Q"}));
         assert_api_error(&e, 400, "invalid_request");
     }
+    // Regression: a UUID-shaped name could equal another instance's id, and a ref is looked
+    // up as an id first, so `delete <that name>` deleted the other instance.
+    for name in ["6a7d6a8c-1111-4c1b-a0c4-6f0d0e9b7b02", "6a7d6a8c11114c1ba0c46f0d0e9b7b02"] {
+        let e = a.err("instance.create", json!({"name": name, "image": "demo"}));
+        assert_api_error(&e, 400, "invalid_request");
+        assert!(e.message.contains("not a UUID"), "{e}");
+    }
+    // Labels are bounded (every policy input carries them).
+    let labels: serde_json::Map<String, Value> = (0..65).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let e = a.err("instance.create", json!({"name": "l", "image": "demo", "labels": labels}));
+    assert_api_error(&e, 400, "invalid_request");
     let ok63 = "a".repeat(63);
     for image in ["nope", "../demo", "/etc"] {
         let e = a.err("instance.create", json!({"name": ok63, "image": image, "gpu": "L40S-2Q"}));

@@ -231,3 +231,21 @@ fn serve_refuses_a_record_policy_inputs_path_it_cannot_write() {
     assert!(out.contains("record_policy_inputs") && out.contains("not a writable directory"), "{out}");
     assert!(!dir.path().join("s.sock").exists(), "no socket was created");
 }
+
+#[test]
+fn serve_refuses_out_of_range_durations_and_a_missing_host_root_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = format!("data_dir = {:?}\nsocket = {:?}\n", dir.path().join("data"), dir.path().join("s.sock"));
+    for (extra, needle) in [
+        ("stop_timeout_s = 18446744073709551615\n", "stop_timeout_s"),
+        ("vfio_term_grace_s = 100000000000\n", "vfio_term_grace_s"),
+        ("host_root = \"/nonexistent/gpuvisor-host\"\n", "host_root"),
+    ] {
+        let cfg = dir.path().join("gpuvisor.toml");
+        std::fs::write(&cfg, format!("{base}{extra}")).unwrap();
+        let (status, out) = serve_expecting_exit(&cfg, Duration::from_secs(30)).unwrap();
+        assert!(!status.success(), "{extra}: {status}: {out}");
+        assert!(out.contains(needle), "{extra}: names {needle}: {out}");
+        assert!(!dir.path().join("s.sock").exists(), "no socket was created");
+    }
+}
