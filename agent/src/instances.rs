@@ -466,6 +466,21 @@ impl Manager {
         }
     }
 
+    /// The view of an instance after an operation that succeeded: an unreadable claim
+    /// record elsewhere must not turn the success into an error (the work is done); the view
+    /// then carries `warnings` and its `gpu` fields may be incomplete.
+    fn view_after(&self, rec: &InstanceRecord) -> Value {
+        match self.store.list_claims() {
+            Ok(claims) => self.view(rec, &claims),
+            Err(e) => {
+                tracing::warn!(instance.id = %rec.id, error = %e, "claim records unreadable; answering without them");
+                let mut v = self.view(rec, &[]);
+                v["warnings"] = json!([format!("the claim records cannot be read ({e}); gpu fields are incomplete")]);
+                v
+            }
+        }
+    }
+
     /// `instance.get`.
     pub fn get(&self, r: &str) -> Result<Value, ApiError> {
         let rec = self.find(r)?;
@@ -1573,10 +1588,7 @@ impl Manager {
         crate::crash_point!("create_after_record");
         tracing::info!(instance.id = %id, name = %rec.name, profile = ?rec.gpu_profile, "creating instance");
         match self.boot(rec, Rollback::Remove) {
-            Ok(rec) => {
-                let claims = self.store.list_claims()?;
-                Ok(self.view(&rec, &claims))
-            }
+            Ok(rec) => Ok(self.view_after(&rec)),
             Err(e) => Err(e),
         }
     }
@@ -1724,7 +1736,7 @@ impl Manager {
         self.store.write_instance(&rec)?;
         crate::crash_point!("start_after_clear_identity");
         let rec = self.boot(rec, Rollback::Stopped)?;
-        Ok(self.view(&rec, &self.store.list_claims()?))
+        Ok(self.view_after(&rec))
     }
 
     /// `instance.stop` (LIFECYCLE.md Stop). `force` skips the guest power-off.
@@ -1761,17 +1773,24 @@ impl Manager {
                 crate::crash_point!("stop_after_vmm_dead");
             }
         }
-        // The VMM is provably dead: release (a failed release keeps the claim).
-        if let Some(c) = self.claim_of(rec.id)? {
-            if let Err(e) = self.release(&c) {
-                rec.last_error = Some(format!("vGPU release pending: {e}"));
+        // The VMM is provably dead: release (a failed release keeps the claim). Claims that
+        // cannot be read are left alone (fail closed); the stop itself is done.
+        match self.claim_of(rec.id) {
+            Ok(Some(c)) => {
+                if let Err(e) = self.release(&c) {
+                    rec.last_error = Some(format!("vGPU release pending: {e}"));
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                rec.last_error = Some(format!("vGPU release pending: the claim records cannot be read: {}", e.message));
             }
         }
         rec.vmm = None;
         rec.state = InstanceState::Stopped;
         self.store.write_instance(&rec)?;
         crate::crash_point!("stop_after_stopped");
-        Ok(self.view(&rec, &self.store.list_claims()?))
+        Ok(self.view_after(&rec))
     }
 
     /// `instance.delete` (LIFECYCLE.md Delete).

@@ -431,3 +431,34 @@ fn a_full_disk_after_configure_rolls_the_create_back_through_the_release_guard()
     std::fs::remove_file(mnt.path().join("fill")).unwrap();
     a.ok("instance.create", json!({"name": "c", "image": "demo", "gpu": "L40S-2Q"}));
 }
+
+/// Regression: one undecodable claim file made successful calls answer `internal` after
+/// their work was done (a plain create whose VM then ran; a stop that had killed the VMM
+/// and left the record `stopping`). Now the calls succeed with a `warnings` entry, the stop
+/// leaves the unreadable store alone (nothing is released on its behalf) and a later stop
+/// retries the release once the store reads again.
+#[test]
+fn an_undecodable_claim_file_never_turns_a_done_operation_into_an_error() {
+    let w = QemuWrapper::new();
+    let a = Agent::start_with(AgentOptions { model: HOST_V, extra: &w.extra(), ..Default::default() }).unwrap();
+    let g = a.create_gpu("g", "L40S-2Q").unwrap();
+    let vf = g["gpu"]["device"].as_str().unwrap().to_string();
+    let bad = a.data_dir.join("claims/0000:41:00.7.json");
+    std::fs::write(&bad, "{").unwrap();
+
+    let c = a.ok("instance.create", json!({"name": "c", "image": "demo"}));
+    assert_eq!(c["state"], "running", "{c}");
+    assert!(c["warnings"][0].as_str().unwrap().contains("cannot be read"), "{c}");
+
+    let s = a.ok("instance.stop", json!({"ref": "g", "force": true}));
+    assert_eq!(s["state"], "stopped", "{s}");
+    assert!(qemu_of(g["id"].as_str().unwrap()).is_empty(), "g's QEMU is gone");
+    assert_eq!(a.vf_type(&vf), 1148, "nothing released while the claims cannot be read");
+    assert!(a.claim(&vf).is_some(), "g's claim is kept");
+
+    std::fs::remove_file(&bad).unwrap();
+    let s = a.ok("instance.stop", json!({"ref": "g"}));
+    assert_eq!(s["state"], "stopped", "{s}");
+    assert_eq!(a.vf_type(&vf), 0, "the retried release clears the VF");
+    assert!(a.claim(&vf).is_none());
+}
