@@ -224,6 +224,16 @@ impl ServeArgs {
     }
 }
 
+/// The health mark of a device for the `gpus` table: `quarantined:<reason>`,
+/// `suspect:<reason>`, or `-`. A claimed device shows its mark too.
+fn health_cell(mark: &Value) -> String {
+    if mark.is_null() {
+        return "-".into();
+    }
+    let kind = if mark["quarantined"] == true { "quarantined" } else { "suspect" };
+    format!("{kind}:{}", mark["reason"].as_str().unwrap_or("?"))
+}
+
 fn labels_json(labels: &[(String, String)]) -> Value {
     Value::Object(labels.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect())
 }
@@ -440,10 +450,11 @@ fn print_result(cli: &Cli, v: &Value) {
                             s(&d["claim"]["instance_name"]),
                             s(&d["claim"]["profile"]),
                             s(&d["claim"]["state"]),
+                            health_cell(&d["quarantine"]),
                         ]
                     })
                     .collect();
-                table(&["DEVICE", "STATE", "TYPE", "OWNER", "PROFILE", "CLAIM"], rows);
+                table(&["DEVICE", "STATE", "TYPE", "OWNER", "PROFILE", "CLAIM", "HEALTH"], rows);
             }
         }
         Command::Profiles | Command::Resources => {

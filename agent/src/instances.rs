@@ -2056,7 +2056,8 @@ impl Manager {
             return Err(ApiError::new(
                 ErrorCode::UnknownProfile,
                 format!("profile {profile} is not offered by any GPU on this host"),
-            ));
+            )
+            .with("profile", profile.to_string()));
         }
         let rec = InstanceRecord {
             id: Uuid::nil(),

@@ -161,8 +161,10 @@ fn unknown_profile_is_400_unknown_profile_with_nothing_claimed_or_written() {
     let a = Agent::start(ONE_GPU).unwrap();
     let e = a.err("instance.create", json!({"name": "x", "image": "demo", "gpu": "L40S-7Q"}));
     assert_api_error(&e, 400, "unknown_profile");
+    assert_eq!(e.data["profile"], "L40S-7Q", "{}", e.data);
     let e = a.err("placement.dry_run", json!({"profile": "L40S-7Q"}));
     assert_api_error(&e, 400, "unknown_profile");
+    assert_eq!(e.data["profile"], "L40S-7Q", "{}", e.data);
     assert_nothing_left(&a);
     assert!(a.sim_writes().is_empty(), "no sysfs write: {:?}", a.sim_writes());
     assert!(set_vfs(&a.state()).is_empty());
