@@ -220,7 +220,9 @@ pub fn render(m: &Manager) -> String {
 pub async fn serve_http(m: std::sync::Arc<Manager>, addr: std::net::SocketAddr) -> anyhow::Result<()> {
     use http_body_util::Full;
     use hyper::body::Bytes;
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot serve metrics on {addr}: {e}"))?;
     tracing::info!(%addr, "metrics listening on GET /metrics");
     tokio::spawn(async move {
         loop {

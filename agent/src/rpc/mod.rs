@@ -279,7 +279,8 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir)?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("cannot create the directory of the socket {}: {e}", socket.display()))?;
     }
     // Replace only a stale socket file: if something still accepts connections there,
     // another agent serves it and must not be cut off.
@@ -293,8 +294,10 @@ pub async fn serve(
             Err(e) => anyhow::bail!("cannot replace {}: {e}", socket.display()),
         }
     }
-    let listener = tokio::net::UnixListener::bind(socket)?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    let listener = tokio::net::UnixListener::bind(socket)
+        .map_err(|e| anyhow::anyhow!("cannot listen on the socket {}: {e}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| anyhow::anyhow!("cannot make {} mode 0600: {e}", socket.display()))?;
     let (stop_handle, server_handle) = jsonrpsee::server::stop_channel();
     let server_cfg =
         jsonrpsee::server::ServerConfig::builder().max_request_body_size(4 * 1024 * 1024).http_only().build();

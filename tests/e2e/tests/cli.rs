@@ -264,3 +264,28 @@ fn the_gpus_table_shows_suspect_and_quarantine_marks() {
     let other = row(&gpus, "0000:41:00.7").unwrap();
     assert_eq!(other.last(), Some(&"-"), "{gpus}");
 }
+
+#[test]
+fn serve_names_a_socket_path_it_cannot_listen_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("gpuvisor.toml");
+    // The parent of the socket is a regular file: nothing can listen there.
+    std::fs::write(dir.path().join("not-a-dir"), "").unwrap();
+    let sock = dir.path().join("not-a-dir/s.sock");
+    std::fs::write(
+        &cfg,
+        format!(
+            "data_dir = {:?}\nsocket = {:?}\n[plugins.placement]\npath = {:?}\n[plugins.hypervisor]\npath = {:?}\n\
+             [plugins.grace]\npath = {:?}\n",
+            dir.path().join("data"),
+            sock,
+            plugin("placement-spread"),
+            plugin("hypervisor-default"),
+            plugin("grace-default")
+        ),
+    )
+    .unwrap();
+    let (status, out) = serve_expecting_exit(&cfg, Duration::from_secs(30)).unwrap();
+    assert!(!status.success(), "{status}: {out}");
+    assert!(out.contains(&sock.display().to_string()), "names the socket path: {out}");
+}
