@@ -198,6 +198,19 @@ impl Manager {
         }
     }
 
+    /// After the reconciler released an instance's retained claim, its record no longer
+    /// says "vGPU release pending" (the owner's instance lock is held by the caller).
+    fn clear_release_pending_note(&self, id: Uuid) {
+        if let Ok(Some(mut rec)) = self.store.read_instance(id) {
+            if rec.last_error.as_deref().is_some_and(|e| e.starts_with("vGPU release pending")) {
+                rec.last_error = None;
+                if let Err(e) = self.store.write_instance(&rec) {
+                    tracing::warn!(instance.id = %id, error = %e, "cannot clear the release-pending note");
+                }
+            }
+        }
+    }
+
     /// True when the instance has a claim made in this boot that is younger than
     /// `claim_grace_s` (measured on CLOCK_BOOTTIME).
     fn young_claim(&self, id: Uuid, boot_id: &str) -> bool {
@@ -452,6 +465,7 @@ impl Manager {
                         Ok(()) => {
                             self.counters.stale_released.fetch_add(1, Ordering::Relaxed);
                             crate::crash_point!("reconcile_after_release");
+                            self.clear_release_pending_note(c.instance_id);
                             report.released.push(json!({"device": device, "kind": "stale_claim",
                             "instance": c.instance_id.to_string()}));
                         }

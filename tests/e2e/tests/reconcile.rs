@@ -679,6 +679,9 @@ fn s052_release_outcomes_are_counted_per_attempt() {
         Some(0.0)
     );
     assert_eq!(metric(&text, "gpuvisor_vgpu_reconcile_runs", &[]), Some(runs0 + 2.0));
+    // The record no longer says the release is pending.
+    let inst = a.ok("instance.get", json!({"ref": "a"}));
+    assert!(inst["last_error"].is_null(), "{inst}");
 }
 
 /// S053: counts agree between `resources.get` and the metrics.
