@@ -353,3 +353,101 @@ fn s062_mdev_placement_follows_parent_load_and_claims_before_create() {
     assert_eq!(inst["gpu"]["mdev_uuid"], uuid.as_str(), "{answer}");
     assert_on_own_mdev(&a, inst, 1147);
 }
+
+// ------------------------------------------------------------------------------------- S063
+
+/// S063: an mdev the driver will not let go. On a one-GPU mdev host, vf0, vf1 and vf3 hold
+/// mdevs of running instances, so vf2 is the only parent left; U7 on vf2 belongs to V. The
+/// driver keeps U7 busy for 8 s after V's QEMU dies (`release-delay`). Then V is started
+/// again and W is created while U7 still exists: V never reuses U7 and never gets a second
+/// mdev on vf2 while U7 exists (it waits within a bound or gets a retryable error, then runs
+/// on a fresh mdev), W never gets vf2 before U7's removal is confirmed, and the removal is
+/// retried with backoff.
+#[test]
+fn s063_an_mdev_the_driver_will_not_let_go() {
+    const VF2: &str = "0000:41:00.6";
+    let wrap = QemuWrapper::new();
+    let model = "framework = \"mdev\"\nrelease_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
+    let a = Agent::start_with(AgentOptions { model, extra: &wrap.extra(), ..Default::default() }).unwrap();
+    let mut v = Value::Null;
+    for n in ["a", "b", "v", "d"] {
+        let i = a.create_gpu(n, "L40S-1Q").unwrap();
+        if n == "v" {
+            v = i;
+        }
+    }
+    assert_eq!(v["gpu"]["device"], VF2, "spread on one GPU: address order");
+    let u7 = v["gpu"]["mdev_uuid"].as_str().unwrap().to_string();
+    a.sim.ctl(&["release-delay", &u7, "8000"]).unwrap();
+    let seq0 = last_seq(&a.state());
+
+    // V's QEMU dies; a pass records it (V → stopped; its claim's one release attempt meets
+    // EBUSY), then V is started again and W is created while U7 is still busy.
+    let qemu = pids_where(|c| c.contains("qemu-system") && c.contains(v["id"].as_str().unwrap()));
+    sigkill(qemu[0]);
+    // Gone means reaped: a zombie whose threads are still exiting counts as alive.
+    let proc_dir = format!("/proc/{}", qemu[0]);
+    wait_for(Duration::from_secs(10), || (!std::path::Path::new(&proc_dir).exists()).then_some(()))
+        .expect("V's QEMU is reaped");
+    let rep = a.pass();
+    assert_eq!(a.ok("instance.get", json!({"ref": "v"}))["state"], "stopped", "{rep}");
+    assert!(sim_mdevs(&a.state()).iter().any(|m| m["uuid"] == u7.as_str()), "U7 is still there");
+    let call = |method: &'static str, params: Value| {
+        let sock = a.socket.clone();
+        std::thread::spawn(move || {
+            rpc_raw(&sock, &json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string())
+        })
+    };
+    let start_v = call("instance.start", json!({"ref": "v"}));
+    let create_w = call("instance.create", json!({"name": "w", "image": "demo", "gpu": "L40S-1Q"}));
+    // Watch the host until both answered: never two mdevs under vf2.
+    while !(start_v.is_finished() && create_w.is_finished()) {
+        let on_vf2: Vec<String> = sim_mdevs(&a.state())
+            .iter()
+            .filter(|m| m["parent"] == VF2)
+            .map(|m| m["uuid"].as_str().unwrap().to_string())
+            .collect();
+        assert!(on_vf2.len() <= 1, "two mdevs under vf2 at once: {on_vf2:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let sv = start_v.join().unwrap().unwrap();
+    let cw = create_w.join().unwrap().unwrap();
+    eprintln!("start V: {sv}\ncreate W: {cw}");
+    if let Some(e) = sv.get("error") {
+        let code = e["data"]["code"].as_str().unwrap_or("");
+        assert!(matches!(code, "gpu_release_pending" | "no_capacity"), "a retryable error: {sv}");
+    }
+    if let Some(e) = cw.get("error") {
+        assert_eq!(e["data"]["code"], "no_capacity", "{cw}");
+    }
+    // Passes until U7 is gone (bounded).
+    wait_for(Duration::from_secs(20), || {
+        let _ = a.call("reconcile.run", json!({}));
+        (!sim_mdevs(&a.state()).iter().any(|m| m["uuid"] == u7.as_str())).then_some(())
+    })
+    .expect("U7 is removed once the driver lets go");
+    // V runs on a fresh mdev (starting it again if the first start was refused).
+    let vr = match a.call("instance.get", json!({"ref": "v"})).unwrap() {
+        r if r["state"] == "running" => r,
+        _ => a.ok("instance.start", json!({"ref": "v"})),
+    };
+    assert_eq!(vr["state"], "running", "{vr}");
+    assert_ne!(vr["gpu"]["mdev_uuid"], u7.as_str(), "V never reuses U7: {vr}");
+    // W got vf2 only after U7's removal was confirmed.
+    let log = log_after(&a.state(), seq0);
+    let u7_removed = log
+        .iter()
+        .find(|e| e["op"] == "write" && e["path"] == format!("sys/bus/mdev/devices/{u7}/remove") && e["result"] == "ok")
+        .and_then(|e| e["seq"].as_u64())
+        .expect("U7's remove succeeded");
+    for e in log.iter().filter(|e| {
+        e["op"] == "write" && e["path"].as_str().unwrap_or("").starts_with(&format!("sys/class/mdev_bus/{VF2}/"))
+    }) {
+        assert!(e["seq"].as_u64().unwrap() > u7_removed, "a create on vf2 before U7 was gone: {e}");
+    }
+    // The removal was retried: EBUSY answers, then one success.
+    let removes: Vec<&Value> =
+        log.iter().filter(|e| e["op"] == "write" && e["path"] == format!("sys/bus/mdev/devices/{u7}/remove")).collect();
+    assert!(removes.iter().filter(|e| e["result"] == "EBUSY").count() >= 2, "retried: {removes:?}");
+    assert_eq!(removes.iter().filter(|e| e["result"] == "ok").count(), 1, "{removes:?}");
+}
