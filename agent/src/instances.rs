@@ -1583,7 +1583,12 @@ impl Manager {
                 return Err(ApiError::new(ErrorCode::NameTaken, format!("an instance named {} exists", req.name))
                     .with("name", req.name.clone()));
             }
-            self.store.write_instance(&rec)?;
+            if let Err(e) = self.store.write_instance(&rec) {
+                // E.g. a full disk: leave no empty instance directory behind.
+                let _ = self.store.remove_instance(id);
+                lock(&self.instance_locks).remove(&id);
+                return Err(e.into());
+            }
         }
         crate::crash_point!("create_after_record");
         tracing::info!(instance.id = %id, name = %rec.name, profile = ?rec.gpu_profile, "creating instance");

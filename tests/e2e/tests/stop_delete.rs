@@ -427,6 +427,9 @@ fn a_full_disk_after_configure_rolls_the_create_back_through_the_release_guard()
     assert!(a.claims().is_empty(), "no claim left: {:?}", a.claims());
     assert!(not_found(&a, "c"), "no record left");
     assert!(a.qemu_pids().is_empty(), "no QEMU");
+    // A create whose record cannot be written leaves no empty instance directory.
+    assert!(a.call("instance.create", json!({"name": "p", "image": "demo"})).is_err(), "the disk is full");
+    assert!(a.data_files("instances").is_empty(), "{:?}", a.data_files("instances"));
     // Space again: the same create succeeds.
     std::fs::remove_file(mnt.path().join("fill")).unwrap();
     a.ok("instance.create", json!({"name": "c", "image": "demo", "gpu": "L40S-2Q"}));
