@@ -427,7 +427,15 @@ fn a_full_disk_after_configure_rolls_the_create_back_through_the_release_guard()
     assert!(a.claims().is_empty(), "no claim left: {:?}", a.claims());
     assert!(not_found(&a, "c"), "no record left");
     assert!(a.qemu_pids().is_empty(), "no QEMU");
-    // A create whose record cannot be written leaves no empty instance directory.
+    // A create whose record cannot be written leaves no empty instance directory (the
+    // rollback freed a few blocks: fill them again first).
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().append(true).open(mnt.path().join("fill")).unwrap();
+        while f.write_all(&[0u8; 4096]).is_ok() {}
+        while f.write_all(&[0u8; 1]).is_ok() {}
+        let _ = f.sync_all();
+    }
     assert!(a.call("instance.create", json!({"name": "p", "image": "demo"})).is_err(), "the disk is full");
     assert!(a.data_files("instances").is_empty(), "{:?}", a.data_files("instances"));
     // Space again: the same create succeeds.
