@@ -240,6 +240,18 @@ pub fn now_rfc3339() -> String {
 /// under a fuel budget (PLUGINS.md), so an unbounded map would surface as `policy_failed`.
 pub const MAX_LABELS: usize = 64;
 
+/// Labels: at most [`MAX_LABELS`], keys 1–63 bytes, values up to 255. Errors:
+/// `invalid_request`.
+fn check_labels(labels: &Labels) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS {
+        return Err(ApiError::invalid(format!("{} labels; at most {MAX_LABELS} are allowed", labels.len())));
+    }
+    match labels.iter().find(|(k, v)| k.is_empty() || k.len() > 63 || v.len() > 255) {
+        Some((k, _)) => Err(ApiError::invalid(format!("label {k:?} is not valid (key 1..63, value ..255 bytes)"))),
+        None => Ok(()),
+    }
+}
+
 /// Instance names: `[a-z0-9][a-z0-9-]{0,62}`, and never UUID-shaped — a `ref` is first
 /// looked up as an instance id, so a name equal to another instance's id would make
 /// `delete <name>` act on that other instance. Errors: `invalid_request`.
@@ -1507,14 +1519,7 @@ impl Manager {
         if !(64..=1_048_576).contains(&memory_mib) {
             return Err(ApiError::invalid(format!("memory_mib must be 64..=1048576, not {memory_mib}")));
         }
-        if req.labels.len() > MAX_LABELS {
-            return Err(ApiError::invalid(format!("{} labels; at most {MAX_LABELS} are allowed", req.labels.len())));
-        }
-        for (k, v) in &req.labels {
-            if k.is_empty() || k.len() > 63 || v.len() > 255 {
-                return Err(ApiError::invalid(format!("label {k:?} is not valid (key 1..63, value ..255 bytes)")));
-            }
-        }
+        check_labels(&req.labels)?;
         if let Some(h) = &req.hypervisor {
             if HypervisorKind::from_name(h).is_none() {
                 return Err(ApiError::invalid(format!(
@@ -2052,9 +2057,7 @@ impl Manager {
         if let Some(n) = name.as_deref() {
             check_instance_name(n)?;
         }
-        if labels.len() > MAX_LABELS {
-            return Err(ApiError::invalid(format!("{} labels; at most {MAX_LABELS} are allowed", labels.len())));
-        }
+        check_labels(&labels)?;
         let framework = self.vgpu_framework()?;
         let _ = self.observe(None);
         if !self.profile_known(profile) {

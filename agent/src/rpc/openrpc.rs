@@ -22,7 +22,7 @@ pub const METHODS: &[Method] = &[
             ("name", r#"{"type":"string","pattern":"^[a-z0-9][a-z0-9-]{0,62}$"}"#, true),
             ("image", r#"{"type":"string"}"#, true),
             ("gpu", r#"{"type":"string","description":"vGPU profile, e.g. L40S-2Q"}"#, false),
-            ("labels", r#"{"type":"object","additionalProperties":{"type":"string"}}"#, false),
+            ("labels", r#"{"type":"object","additionalProperties":{"type":"string","maxLength":255},"maxProperties":64}"#, false),
             ("vcpus", r#"{"type":"integer","minimum":1,"maximum":64}"#, false),
             ("memory_mib", r#"{"type":"integer","minimum":64}"#, false),
             ("hypervisor", r#"{"type":"string","enum":["qemu","cloud-hypervisor"]}"#, false),
@@ -123,7 +123,7 @@ pub const METHODS: &[Method] = &[
         params: &[
             ("profile", r#"{"type":"string"}"#, true),
             ("name", r#"{"type":"string"}"#, false),
-            ("labels", r#"{"type":"object","additionalProperties":{"type":"string"}}"#, false),
+            ("labels", r#"{"type":"object","additionalProperties":{"type":"string","maxLength":255},"maxProperties":64}"#, false),
         ],
         errors: &["unknown_profile", "no_capacity", "not_ready", "policy_failed"],
     },
