@@ -985,6 +985,14 @@ impl Agent {
         serde_json::from_str(&text).ok()
     }
 
+    /// Sends one JSON-RPC call from another thread (for tests that act while the call is
+    /// in flight); the handle yields the whole response object (`result` or `error`).
+    pub fn spawn_call(&self, method: &str, params: Value) -> std::thread::JoinHandle<anyhow::Result<Value>> {
+        let sock = self.socket.clone();
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string();
+        std::thread::spawn(move || rpc_raw(&sock, &body))
+    }
+
     /// Spawns `sh -c script` inside the agent's PID namespace with piped stdout and returns
     /// it with the first line it prints (the script prints one when it is ready).
     pub fn ns_sh(&self, script: &str) -> (Child, String) {

@@ -134,10 +134,7 @@ fn s014b_a_type_write_failing_everywhere_leaves_nothing_behind() {
 fn s014c_a_foreign_write_during_ours_quarantines_the_vf_and_never_clears_it() {
     let a = Agent::start(HOST_V2).unwrap();
     a.sim.ctl(&["delay-write", &type_path(VF0), "1500", "--times", "1"]).unwrap();
-    let sock = a.socket.clone();
-    let create = std::thread::spawn(move || {
-        rpc_raw(&sock, &json!({"jsonrpc":"2.0","id":1,"method":"instance.create","params":{"name":"c","image":"demo","gpu":"L40S-1Q"}}).to_string())
-    });
+    let create = a.spawn_call("instance.create", json!({"name": "c", "image": "demo", "gpu": "L40S-1Q"}));
     // Wait until the agent is inside its (delayed) type write, then write as a foreign tool.
     // Waiting only for the claim file raced: a foreign write landing before the agent's own
     // catalog check makes the agent skip the VF instead of writing it.

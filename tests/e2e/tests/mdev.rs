@@ -325,15 +325,7 @@ fn s062_mdev_placement_follows_parent_load_and_claims_before_create() {
     a.ok("instance.delete", json!({"ref": "x1"}));
 
     a.sim.ctl(&["delay-write", "sys/class/mdev_bus/*/mdev_supported_types/*/create", "1000", "--times", "1"]).unwrap();
-    let sock = a.socket.clone();
-    let create = std::thread::spawn(move || {
-        rpc_raw(
-            &sock,
-            &json!({"jsonrpc":"2.0","id":1,"method":"instance.create",
-                "params":{"name":"a","image":"demo","gpu":"L40S-1Q"}})
-            .to_string(),
-        )
-    });
+    let create = a.spawn_call("instance.create", json!({"name": "a", "image": "demo", "gpu": "L40S-1Q"}));
     let begun = wait_for(Duration::from_secs(20), || {
         let st = a.state();
         st["log"].as_array()?.iter().find(|e| e["op"] == "write-delayed").cloned()
@@ -392,14 +384,8 @@ fn s063_an_mdev_the_driver_will_not_let_go() {
     let rep = a.pass();
     assert_eq!(a.ok("instance.get", json!({"ref": "v"}))["state"], "stopped", "{rep}");
     assert!(sim_mdevs(&a.state()).iter().any(|m| m["uuid"] == u7.as_str()), "U7 is still there");
-    let call = |method: &'static str, params: Value| {
-        let sock = a.socket.clone();
-        std::thread::spawn(move || {
-            rpc_raw(&sock, &json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).to_string())
-        })
-    };
-    let start_v = call("instance.start", json!({"ref": "v"}));
-    let create_w = call("instance.create", json!({"name": "w", "image": "demo", "gpu": "L40S-1Q"}));
+    let start_v = a.spawn_call("instance.start", json!({"ref": "v"}));
+    let create_w = a.spawn_call("instance.create", json!({"name": "w", "image": "demo", "gpu": "L40S-1Q"}));
     // Watch the host until both answered: never two mdevs under vf2.
     while !(start_v.is_finished() && create_w.is_finished()) {
         let on_vf2: Vec<String> = sim_mdevs(&a.state())

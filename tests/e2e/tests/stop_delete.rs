@@ -335,18 +335,46 @@ impl Drop for Tmpfs {
     }
 }
 
+/// Host V with the agent's data directory on a 24 MiB tmpfs (paused QEMUs). Fields drop in
+/// order: the agent and its VMs, the QEMU wrapper, the mount, the mount point.
+struct SmallDisk {
+    a: Agent,
+    _w: QemuWrapper,
+    _guard: Tmpfs,
+    mnt: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn start() -> SmallDisk {
+        let mnt = tempfile::Builder::new().prefix("gpuvisor-tmpfs.").tempdir().unwrap();
+        let st =
+            Command::new("mount").args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"]).arg(mnt.path()).status().unwrap();
+        assert!(st.success(), "mount tmpfs");
+        let guard = Tmpfs(mnt.path().to_path_buf());
+        let data = mnt.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let w = QemuWrapper::new();
+        let extra = w.extra();
+        let a =
+            Agent::start_tuned(AgentOptions { model: HOST_V, extra: &extra, ..Default::default() }, Some(data), &[])
+                .unwrap();
+        SmallDisk { a, _w: w, _guard: guard, mnt }
+    }
+
+    /// Fills the filesystem to the last byte (appending to `fill`).
+    fn fill(&self) {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.mnt.path().join("fill")).unwrap();
+        while f.write_all(&[0u8; 65536]).is_ok() {}
+        while f.write_all(&[0u8; 1]).is_ok() {}
+        let _ = f.sync_all();
+    }
+}
+
 #[test]
 fn s026_deleting_a_plain_instance_works_on_a_full_disk() {
-    let mnt = tempfile::Builder::new().prefix("gpuvisor-tmpfs.").tempdir().unwrap();
-    let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"]).arg(mnt.path()).status().unwrap();
-    assert!(st.success(), "mount tmpfs");
-    let _guard = Tmpfs(mnt.path().to_path_buf());
-    let data = mnt.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let w = QemuWrapper::new();
-    let extra = w.extra();
-    let a = Agent::start_tuned(AgentOptions { model: HOST_V, extra: &extra, ..Default::default() }, Some(data), &[])
-        .unwrap();
+    let host = SmallDisk::start();
+    let (a, mnt) = (&host.a, host.mnt.path());
     let b = a.ok("instance.create", json!({"name": "b", "image": "demo"}));
     let id = b["id"].as_str().unwrap().to_string();
     assert_eq!(b["state"], "running");
@@ -354,31 +382,19 @@ fn s026_deleting_a_plain_instance_works_on_a_full_disk() {
     assert_eq!(qemu_of(&id).len(), 1);
 
     // Fill the filesystem completely.
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(mnt.path().join("fill")).unwrap();
-        let chunk = vec![0u8; 64 * 1024];
-        loop {
-            if let Err(e) = f.write_all(&chunk) {
-                assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
-                break;
-            }
-        }
-        let _ = f.sync_all();
-    }
-    let probe = std::fs::write(mnt.path().join("probe"), b"x");
+    host.fill();
+    let probe = std::fs::write(mnt.join("probe"), b"x");
     assert!(probe.is_err(), "the disk is full");
     let seq = last_seq(&a.state());
 
     let del = a.ok("instance.delete", json!({"ref": "b"}));
     assert_eq!(del["deleted"], true, "{del}");
-    assert!(not_found(&a, "b"));
+    assert!(not_found(a, "b"));
     assert!(qemu_of(&id).is_empty(), "B's QEMU is gone");
     assert!(!a.data_dir.join(format!("instances/{id}")).exists(), "B's directory is removed");
     assert!(a.claims().is_empty(), "no claim row");
     let w: Vec<Value> = log_after(&a.state(), seq).into_iter().filter(|e| e["op"] == "write").collect();
     assert!(w.is_empty(), "no sysfs write: {w:?}");
-    drop(a);
 }
 
 /// Regression: a full disk between configure and persisting the claim's `configured` state
@@ -388,58 +404,30 @@ fn s026_deleting_a_plain_instance_works_on_a_full_disk() {
 /// the original error.
 #[test]
 fn a_full_disk_after_configure_rolls_the_create_back_through_the_release_guard() {
-    let mnt = tempfile::Builder::new().prefix("gpuvisor-tmpfs.").tempdir().unwrap();
-    let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"]).arg(mnt.path()).status().unwrap();
-    assert!(st.success(), "mount tmpfs");
-    let _guard = Tmpfs(mnt.path().to_path_buf());
-    let data = mnt.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let w = QemuWrapper::new();
-    let extra = w.extra();
-    let a = Agent::start_tuned(AgentOptions { model: HOST_V, extra: &extra, ..Default::default() }, Some(data), &[])
-        .unwrap();
+    let host = SmallDisk::start();
+    let (a, mnt) = (&host.a, host.mnt.path());
     a.sim.ctl(&["delay-write", "sys/bus/pci/devices/*/nvidia/current_vgpu_type", "1500", "--times", "1"]).unwrap();
-    let sock = a.socket.clone();
-    let create = std::thread::spawn(move || {
-        rpc_raw(
-            &sock,
-            &json!({"jsonrpc":"2.0","id":1,"method":"instance.create",
-                "params":{"name":"c","image":"demo","gpu":"L40S-2Q"}})
-            .to_string(),
-        )
-    });
+    let create = a.spawn_call("instance.create", json!({"name": "c", "image": "demo", "gpu": "L40S-2Q"}));
     // While the type write is held, fill the disk.
     wait_for(Duration::from_secs(20), || {
         a.state()["log"].as_array()?.iter().any(|e| e["op"] == "write-delayed").then_some(())
     })
     .expect("the type write begins");
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(mnt.path().join("fill")).unwrap();
-        let chunk = vec![0u8; 64 * 1024];
-        while f.write_all(&chunk).is_ok() {}
-        let _ = f.sync_all();
-    }
+    host.fill();
     let answer = create.join().unwrap().unwrap();
     assert!(answer["error"].is_object(), "the create fails: {answer}");
     let st = a.state();
     assert!(set_vfs(&st).is_empty(), "the configured VF was released: {:?}", set_vfs(&st));
     assert!(a.claims().is_empty(), "no claim left: {:?}", a.claims());
-    assert!(not_found(&a, "c"), "no record left");
+    assert!(not_found(a, "c"), "no record left");
     assert!(a.qemu_pids().is_empty(), "no QEMU");
     // A create whose record cannot be written leaves no empty instance directory (the
     // rollback freed a few blocks: fill them again first).
-    {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().append(true).open(mnt.path().join("fill")).unwrap();
-        while f.write_all(&[0u8; 4096]).is_ok() {}
-        while f.write_all(&[0u8; 1]).is_ok() {}
-        let _ = f.sync_all();
-    }
+    host.fill();
     assert!(a.call("instance.create", json!({"name": "p", "image": "demo"})).is_err(), "the disk is full");
     assert!(a.data_files("instances").is_empty(), "{:?}", a.data_files("instances"));
     // Space again: the same create succeeds.
-    std::fs::remove_file(mnt.path().join("fill")).unwrap();
+    std::fs::remove_file(mnt.join("fill")).unwrap();
     a.ok("instance.create", json!({"name": "c", "image": "demo", "gpu": "L40S-2Q"}));
 }
 
