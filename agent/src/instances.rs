@@ -1723,6 +1723,16 @@ impl Manager {
                 ))
             }
             InstanceState::Stopped => {}
+            // A VMM that exited behind the agent's back (the next reconcile pass would record
+            // it): with its recorded identity provably dead and the instance lock ours, the
+            // record is stale — record it stopped and start.
+            InstanceState::Running if rec.vmm.is_some() && matches!(self.liveness(&rec)?, Liveness::Dead) => {
+                rec.state = InstanceState::Stopped;
+                rec.vmm = None;
+                rec.last_error = Some("the VMM exited".into());
+                self.store.write_instance(&rec)?;
+                tracing::info!(instance.id = %rec.id, "the recorded VMM had exited; starting again");
+            }
             s => {
                 return Err(ApiError::new(
                     ErrorCode::InvalidState,

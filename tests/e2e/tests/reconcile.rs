@@ -460,6 +460,30 @@ fn a_qemu_killed_behind_the_agents_back_is_stopped_and_its_vf_released() {
     assert_eq!(World::observe(&a).liveness_violations(), Vec::<String>::new());
 }
 
+/// Starting an instance whose QEMU died behind the agent's back needs no pass first: its
+/// recorded VMM is provably dead, so start records it stopped, releases the leftover claim
+/// and starts it again (it used to answer `invalid_state` "running, not stopped").
+#[test]
+fn start_after_the_vmm_died_behind_the_agents_back_needs_no_pass() {
+    let a = agent(HOST_V, "claim_grace_s = 5\nreconcile_interval_s = 3600\n");
+    let i = a.create_gpu("a", "L40S-2Q").unwrap();
+    let old_pid = i["vmm"]["pid"].clone();
+    let q = qemu_of(&a, i["id"].as_str().unwrap());
+    sigkill(q);
+    let proc_dir = format!("/proc/{q}");
+    wait_for(Duration::from_secs(10), || (!std::path::Path::new(&proc_dir).exists()).then_some(()))
+        .expect("the QEMU is reaped");
+    assert_eq!(instance(&a, "a")["state"], "running", "no pass has run: the record is stale");
+    let s = a.ok("instance.start", json!({"ref": "a"}));
+    assert_eq!(s["state"], "running", "{s}");
+    assert_ne!(s["vmm"]["pid"], old_pid, "a new VMM");
+    assert_eq!(a.claims().len(), 1, "one claim: {:?}", a.claims());
+    assert!(World::observe(&a).safety_violations(&[]).is_empty());
+    // A live VMM is still refused.
+    let e = a.err("instance.start", json!({"ref": "a"}));
+    assert_eq!(e.data_code, "invalid_state", "{e}");
+}
+
 // ------------------------------------------------------------------------------------- S043-ish / I6
 
 /// I6: one undecodable instance record makes the pass fail closed: `inventory_complete:
