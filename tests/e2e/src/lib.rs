@@ -1143,7 +1143,7 @@ impl Agent {
         assert_eq!(c["state"], "release_pending", "{c}");
         assert_eq!(c["instance_id"], id.as_str());
         assert_ne!(self.vf_type(&vf), 0, "the VF still holds its type");
-        assert!(pids_where(|c| c.contains("qemu-system") && c.contains(&id)).is_empty(), "QEMU of {name} is gone");
+        assert!(qemu_of(&id).is_empty(), "QEMU of {name} is gone");
         (id, vf)
     }
 }
@@ -1193,4 +1193,16 @@ pub fn helper_binary() -> PathBuf {
         p.display()
     );
     p
+}
+
+/// Root-namespace pids of the QEMU processes whose command line names `id` (an instance id).
+pub fn qemu_of(id: &str) -> Vec<i32> {
+    pids_where(|c| c.contains("qemu-system") && c.contains(id))
+}
+
+/// Waits (bounded, 10 s) until `pid` is reaped: its `/proc` entry is gone. A zombie whose
+/// threads are still exiting is not gone yet (the agent counts it as alive). True when gone.
+pub fn wait_reaped(pid: i32) -> bool {
+    let dir = PathBuf::from(format!("/proc/{pid}"));
+    wait_for(Duration::from_secs(10), || (!dir.exists()).then_some(())).is_some()
 }

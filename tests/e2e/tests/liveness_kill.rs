@@ -19,10 +19,6 @@ fn agent(w: &QemuWrapper) -> Agent {
     Agent::start_tuned(AgentOptions { model: HOST_V, extra: &extra, ..Default::default() }, None, &[]).unwrap()
 }
 
-fn qemu_of(id: &str) -> Vec<i32> {
-    pids_where(|c| c.contains("qemu-system") && c.contains(id))
-}
-
 /// An unrelated `sleep` in the agent's namespace: (namespace pid, root pid).
 fn ns_sleep(a: &Agent, tag: &str) -> (i32, i32) {
     let (_c, line) = a.ns_sh(&format!("echo $$; exec sleep {tag}"));

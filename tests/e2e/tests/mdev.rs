@@ -66,7 +66,7 @@ fn assert_on_own_mdev(a: &Agent, inst: &Value, profile_type: u64) -> (String, St
 /// only handle on it.
 fn assert_qemu_holds_mdev(a: &Agent, inst: &Value, uuid: &str) {
     let id = inst["id"].as_str().unwrap();
-    let qemu = pids_where(|c| c.contains("qemu-system") && c.contains(id));
+    let qemu = qemu_of(id);
     assert_eq!(qemu.len(), 1, "one QEMU for {id}");
     let m = sim_mdev(a, uuid);
     let group = m["group"].as_u64().expect("mdev group");
@@ -375,12 +375,10 @@ fn s063_an_mdev_the_driver_will_not_let_go() {
 
     // V's QEMU dies; a pass records it (V → stopped; its claim's one release attempt meets
     // EBUSY), then V is started again and W is created while U7 is still busy.
-    let qemu = pids_where(|c| c.contains("qemu-system") && c.contains(v["id"].as_str().unwrap()));
+    let qemu = qemu_of(v["id"].as_str().unwrap());
     sigkill(qemu[0]);
     // Gone means reaped: a zombie whose threads are still exiting counts as alive.
-    let proc_dir = format!("/proc/{}", qemu[0]);
-    wait_for(Duration::from_secs(10), || (!std::path::Path::new(&proc_dir).exists()).then_some(()))
-        .expect("V's QEMU is reaped");
+    assert!(wait_reaped(qemu[0]), "V's QEMU is reaped");
     let rep = a.pass();
     assert_eq!(a.ok("instance.get", json!({"ref": "v"}))["state"], "stopped", "{rep}");
     assert!(sim_mdevs(&a.state()).iter().any(|m| m["uuid"] == u7.as_str()), "U7 is still there");

@@ -68,10 +68,6 @@ fn agent(w: &QemuWrapper) -> Agent {
     .unwrap()
 }
 
-fn qemu_of(id: &str) -> Vec<i32> {
-    pids_where(|c| c.contains("qemu-system") && c.contains(id))
-}
-
 fn sig(pid: i32, s: Signal) {
     kill(Pid::from_raw(pid), s).unwrap_or_else(|e| panic!("kill({pid}, {s}): {e}"));
 }

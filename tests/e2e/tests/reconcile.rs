@@ -470,9 +470,7 @@ fn start_after_the_vmm_died_behind_the_agents_back_needs_no_pass() {
     let old_pid = i["vmm"]["pid"].clone();
     let q = qemu_of(&a, i["id"].as_str().unwrap());
     sigkill(q);
-    let proc_dir = format!("/proc/{q}");
-    wait_for(Duration::from_secs(10), || (!std::path::Path::new(&proc_dir).exists()).then_some(()))
-        .expect("the QEMU is reaped");
+    assert!(wait_reaped(q), "the QEMU is reaped");
     assert_eq!(instance(&a, "a")["state"], "running", "no pass has run: the record is stale");
     let s = a.ok("instance.start", json!({"ref": "a"}));
     assert_eq!(s["state"], "running", "{s}");

@@ -16,7 +16,7 @@ fn agent(model: &str, w: &QemuWrapper) -> Agent {
 }
 
 fn qemu_args(id: &str) -> Vec<String> {
-    let pid = pids_where(|c| c.contains("qemu-system") && c.contains(id));
+    let pid = qemu_of(id);
     assert_eq!(pid.len(), 1, "one QEMU for {id}");
     let cmd = std::fs::read(format!("/proc/{}/cmdline", pid[0])).unwrap();
     cmd.split(|b| *b == 0).filter(|s| !s.is_empty()).map(|s| String::from_utf8_lossy(s).into_owned()).collect()
@@ -40,7 +40,7 @@ fn s046_standby_and_snapshot_are_refused_while_a_vgpu_is_attached() {
     assert_eq!(a.ok("instance.get", json!({"ref": "a"}))["state"], "running");
     assert_eq!(a.claims(), claims);
     assert_eq!(a.vf_type(VF0), 1148);
-    assert_eq!(pids_where(|c| c.contains("qemu-system") && c.contains(inst["id"].as_str().unwrap())).len(), 1);
+    assert_eq!(qemu_of(inst["id"].as_str().unwrap()).len(), 1);
 
     let m = agent("l40s-mdev", &w);
     let b = m.create_gpu("b", "L40S-2Q").unwrap();

@@ -23,10 +23,6 @@ fn not_found(a: &Agent, name: &str) -> bool {
     a.call("instance.get", json!({"ref": name})).err().map(|e| e.data_code == "not_found").unwrap_or(false)
 }
 
-fn qemu_of(id: &str) -> Vec<i32> {
-    pids_where(|c| c.contains("qemu-system") && c.contains(id))
-}
-
 #[test]
 fn s020_a_failed_release_on_stop_keeps_the_claim_and_is_retried() {
     let w = QemuWrapper::new();

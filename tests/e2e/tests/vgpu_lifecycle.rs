@@ -18,7 +18,7 @@ fn devices(res: &Value) -> (u64, u64, u64) {
 fn assert_qemu_holds(a: &Agent, inst: &Value) {
     let id = inst["id"].as_str().unwrap();
     let vf = inst["gpu"]["device"].as_str().unwrap();
-    let qemu = pids_where(|c| c.contains("qemu-system") && c.contains(id));
+    let qemu = qemu_of(id);
     assert_eq!(qemu.len(), 1, "one QEMU for {id}");
     let entry = vf_entry(&a.state(), vf);
     let group = entry["group"].as_u64().unwrap();
@@ -119,7 +119,7 @@ fn every_instance_gets_its_uuid_and_name_on_the_qemu_command_line() {
     let a = Agent::start("l40s-2x16").unwrap();
     let inst = a.create_gpu("named-vm", "L40S-1Q").unwrap();
     let id = inst["id"].as_str().unwrap();
-    let pid = pids_where(|c| c.contains("qemu-system") && c.contains(id));
+    let pid = qemu_of(id);
     let cmd = std::fs::read(format!("/proc/{}/cmdline", pid[0])).unwrap();
     let args: Vec<String> = cmd.split(|b| *b == 0).map(|s| String::from_utf8_lossy(s).into_owned()).collect();
     let pos = args.iter().position(|x| x == "-uuid").expect("-uuid");
