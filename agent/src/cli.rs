@@ -5,14 +5,39 @@
 //! `plugin test`, which runs a plugin locally.
 
 use crate::config::{Config, VfioAttach};
+use crate::instances::request::{CreateRequest, DryRunParams, ImportParams, UnquarantineParams};
+use crate::instances::view::{GpuList, ImageList, InstanceList, InstanceView, PluginList, Resources};
 use crate::rpc::client::{self, ClientError};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
+/// The exit codes of client commands.
+pub mod exit {
+    /// Done.
+    pub const OK: i32 = 0;
+    /// The agent answered an error.
+    pub const ERROR: i32 = 1;
+    /// Bad command-line usage.
+    pub const USAGE: i32 = 2;
+    /// No agent answers on the socket.
+    pub const UNREACHABLE: i32 = 3;
+    /// The operation is done, but a vGPU release is pending (`release_pending`,
+    /// `vgpu_cleanup_pending`): the device is still blocked and the agent retries.
+    pub const RELEASE_PENDING: i32 = 4;
+}
+
+/// The version line: the crate version and the build kind (a failpoint build says so).
+pub const VERSION: &str = if cfg!(feature = "failpoints") {
+    concat!(env!("CARGO_PKG_VERSION"), " (failpoint build: not for production)")
+} else {
+    env!("CARGO_PKG_VERSION")
+};
+
 /// gpuvisor — GPU VMs on Linux hosts (QEMU, NVIDIA vGPU), driven over JSON-RPC.
 #[derive(Debug, Parser)]
-#[command(name = "gpuvisor", version, about)]
+#[command(name = "gpuvisor", version = VERSION, about)]
 pub struct Cli {
     /// The agent's JSON-RPC socket.
     #[arg(long, global = true, env = "GPUVISOR_SOCKET", default_value = "/run/gpuvisor/gpuvisor.sock")]
@@ -107,8 +132,14 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum GpusAction {
-    /// Clear a device's quarantine mark.
-    Unquarantine { device: String },
+    /// Clear health marks: of the devices named, or with --gpu of a whole GPU.
+    Unquarantine {
+        /// Devices (VF or mdev parent addresses).
+        devices: Vec<String>,
+        /// A GPU (PF address): its own mark and those of all its devices.
+        #[arg(long)]
+        gpu: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -226,16 +257,11 @@ impl ServeArgs {
 
 /// The health mark of a device for the `gpus` table: `quarantined:<reason>`,
 /// `suspect:<reason>`, or `-`. A claimed device shows its mark too.
-fn health_cell(mark: &Value) -> String {
-    if mark.is_null() {
-        return "-".into();
+fn health_cell(mark: Option<&crate::instances::view::HealthMark>) -> String {
+    match mark {
+        None => "-".into(),
+        Some(m) => format!("{}:{}", if m.quarantined { "quarantined" } else { "suspect" }, m.reason),
     }
-    let kind = if mark["quarantined"] == true { "quarantined" } else { "suspect" };
-    format!("{kind}:{}", mark["reason"].as_str().unwrap_or("?"))
-}
-
-fn labels_json(labels: &[(String, String)]) -> Value {
-    Value::Object(labels.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect())
 }
 
 /// The first label key given more than once (`--label a=1 --label a=2` is ambiguous).
@@ -252,30 +278,26 @@ pub async fn run_client(cli: &Cli) -> i32 {
     if let Command::Create { labels, .. } | Command::DryRun { labels, .. } = &cli.command {
         if let Some(k) = duplicate_label(labels) {
             eprintln!("error: label {k:?} is given more than once");
-            return 2;
+            return exit::USAGE;
         }
     }
     let (method, params) = match &cli.command {
         Command::Serve(_) => {
             // `main` runs `serve` itself; reaching this is a wiring error, not user input.
             eprintln!("error: `serve` is not a client command");
-            return 2;
+            return exit::USAGE;
         }
         Command::Create { name, image, gpu, labels, vcpus, memory_mib, hypervisor } => {
-            let mut p = json!({ "name": name, "image": image, "labels": labels_json(labels) });
-            if let Some(g) = gpu {
-                p["gpu"] = json!(g);
-            }
-            if let Some(v) = vcpus {
-                p["vcpus"] = json!(v);
-            }
-            if let Some(m) = memory_mib {
-                p["memory_mib"] = json!(m);
-            }
-            if let Some(h) = hypervisor {
-                p["hypervisor"] = json!(h);
-            }
-            ("instance.create", p)
+            let req = CreateRequest {
+                name: name.clone(),
+                image: image.clone(),
+                gpu: gpu.clone(),
+                labels: labels.iter().cloned().collect(),
+                vcpus: *vcpus,
+                memory_mib: *memory_mib,
+                hypervisor: hypervisor.clone(),
+            };
+            ("instance.create", to_params(&req))
         }
         Command::Ps => ("instance.list", json!({})),
         Command::Show { name } => ("instance.get", json!({ "ref": name })),
@@ -284,25 +306,29 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Rm { name } => ("instance.delete", json!({ "ref": name })),
         Command::Fork { name, new_name } => ("instance.fork", json!({ "ref": name, "name": new_name })),
         Command::Gpus { action: None } => ("gpu.list", json!({})),
-        Command::Gpus { action: Some(GpusAction::Unquarantine { device }) } => {
-            ("gpu.unquarantine", json!({ "device": device }))
+        Command::Gpus { action: Some(GpusAction::Unquarantine { devices, gpu }) } => {
+            if devices.is_empty() && gpu.is_none() {
+                eprintln!("error: name the devices to unquarantine, or --gpu <PF>");
+                return exit::USAGE;
+            }
+            ("gpu.unquarantine", to_params(&UnquarantineParams { device: None, devices: devices.clone(), gpu: gpu.clone() }))
         }
         Command::Profiles | Command::Resources => ("resources.get", json!({})),
-        Command::DryRun { profile, labels } => {
-            ("placement.dry_run", json!({ "profile": profile, "labels": labels_json(labels) }))
-        }
+        Command::DryRun { profile, labels } => (
+            "placement.dry_run",
+            to_params(&DryRunParams { profile: profile.clone(), name: None, labels: labels.iter().cloned().collect() }),
+        ),
         Command::Image { action: ImageAction::Import { name, kernel, initrd, cmdline } } => {
             let abs = |p: &PathBuf| {
                 std::fs::canonicalize(p).or_else(|_| std::path::absolute(p)).unwrap_or_else(|_| p.clone())
             };
-            let mut p = json!({ "name": name, "kernel": abs(kernel) });
-            if let Some(i) = initrd {
-                p["initrd"] = json!(abs(i));
-            }
-            if let Some(c) = cmdline {
-                p["cmdline"] = json!(c);
-            }
-            ("image.import", p)
+            let p = ImportParams {
+                name: name.clone(),
+                kernel: abs(kernel),
+                initrd: initrd.as_ref().map(abs),
+                cmdline: cmdline.clone(),
+            };
+            ("image.import", to_params(&p))
         }
         Command::Image { action: ImageAction::Ls } => ("image.list", json!({})),
         Command::Image { action: ImageAction::Rm { name } } => ("image.delete", json!({ "name": name })),
@@ -320,20 +346,25 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 Some(Ok(v)) => v,
                 Some(Err(e)) => {
                     eprintln!("error: params are not JSON: {e}");
-                    return 2;
+                    return exit::USAGE;
                 }
             };
             (method.as_str(), p)
         }
     };
+    let announce = match &cli.command {
+        Command::Stop { name, .. } => Some(format!("stopping {name} (guest power-off, then the kill path; then its vGPU is released)...")),
+        Command::Rm { name } => Some(format!("deleting {name} (the kill path, then its vGPU is released)...")),
+        _ => None,
+    };
+    if let Some(a) = announce.filter(|_| cli.output == Output::Table && std::io::IsTerminal::is_terminal(&std::io::stderr())) {
+        eprintln!("{a}");
+    }
     match client::call(&cli.socket, method, params).await {
-        Ok(v) => {
-            print_result(cli, &v);
-            0
-        }
+        Ok(v) => print_result(cli, &v),
         Err(e @ ClientError::Unreachable { .. }) => {
             eprintln!("error: {e}");
-            3
+            exit::UNREACHABLE
         }
         Err(ClientError::Rpc { code, message, data }) => {
             if cli.output == Output::Json {
@@ -343,13 +374,22 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 let code = data.get("code").and_then(|c| c.as_str()).unwrap_or("error");
                 eprintln!("error: {message} [{code}]");
             }
-            1
+            if data.get("code").and_then(|c| c.as_str()) == Some("vgpu_cleanup_pending") {
+                exit::RELEASE_PENDING
+            } else {
+                exit::ERROR
+            }
         }
         Err(e) => {
             eprintln!("error: {e}");
-            1
+            exit::ERROR
         }
     }
+}
+
+/// A request type as JSON-RPC params.
+fn to_params<T: serde::Serialize>(p: &T) -> Value {
+    serde_json::to_value(p).unwrap_or_else(|_| json!({}))
 }
 
 fn plugin_test(plugin: &std::path::Path, input: &std::path::Path, kind: Option<&str>) -> i32 {
@@ -375,12 +415,8 @@ fn plugin_test(plugin: &std::path::Path, input: &std::path::Path, kind: Option<&
     }
 }
 
-fn s(v: &Value) -> String {
-    match v {
-        Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
+fn opt<T: std::fmt::Display>(v: &Option<T>) -> String {
+    v.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "-".into())
 }
 
 fn table(headers: &[&str], rows: Vec<Vec<String>>) {
@@ -401,128 +437,182 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) {
     }
 }
 
-fn print_result(cli: &Cli, v: &Value) {
+/// Decodes an answer as the view the method returns; an agent of another version may answer
+/// something else, which is then printed as JSON.
+fn decode<T: DeserializeOwned>(v: &Value) -> Option<T> {
+    match serde_json::from_value(v.clone()) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!("warning: the answer does not decode as expected ({e}); printing it as JSON");
+            println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+            None
+        }
+    }
+}
+
+/// Prints one instance after create/start/stop; says so when its vGPU release is pending.
+fn print_instance(i: &InstanceView) -> i32 {
+    let gpu = i.gpu.as_ref();
+    println!(
+        "{} {} {}{}",
+        i.name,
+        serde_json::to_value(i.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+        i.id,
+        match gpu.and_then(|g| g.device.as_deref()) {
+            Some(d) => format!(" gpu {} on {d}", opt(&gpu.and_then(|g| g.profile.clone()))),
+            None => String::new(),
+        }
+    );
+    for w in &i.warnings {
+        println!("warning: {w}");
+    }
+    match gpu {
+        Some(g) if g.release_pending => {
+            let why = g.last_error.clone().or(g.claim_unreadable.clone()).or(i.last_error.clone()).unwrap_or_default();
+            println!(
+                "vGPU release pending on {}: {why} (the device stays blocked; the agent retries it)",
+                g.device.as_deref().unwrap_or("an unreadable claim")
+            );
+            exit::RELEASE_PENDING
+        }
+        _ => exit::OK,
+    }
+}
+
+/// Prints a successful answer; returns the exit code.
+fn print_result(cli: &Cli, v: &Value) -> i32 {
     if cli.output == Output::Json {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-        return;
+        return match &cli.command {
+            Command::Stop { .. } | Command::Start { .. } | Command::Create { .. }
+                if v["gpu"]["release_pending"] == true =>
+            {
+                exit::RELEASE_PENDING
+            }
+            _ => exit::OK,
+        };
     }
     match &cli.command {
         Command::Ps => {
-            let rows = v["instances"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
+            let Some(list) = decode::<InstanceList>(v) else { return exit::OK };
+            let rows = list
+                .instances
                 .iter()
                 .map(|i| {
+                    let gpu = i.gpu.as_ref();
                     vec![
-                        s(&i["name"]),
-                        s(&i["state"]),
-                        s(&i["gpu"]["profile"]),
-                        s(&i["gpu"]["device"]),
-                        s(&i["vmm"]["pid"]),
-                        s(&i["image"]),
-                        s(&i["id"]),
+                        i.name.clone(),
+                        serde_json::to_value(i.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                        opt(&gpu.and_then(|g| g.profile.clone())),
+                        opt(&gpu.and_then(|g| g.device.clone())),
+                        opt(&i.vmm.as_ref().map(|m| m.pid)),
+                        i.image.clone(),
+                        i.id.clone(),
                     ]
                 })
                 .collect();
             table(&["NAME", "STATE", "GPU", "DEVICE", "PID", "IMAGE", "ID"], rows);
+            for u in &list.unreadable {
+                println!("unreadable instance record {}: {}", u.path, u.error);
+            }
         }
         Command::Gpus { action: None } => {
-            println!("mode: {}", s(&v["mode"]));
-            for g in v["gpus"].as_array().cloned().unwrap_or_default() {
+            let Some(list) = decode::<GpuList>(v) else { return exit::OK };
+            println!("mode: {}", list.mode);
+            if let Some(e) = &list.probe_error {
+                println!("probe error: {e}");
+            }
+            for g in &list.gpus {
                 println!(
-                    "\nGPU {}  {}  {} MiB  claimed {} MiB",
-                    s(&g["address"]),
-                    s(&g["model"]),
-                    s(&g["framebuffer_mib"]),
-                    s(&g["claimed_framebuffer_mib"])
+                    "\nGPU {}  {}  {} MiB  claimed {} MiB{}{}",
+                    g.address,
+                    g.model,
+                    opt(&g.framebuffer_mib),
+                    g.claimed_framebuffer_mib,
+                    if g.managed { "" } else { "  (not managed)" },
+                    g.health.as_ref().map(|h| format!("  health {}: {}", health_cell(Some(h)), h.detail)).unwrap_or_default()
                 );
-                let rows = g["devices"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
+                let rows = g
+                    .devices
                     .iter()
                     .map(|d| {
+                        let c = d.claim.as_ref();
                         vec![
-                            s(&d["address"]),
-                            s(&d["state"]),
-                            s(&d["current_type"]),
-                            s(&d["claim"]["instance_name"]),
-                            s(&d["claim"]["profile"]),
-                            s(&d["claim"]["state"]),
-                            health_cell(&d["quarantine"]),
+                            d.address.clone(),
+                            serde_json::to_value(d.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                            d.current_type.to_string(),
+                            match c {
+                                Some(c) if c.unreadable.is_some() => "unreadable".into(),
+                                Some(c) => opt(&c.instance_name.clone().or(c.instance_id.clone())),
+                                None => "-".into(),
+                            },
+                            opt(&c.and_then(|c| c.profile.clone())),
+                            opt(&c.and_then(|c| c.state).and_then(|s| serde_json::to_value(s).ok()).and_then(|v| v.as_str().map(String::from))),
+                            health_cell(d.quarantine.as_ref()),
                         ]
                     })
                     .collect();
                 table(&["DEVICE", "STATE", "TYPE", "OWNER", "PROFILE", "CLAIM", "HEALTH"], rows);
+                for d in &g.devices {
+                    if let Some(m) = &d.type_mismatch {
+                        println!("  {}: {m}", d.address);
+                    }
+                    if let Some(u) = &d.unreadable {
+                        println!("  {}: unreadable: {u}", d.address);
+                    }
+                }
+            }
+            for u in &list.unreadable_records {
+                println!("unreadable record {}: {}", u.path, u.error);
             }
         }
         Command::Profiles | Command::Resources => {
-            let d = &v["devices"];
+            let Some(r) = decode::<Resources>(v) else { return exit::OK };
+            let d = &r.devices;
             println!(
-                "mode: {}  devices: total {} claimed {} allocatable {} quarantined {}",
-                s(&v["mode"]),
-                s(&d["total"]),
-                s(&d["claimed"]),
-                s(&d["allocatable"]),
-                s(&d["quarantined"])
+                "mode: {}  devices: total {} claimed {} allocatable {} quarantined {} unreadable {}",
+                r.mode, d.total, d.claimed, d.allocatable, d.quarantined, d.unreadable
             );
-            let rows = v["profiles"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
+            if let Some(e) = &r.error {
+                println!("error: {e}");
+            }
+            let rows = r
+                .profiles
                 .iter()
                 .map(|p| {
                     // A profile whose name carries no size: its framebuffer is unknown.
-                    let fb =
-                        if p["framebuffer_mib"].is_null() { "unknown".to_string() } else { s(&p["framebuffer_mib"]) };
-                    vec![s(&p["profile"]), s(&p["type_id"]), fb, s(&p["placeable"])]
+                    let fb = p.framebuffer_mib.map(|f| f.to_string()).unwrap_or_else(|| "unknown".into());
+                    vec![p.profile.clone(), opt(&p.type_id), fb, p.placeable.to_string()]
                 })
                 .collect();
             table(&["PROFILE", "TYPE", "FB_MIB", "PLACEABLE"], rows);
         }
         Command::Create { .. } | Command::Start { .. } | Command::Stop { .. } => {
-            println!(
-                "{} {} {}{}",
-                s(&v["name"]),
-                s(&v["state"]),
-                s(&v["id"]),
-                match v["gpu"]["device"].as_str() {
-                    Some(d) => format!(" gpu {} on {}", s(&v["gpu"]["profile"]), d),
-                    None => String::new(),
-                }
-            );
+            let Some(i) = decode::<InstanceView>(v) else { return exit::OK };
+            return print_instance(&i);
         }
         Command::Metrics => print!("{}", v.as_str().unwrap_or_default()),
         Command::Image { action: ImageAction::Ls } => {
-            let rows = v["images"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
+            let Some(list) = decode::<ImageList>(v) else { return exit::OK };
+            let rows = list
+                .images
                 .iter()
-                .map(|i| vec![s(&i["name"]), s(&i["size_bytes"]), s(&i["kernel"])])
+                .map(|i| vec![i.name.clone(), i.size_bytes.to_string(), i.kernel.display().to_string()])
                 .collect();
             table(&["NAME", "BYTES", "KERNEL"], rows);
         }
         Command::Plugin { action: PluginAction::Ls } => {
-            let rows = v["plugins"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
+            let Some(list) = decode::<PluginList>(v) else { return exit::OK };
+            let rows = list
+                .plugins
                 .iter()
                 .map(|p| {
-                    vec![
-                        s(&p["slot"]),
-                        s(&p["name"]),
-                        s(&p["version"]),
-                        s(&p["calls_ok"]),
-                        s(&p["calls_failed"]),
-                        s(&p["path"]),
-                    ]
+                    vec![p.slot.clone(), p.name.clone(), p.version.clone(), p.calls_ok.to_string(), p.calls_failed.to_string(), p.path.clone()]
                 })
                 .collect();
             table(&["SLOT", "NAME", "VERSION", "OK", "FAILED", "PATH"], rows);
         }
         _ => println!("{}", serde_json::to_string_pretty(v).unwrap_or_default()),
     }
+    exit::OK
 }

@@ -4,7 +4,6 @@
 //! carry their unit in the key name (`_s`, `_ms`).
 
 use serde::Deserialize;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// How a VFIO device reaches QEMU.
@@ -85,6 +84,8 @@ pub struct Config {
     /// How long a release retries inline (EBUSY during kernel teardown) before leaving the
     /// claim `release_pending`, seconds.
     pub release_retry_s: u64,
+    /// How long a VMM start waits for QMP to answer before it counts as failed, seconds.
+    pub qmp_ready_timeout_s: u64,
     /// Kernel command line appended for images that do not set one.
     pub default_cmdline: String,
     /// `text` or `json`.
@@ -117,6 +118,7 @@ impl Default for Config {
             vfio_term_grace_s: 5,
             stop_timeout_s: 30,
             release_retry_s: 30,
+            qmp_ready_timeout_s: 30,
             default_cmdline: "console=ttyS0 panic=-1".into(),
             log_format: "text".into(),
             record_policy_inputs: None,
@@ -167,6 +169,9 @@ impl Config {
         if self.reconcile_interval_s == 0 {
             anyhow::bail!("reconcile_interval_s must be at least 1");
         }
+        if self.qmp_ready_timeout_s == 0 {
+            anyhow::bail!("qmp_ready_timeout_s must be at least 1");
+        }
         // Durations are added to clock readings; a bound keeps every sum finite (and a
         // grace of more than a year is a typo, not a policy).
         for (key, v) in [
@@ -175,6 +180,7 @@ impl Config {
             ("vfio_term_grace_s", self.vfio_term_grace_s),
             ("stop_timeout_s", self.stop_timeout_s),
             ("release_retry_s", self.release_retry_s),
+            ("qmp_ready_timeout_s", self.qmp_ready_timeout_s),
         ] {
             if v > MAX_DURATION_S {
                 anyhow::bail!("{key} = {v} is too large (at most {MAX_DURATION_S} s, one year)");
@@ -233,8 +239,7 @@ pub fn is_bdf(s: &str) -> bool {
         && [0, 1, 2, 3, 5, 6, 8, 9].iter().all(|&i| b[i].is_ascii_hexdigit())
 }
 
-/// Labels as a sorted map (shared by requests and records).
-pub type Labels = BTreeMap<String, String>;
+pub use crate::store::Labels;
 
 #[cfg(test)]
 mod tests {

@@ -4,8 +4,12 @@
 //! clients match on), one clear sentence, and structured details. The numeric class
 //! (400/404/409/500/503) follows LIFECYCLE.md "Errors"; the rpc layer is the one place
 //! that turns it into a JSON-RPC error object.
+//!
+//! **One constructor per code.** An `ApiError` is only built by the constructor of its
+//! code ([`ApiError::no_capacity`], [`ApiError::vgpu_cleanup_pending`], ...), which fixes
+//! the detail fields of that code, so the same error has the same shape everywhere.
 
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
 /// The stable `data.code` strings of LIFECYCLE.md "Errors".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -21,9 +25,12 @@ pub enum ErrorCode {
     UnsupportedWithGpu,
     GpuReleasePending,
     DeviceUnhealthy,
+    IommuGroupConflict,
+    GpuBusy,
     VgpuCleanupPending,
     VmmStartFailed,
     VmmKillFailed,
+    PassthroughBindFailed,
     PolicyFailed,
     Internal,
     NotReady,
@@ -31,6 +38,34 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
+    /// Every code, in the order of LIFECYCLE.md's table.
+    pub const ALL: [ErrorCode; 21] = {
+        use ErrorCode::*;
+        [
+            InvalidRequest,
+            UnknownProfile,
+            HypervisorUnsupported,
+            NotFound,
+            NameTaken,
+            InvalidState,
+            NoCapacity,
+            InstanceCleanupPending,
+            UnsupportedWithGpu,
+            GpuReleasePending,
+            DeviceUnhealthy,
+            IommuGroupConflict,
+            GpuBusy,
+            VgpuCleanupPending,
+            VmmStartFailed,
+            VmmKillFailed,
+            PassthroughBindFailed,
+            PolicyFailed,
+            Internal,
+            NotReady,
+            VmmLivenessUnknown,
+        ]
+    };
+
     /// The stable string, e.g. `no_capacity`.
     pub fn as_str(self) -> &'static str {
         use ErrorCode::*;
@@ -46,14 +81,22 @@ impl ErrorCode {
             UnsupportedWithGpu => "unsupported_with_gpu",
             GpuReleasePending => "gpu_release_pending",
             DeviceUnhealthy => "device_unhealthy",
+            IommuGroupConflict => "iommu_group_conflict",
+            GpuBusy => "gpu_busy",
             VgpuCleanupPending => "vgpu_cleanup_pending",
             VmmStartFailed => "vmm_start_failed",
             VmmKillFailed => "vmm_kill_failed",
+            PassthroughBindFailed => "passthrough_bind_failed",
             PolicyFailed => "policy_failed",
             Internal => "internal",
             NotReady => "not_ready",
             VmmLivenessUnknown => "vmm_liveness_unknown",
         }
+    }
+
+    /// The code for a stable string.
+    pub fn from_name(s: &str) -> Option<ErrorCode> {
+        ErrorCode::ALL.into_iter().find(|c| c.as_str() == s)
     }
 
     /// The numeric class used as the JSON-RPC error `code`.
@@ -68,8 +111,12 @@ impl ErrorCode {
             | InstanceCleanupPending
             | UnsupportedWithGpu
             | GpuReleasePending
-            | DeviceUnhealthy => 409,
-            VgpuCleanupPending | VmmStartFailed | VmmKillFailed | PolicyFailed | Internal => 500,
+            | DeviceUnhealthy
+            | IommuGroupConflict
+            | GpuBusy => 409,
+            VgpuCleanupPending | VmmStartFailed | VmmKillFailed | PassthroughBindFailed | PolicyFailed | Internal => {
+                500
+            }
             NotReady | VmmLivenessUnknown => 503,
         }
     }
@@ -80,19 +127,168 @@ impl ErrorCode {
 pub struct ApiError {
     pub code: ErrorCode,
     pub message: String,
-    pub details: Map<String, Value>,
+    details: Map<String, Value>,
+}
+
+/// Why a device could not be released, for `vgpu_cleanup_pending` and
+/// `gpu_release_pending` (`release_error: {code, message}`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReleaseFailure {
+    /// `in_use`, `scan_incomplete`, `failed`, `foreign_write`, `store`, `not_ready`,
+    /// `vmm_kill_failed`, `vmm_liveness_unknown`.
+    pub code: String,
+    pub message: String,
+}
+
+/// What a `vgpu_cleanup_pending` answer says (LIFECYCLE.md Create step 6, Delete step 4).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CleanupPending {
+    pub instance_id: uuid::Uuid,
+    /// The device's sysfs path, when a claim is known.
+    pub device_path: Option<String>,
+    /// The instance was turned into a delete-only `cleanup_pending` record.
+    pub retained: bool,
+    /// The error that started the rollback (`None` for a delete, whose cause is the release).
+    pub cause: Option<ApiError>,
+    /// Why the device was not released.
+    pub release: ReleaseFailure,
 }
 
 impl ApiError {
-    /// An error with no details.
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+    fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
         ApiError { code, message: message.into(), details: Map::new() }
     }
 
-    /// Adds one detail field.
-    pub fn with(mut self, key: &str, value: impl Into<Value>) -> ApiError {
+    fn with(mut self, key: &str, value: impl Into<Value>) -> ApiError {
         self.details.insert(key.to_string(), value.into());
         self
+    }
+
+    /// `invalid_request`: the request (or a stored definition it relies on) is not valid.
+    pub fn invalid_request(msg: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::InvalidRequest, msg)
+    }
+
+    /// `unknown_profile`: no GPU on this host has ever offered the profile.
+    pub fn unknown_profile(profile: &str) -> ApiError {
+        ApiError::new(ErrorCode::UnknownProfile, format!("profile {profile} is not offered by any GPU on this host"))
+            .with("profile", profile)
+    }
+
+    /// `hypervisor_unsupported`, with the hypervisor concerned and the policy's reason.
+    pub fn hypervisor_unsupported(
+        msg: impl Into<String>,
+        hypervisor: Option<&str>,
+        policy_reason: Option<&str>,
+    ) -> ApiError {
+        let mut e = ApiError::new(ErrorCode::HypervisorUnsupported, msg);
+        if let Some(h) = hypervisor {
+            e = e.with("hypervisor", h);
+        }
+        if let Some(r) = policy_reason {
+            e = e.with("policy_reason", r);
+        }
+        e
+    }
+
+    /// `not_found` for `what` (an instance reference, an image, a health mark).
+    pub fn not_found(what: &str) -> ApiError {
+        ApiError::new(ErrorCode::NotFound, format!("{what} was not found")).with("ref", what)
+    }
+
+    /// `name_taken`.
+    pub fn name_taken(what: &str, name: &str) -> ApiError {
+        ApiError::new(ErrorCode::NameTaken, format!("{what} named {name} exists")).with("name", name)
+    }
+
+    /// `invalid_state`: the instance is not in a state the operation accepts.
+    pub fn invalid_state(msg: impl Into<String>, state: &str) -> ApiError {
+        ApiError::new(ErrorCode::InvalidState, msg).with("state", state)
+    }
+
+    /// `no_capacity`: no legal candidate could take the profile now; `notes` say why for
+    /// each device tried or skipped (bounded), `policy_reason` is the plugin's reject.
+    pub fn no_capacity(msg: impl Into<String>, profile: &str, notes: Vec<String>, policy_reason: Option<&str>) -> ApiError {
+        let mut e = ApiError::new(ErrorCode::NoCapacity, msg).with("profile", profile).with("notes", notes);
+        if let Some(r) = policy_reason {
+            e = e.with("policy_reason", r);
+        }
+        e
+    }
+
+    /// `instance_cleanup_pending`: only `instance.delete` is allowed.
+    pub fn instance_cleanup_pending(id: uuid::Uuid, name: &str) -> ApiError {
+        ApiError::new(
+            ErrorCode::InstanceCleanupPending,
+            format!("instance {name} awaits the release of its vGPU; only delete is allowed"),
+        )
+        .with("instance_id", id.to_string())
+    }
+
+    /// `unsupported_with_gpu`: device state cannot be saved.
+    pub fn unsupported_with_gpu(op: &str, name: &str) -> ApiError {
+        ApiError::new(
+            ErrorCode::UnsupportedWithGpu,
+            format!("{op} of {name} is refused while its vGPU is attached: device state cannot be saved"),
+        )
+    }
+
+    /// `gpu_release_pending`: start waits on an earlier release that still fails.
+    pub fn gpu_release_pending(name: &str, device: &str, release: &ReleaseFailure) -> ApiError {
+        ApiError::new(
+            ErrorCode::GpuReleasePending,
+            format!("the earlier vGPU of {name} ({device}) still cannot be released: {}", release.message),
+        )
+        .with("device", device)
+        .with("release_error", json!({"code": release.code, "message": release.message}))
+    }
+
+    /// `vgpu_cleanup_pending` (decided before any other mapping: it wraps the cause).
+    /// Details: `instance_id`, `device_path`, `retained`, `guidance`, and `cause` — the
+    /// original error's data (for a delete: `{code: "release_failed"}`) with
+    /// `release_error: {code, message}` saying why the device was not released.
+    pub fn vgpu_cleanup_pending(c: CleanupPending) -> ApiError {
+        let guidance = if c.retained {
+            format!("delete instance {} to retry the release", c.instance_id)
+        } else {
+            "the device will be released automatically once it is proven free; do not delete".to_string()
+        };
+        let release = json!({"code": c.release.code, "message": c.release.message});
+        let (message, mut cause) = match &c.cause {
+            Some(cause) => (
+                format!("{} and the vGPU could not be released ({}); {guidance}", cause.message, c.release.message),
+                cause.data(),
+            ),
+            None => (
+                format!("the vGPU could not be released ({}); {guidance}", c.release.message),
+                json!({"code": "release_failed", "detail": c.release.message}),
+            ),
+        };
+        cause["release_error"] = release;
+        ApiError::new(ErrorCode::VgpuCleanupPending, message)
+            .with("instance_id", c.instance_id.to_string())
+            .with("device_path", c.device_path)
+            .with("retained", c.retained)
+            .with("cause", cause)
+            .with("guidance", guidance)
+    }
+
+    /// `vmm_start_failed`.
+    pub fn vmm_start_failed(msg: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::VmmStartFailed, msg)
+    }
+
+    /// `vmm_kill_failed`: the VMM outlived SIGKILL; nothing was torn down.
+    pub fn vmm_kill_failed(pid: i32) -> ApiError {
+        ApiError::new(ErrorCode::VmmKillFailed, format!("the VMM (pid {pid}) outlived SIGKILL; nothing was torn down"))
+            .with("pid", pid)
+    }
+
+    /// `policy_failed`: a placement or hypervisor plugin call failed (nothing allocated).
+    pub fn policy_failed(plugin: &str, kind: &str, reason: &str, msg: impl std::fmt::Display) -> ApiError {
+        ApiError::new(ErrorCode::PolicyFailed, format!("the {kind} plugin failed: {msg}"))
+            .with("plugin", plugin)
+            .with("reason", reason)
     }
 
     /// `internal` with the given cause.
@@ -100,14 +296,27 @@ impl ApiError {
         ApiError::new(ErrorCode::Internal, msg.to_string())
     }
 
-    /// `invalid_request`.
-    pub fn invalid(msg: impl Into<String>) -> ApiError {
-        ApiError::new(ErrorCode::InvalidRequest, msg)
+    /// `internal` for a record that exists but cannot be read.
+    pub fn unreadable_record(path: &std::path::Path, error: &str) -> ApiError {
+        ApiError::new(ErrorCode::Internal, format!("the record {} cannot be read: {error}", path.display()))
+            .with("path", path.display().to_string())
+            .with("error", error)
     }
 
-    /// `not_found` for an instance reference.
-    pub fn not_found(what: &str) -> ApiError {
-        ApiError::new(ErrorCode::NotFound, format!("{what} was not found")).with("ref", what)
+    /// `not_ready`: retry later (the startup pass, a probe error, unreadable state).
+    pub fn not_ready(msg: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::NotReady, msg)
+    }
+
+    /// `vmm_liveness_unknown`: whether the VMM lives cannot be decided; nothing changed.
+    pub fn vmm_liveness_unknown(name: &str, reason: &str) -> ApiError {
+        ApiError::new(ErrorCode::VmmLivenessUnknown, format!("cannot tell whether the VMM of {name} is alive: {reason}"))
+            .with("reason", reason)
+    }
+
+    /// The details (`data` minus `code`).
+    pub fn details(&self) -> &Map<String, Value> {
+        &self.details
     }
 
     /// The `data` object: `{"code": ..., ...details}`.
@@ -128,6 +337,49 @@ impl std::error::Error for ApiError {}
 
 impl From<crate::store::StoreError> for ApiError {
     fn from(e: crate::store::StoreError) -> ApiError {
-        ApiError::internal(format!("store: {e}"))
+        match e {
+            crate::store::StoreError::Corrupt { path, reason } => ApiError::unreadable_record(&path, &reason),
+            e => ApiError::internal(format!("store: {e}")),
+        }
+    }
+}
+
+impl From<crate::store::IllegalTransition> for ApiError {
+    fn from(e: crate::store::IllegalTransition) -> ApiError {
+        ApiError::internal(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_round_trips_and_has_the_documented_class() {
+        for c in ErrorCode::ALL {
+            assert_eq!(ErrorCode::from_name(c.as_str()), Some(c));
+        }
+        assert_eq!(ErrorCode::NoCapacity.class(), 409);
+        assert_eq!(ErrorCode::VgpuCleanupPending.class(), 500);
+        assert_eq!(ErrorCode::NotReady.class(), 503);
+        assert_eq!(ErrorCode::UnknownProfile.class(), 400);
+        assert_eq!(ErrorCode::NotFound.class(), 404);
+    }
+
+    #[test]
+    fn cleanup_pending_wraps_the_cause_and_says_why_the_release_failed() {
+        let e = ApiError::vgpu_cleanup_pending(CleanupPending {
+            instance_id: uuid::Uuid::nil(),
+            device_path: Some("/sys/bus/pci/devices/0000:41:00.4".into()),
+            retained: true,
+            cause: Some(ApiError::vmm_start_failed("the VMM did not start")),
+            release: ReleaseFailure { code: "vmm_kill_failed".into(), message: "pid 7 outlived SIGKILL".into() },
+        });
+        let d = e.data();
+        assert_eq!(d["code"], "vgpu_cleanup_pending");
+        assert_eq!(d["retained"], true);
+        assert_eq!(d["cause"]["code"], "vmm_start_failed");
+        assert_eq!(d["cause"]["release_error"]["code"], "vmm_kill_failed");
+        assert!(d["guidance"].as_str().unwrap().contains("delete instance"));
     }
 }

@@ -23,7 +23,7 @@ pub struct ImageManifest {
 }
 
 /// A resolved image.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Image {
     pub name: String,
     pub kernel: PathBuf,
@@ -46,7 +46,7 @@ pub fn valid_name(name: &str) -> bool {
 /// broken manifest.
 pub fn load(images_dir: &Path, name: &str) -> Result<Image, ApiError> {
     if !valid_name(name) {
-        return Err(ApiError::invalid(format!("image name {name:?} is not valid")));
+        return Err(ApiError::invalid_request(format!("image name {name:?} is not valid")));
     }
     let dir = images_dir.join(name);
     let text = match fs::read_to_string(dir.join("image.toml")) {
@@ -98,26 +98,26 @@ pub fn import(
     cmdline: Option<String>,
 ) -> Result<Image, ApiError> {
     if !valid_name(name) {
-        return Err(ApiError::invalid(format!("image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})")));
+        return Err(ApiError::invalid_request(format!("image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})")));
     }
     // Relative paths would resolve against the agent's working directory, not the caller's.
     for (what, path) in [("kernel", Some(kernel)), ("initrd", initrd)] {
         if let Some(p) = path.filter(|p| !p.is_absolute()) {
-            return Err(ApiError::invalid(format!("{what} path {} must be absolute", p.display())));
+            return Err(ApiError::invalid_request(format!("{what} path {} must be absolute", p.display())));
         }
     }
     let dir = images_dir.join(name);
     if dir.exists() {
-        return Err(ApiError::new(crate::error::ErrorCode::NameTaken, format!("image {name} already exists")));
+        return Err(ApiError::name_taken("an image", name));
     }
     let stage = images_dir.join(format!(".{name}.{}", uuid::Uuid::new_v4().simple()));
     let res = (|| -> Result<(), ApiError> {
         fs::create_dir_all(&stage).map_err(ApiError::internal)?;
         fs::copy(kernel, stage.join("vmlinuz"))
-            .map_err(|e| ApiError::invalid(format!("cannot read kernel {}: {e}", kernel.display())))?;
+            .map_err(|e| ApiError::invalid_request(format!("cannot read kernel {}: {e}", kernel.display())))?;
         if let Some(i) = initrd {
             fs::copy(i, stage.join("initrd.img"))
-                .map_err(|e| ApiError::invalid(format!("cannot read initrd {}: {e}", i.display())))?;
+                .map_err(|e| ApiError::invalid_request(format!("cannot read initrd {}: {e}", i.display())))?;
         }
         let m = ImageManifest {
             name: name.to_string(),

@@ -14,6 +14,8 @@ pub mod host;
 pub mod hypervisor;
 pub mod images;
 pub mod instances;
+pub mod metrics;
 pub mod policies;
 pub mod rpc;
 pub mod store;
+pub mod sync;

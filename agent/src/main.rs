@@ -9,14 +9,16 @@ use gpuvisor::policies::Policies;
 use gpuvisor::store::Store;
 use std::sync::Arc;
 
+/// Logs go to stderr: JSON, or plain text — with colours only when stderr is a terminal.
 fn init_logging(format: &str) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("GPUVISOR_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if format == "json" {
         b.json().init();
     } else {
-        b.init();
+        b.with_ansi(std::io::stderr().is_terminal()).init();
     }
 }
 
@@ -30,6 +32,15 @@ fn check_writable_dir(dir: &std::path::Path) -> std::io::Result<()> {
 }
 
 async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
+    tracing::info!(version = gpuvisor::cli::VERSION, build = gpuvisor::failpoints::BUILD, "gpuvisor starting");
+    match gpuvisor::host::proc::own_pid_namespace() {
+        Some(gpuvisor::host::proc::INITIAL_PID_NS) => {}
+        ns => tracing::warn!(
+            pid_namespace = %ns.map(|n| n.to_string()).unwrap_or_else(|| "unknown".into()),
+            "the agent does not run in the host's PID namespace: processes outside it are invisible to its \
+             liveness checks and open-handle scans; on a real host run `gpuvisor serve` in the host PID namespace"
+        ),
+    }
     let store = Store::open(&cfg.data_dir)?;
     // One agent per data directory: refuse before touching anything else.
     let _lock = store.lock_exclusive()?;
@@ -37,11 +48,11 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
         check_writable_dir(dir)
             .with_context(|| format!("record_policy_inputs: {} is not a writable directory", dir.display()))?;
     }
-    let policies = Policies::load(&cfg)?;
+    let policies = Policies::load(&cfg, cfg.claim_grace_s)?;
     let socket = cfg.socket.clone();
     let interval = std::time::Duration::from_secs(cfg.reconcile_interval_s);
     let manager = Arc::new(Manager::with_config_path(cfg, config_path, store, policies));
-    manager.learn_inventory();
+    manager.check_managed_gpus();
     // The reconciler: one pass at startup (new claims answer not_ready until it had a
     // complete observation), then one every reconcile_interval_s.
     let rm = manager.clone();
@@ -95,8 +106,8 @@ fn main() {
             match rt.block_on(serve(cfg, args.config.clone())) {
                 Ok(()) => 0,
                 Err(e) => {
-                    tracing::error!("{e:#}");
-                    eprintln!("error: {e:#}");
+                    // Logged once (the log is stderr).
+                    tracing::error!(error = %format!("{e:#}"), "gpuvisor serve failed");
                     1
                 }
             }

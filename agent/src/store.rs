@@ -4,9 +4,10 @@
 //! ```text
 //! <data-dir>/lock                          flock: one agent per data directory
 //! <data-dir>/instances/<id>/instance.json  the instance record
+//! <data-dir>/names/<name>                  the name index: the id owning an instance name
 //! <data-dir>/claims/<device>.json          one exclusive claim per device
 //! <data-dir>/mdevs/<uuid>.json             mdevs gpuvisor created (only these are swept)
-//! <data-dir>/health/<device>.json          quarantine marks
+//! <data-dir>/health/<device>.json          health marks (suspect / quarantined)
 //! <data-dir>/images/<name>/                boot artifacts
 //! ```
 //!
@@ -17,8 +18,14 @@
 //! - a claim is created with `renameat2(RENAME_NOREPLACE)`, so a second claim of the same
 //!   device fails with [`StoreError::ClaimExists`]: two owners are impossible by
 //!   construction; releasing a claim is an unlink (it needs no free space);
-//! - listings are strict: one record that cannot be read or decoded fails the listing
-//!   ([`StoreError::Corrupt`]); callers decide what fails closed.
+//! - listings are **tolerant and honest**: a record that cannot be read or decoded is
+//!   returned as [`Unreadable`] (its path, the key its file name gives, the error) beside the
+//!   records that could be read; only a directory that cannot be listed fails the listing.
+//!   Callers fail closed for what an unreadable record may own (LIFECYCLE.md, INVARIANTS.md
+//!   I6), and nothing else;
+//! - an instance's state changes only through [`InstanceRecord::transition`], which checks
+//!   the one transition table ([`InstanceState::can_move_to`]);
+//! - the claim format is this module's own: it depends on no type of the plugin SDK.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -30,7 +37,6 @@ use std::path::{Path, PathBuf};
 use uuid::Uuid;
 
 use crate::host::proc::ProcessIdentity;
-use gpuvisor_sdk::Framework;
 
 /// Errors of the store. Messages are one sentence and name the file.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +47,8 @@ pub enum StoreError {
     Corrupt { path: PathBuf, reason: String },
     #[error("device {device} is already claimed")]
     ClaimExists { device: String },
+    #[error("the name {name} belongs to instance {owner}")]
+    NameTaken { name: String, owner: Uuid },
     #[error("another gpuvisor agent holds {path}")]
     Locked { path: PathBuf },
 }
@@ -49,12 +57,52 @@ impl StoreError {
     fn io(path: &Path, source: io::Error) -> StoreError {
         StoreError::Io { path: path.to_path_buf(), source }
     }
+
+    /// True when the error is the disk being full (ENOSPC/EDQUOT).
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self, StoreError::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
+    }
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
 
+/// How a GPU is given to an instance, as claim and instance records spell it
+/// (`vendor_vfio`, `mdev`, `passthrough`). The store's own type: the records do not change
+/// when the plugin SDK does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Framework {
+    /// A type id written to an SR-IOV VF's `nvidia/current_vgpu_type`.
+    VendorVfio,
+    /// A mediated device created from `mdev_supported_types/<type>/create`.
+    Mdev,
+    /// A whole GPU (and its IOMMU group) bound to `vfio-pci`.
+    Passthrough,
+}
+
+impl Framework {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Framework::VendorVfio => "vendor_vfio",
+            Framework::Mdev => "mdev",
+            Framework::Passthrough => "passthrough",
+        }
+    }
+}
+
+impl From<Framework> for gpuvisor_sdk::Framework {
+    fn from(f: Framework) -> gpuvisor_sdk::Framework {
+        match f {
+            Framework::VendorVfio => gpuvisor_sdk::Framework::VendorVfio,
+            Framework::Mdev => gpuvisor_sdk::Framework::Mdev,
+            Framework::Passthrough => gpuvisor_sdk::Framework::Passthrough,
+        }
+    }
+}
+
 /// Lifecycle state of an instance record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum InstanceState {
     /// Create or start in progress (claim, configure, spawn).
@@ -72,6 +120,16 @@ pub enum InstanceState {
 }
 
 impl InstanceState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [InstanceState; 6] = [
+        InstanceState::Starting,
+        InstanceState::Running,
+        InstanceState::Stopping,
+        InstanceState::Stopped,
+        InstanceState::Deleting,
+        InstanceState::CleanupPending,
+    ];
+
     /// The wire name (`starting`, `running`, ...).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -83,6 +141,54 @@ impl InstanceState {
             InstanceState::CleanupPending => "cleanup_pending",
         }
     }
+
+    /// **The transition table** (LIFECYCLE.md "Operations"). Staying in a state is always
+    /// allowed (it is not a transition). Every other pair not listed is illegal.
+    ///
+    /// | from | to | by |
+    /// |---|---|---|
+    /// | starting | running | create/start: the VMM spawned, its identity recorded; reconcile: a live control-socket owner found |
+    /// | starting | stopped | start rolled back; reconcile: the agent died during create/start |
+    /// | starting | cleanup_pending | rollback could not release the device |
+    /// | starting, running, stopping, stopped | deleting | delete |
+    /// | starting, running | stopping | stop |
+    /// | running, stopping | stopped | stop; reconcile or start: the VMM is provably dead |
+    /// | stopping | running | reconcile: a stop interrupted by an agent restart, the VMM still runs |
+    /// | stopped | starting | start |
+    /// | deleting | cleanup_pending | delete: the release failed |
+    /// | cleanup_pending | deleting | delete (a retry) |
+    pub fn can_move_to(self, to: InstanceState) -> bool {
+        use InstanceState::*;
+        self == to
+            || matches!(
+                (self, to),
+                (Starting, Running)
+                    | (Starting, Stopped)
+                    | (Starting, CleanupPending)
+                    | (Starting | Running | Stopping | Stopped, Deleting)
+                    | (Starting | Running, Stopping)
+                    | (Running | Stopping, Stopped)
+                    | (Stopping, Running)
+                    | (Stopped, Starting)
+                    | (Deleting, CleanupPending)
+                    | (CleanupPending, Deleting)
+            )
+    }
+}
+
+impl std::fmt::Display for InstanceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A state change the transition table does not allow: a bug in the caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("instance {id}: {from} → {to} is not a legal state transition")]
+pub struct IllegalTransition {
+    pub id: Uuid,
+    pub from: InstanceState,
+    pub to: InstanceState,
 }
 
 /// The VMM of a running instance: identity plus control socket (QMP for QEMU).
@@ -92,8 +198,11 @@ pub struct VmmRecord {
     pub control_socket: PathBuf,
 }
 
+/// Labels as a sorted map (records, claims, requests).
+pub type Labels = BTreeMap<String, String>;
+
 /// `instances/<id>/instance.json`. Never stores a device path: GPU ownership lives in
-/// claims only.
+/// claims only. The state is private: it changes only through [`InstanceRecord::transition`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InstanceRecord {
     pub id: Uuid,
@@ -104,20 +213,76 @@ pub struct InstanceRecord {
     pub vcpus: u32,
     pub memory_mib: u64,
     #[serde(default)]
-    pub labels: BTreeMap<String, String>,
+    pub labels: Labels,
     /// The requested vGPU profile (canonical name, e.g. `L40S-2Q`), if any.
     pub gpu_profile: Option<String>,
     /// The GPU framework the profile was placed with, if any.
     pub gpu_framework: Option<Framework>,
-    pub state: InstanceState,
+    state: InstanceState,
     pub vmm: Option<VmmRecord>,
     /// Wall time, RFC 3339.
     pub created_at: String,
     pub last_error: Option<String>,
 }
 
+/// The definition of a new instance (everything but its state and runtime fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceDefinition {
+    pub id: Uuid,
+    pub name: String,
+    pub image: String,
+    pub hypervisor: String,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub labels: Labels,
+    pub gpu_profile: Option<String>,
+    pub gpu_framework: Option<Framework>,
+    pub created_at: String,
+}
+
+impl InstanceRecord {
+    /// A new record in `state` (`starting` for a create, `stopped` for a fork), with no VMM.
+    pub fn new(d: InstanceDefinition, state: InstanceState) -> InstanceRecord {
+        InstanceRecord {
+            id: d.id,
+            name: d.name,
+            image: d.image,
+            hypervisor: d.hypervisor,
+            vcpus: d.vcpus,
+            memory_mib: d.memory_mib,
+            labels: d.labels,
+            gpu_profile: d.gpu_profile,
+            gpu_framework: d.gpu_framework,
+            state,
+            vmm: None,
+            created_at: d.created_at,
+            last_error: None,
+        }
+    }
+
+    /// The lifecycle state.
+    pub fn state(&self) -> InstanceState {
+        self.state
+    }
+
+    /// Moves the record to `to` (in memory; the caller persists it). Errors: the
+    /// transition table does not allow it ([`InstanceState::can_move_to`]).
+    pub fn transition(&mut self, to: InstanceState) -> std::result::Result<(), IllegalTransition> {
+        if !self.state.can_move_to(to) {
+            return Err(IllegalTransition { id: self.id, from: self.state, to });
+        }
+        self.state = to;
+        Ok(())
+    }
+
+    /// True when the record asks for a GPU.
+    pub fn wants_gpu(&self) -> bool {
+        self.gpu_profile.is_some()
+    }
+}
+
 /// State of a claim record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ClaimState {
     /// Written; the device is not configured yet.
@@ -129,6 +294,9 @@ pub enum ClaimState {
 }
 
 impl ClaimState {
+    /// Every state.
+    pub const ALL: [ClaimState; 3] = [ClaimState::Claimed, ClaimState::Configured, ClaimState::ReleasePending];
+
     /// The wire name.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -146,6 +314,14 @@ pub struct Claim {
     pub device: String,
     pub framework: Framework,
     pub instance_id: Uuid,
+    /// The owner's name at claim time (names never change), for views and reports.
+    #[serde(default)]
+    pub owner_name: Option<String>,
+    /// The owner's labels at claim time (labels never change): what placement plugins see
+    /// about the owner, without reading its instance record (O(1) store work per claim).
+    /// `None` only in claims written before this field existed.
+    #[serde(default)]
+    pub owner_labels: Option<Labels>,
     /// The parent GPU's (PF's) address.
     pub gpu: String,
     pub profile: String,
@@ -169,6 +345,18 @@ pub struct Claim {
     pub last_error: Option<String>,
 }
 
+impl Claim {
+    /// True when `other` is this very claim (same device, owner, boot, claim time and
+    /// mdev): a claim re-read that differs belongs to someone else.
+    pub fn same_claim(&self, other: &Claim) -> bool {
+        self.device == other.device
+            && self.instance_id == other.instance_id
+            && self.claim_boot_id == other.claim_boot_id
+            && self.claimed_boottime_ms == other.claimed_boottime_ms
+            && self.mdev_uuid == other.mdev_uuid
+    }
+}
+
 /// `mdevs/<uuid>.json` — written before gpuvisor creates an mdev, removed after it is gone.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MdevRecord {
@@ -181,20 +369,21 @@ pub struct MdevRecord {
     pub created_boottime_ms: u64,
 }
 
-/// `health/<device>.json` — a quarantine mark (LIFECYCLE.md, Device health).
+/// `health/<device>.json` — a health mark (LIFECYCLE.md, Device health). `device` is a VF
+/// or mdev parent, or a GPU (PF) for a GPU-level mark.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthRecord {
     pub device: String,
-    /// e.g. `foreign_write`, `kill_escalation`.
+    /// e.g. `foreign_write`, `kill_escalation`, `eio`, `gpu_fault`.
     pub reason: String,
-    /// `false`: the device is only `suspect` (one strike); placement still uses it. A second
-    /// strike quarantines it.
+    /// `false`: the device is only `suspect`; placement still uses it. `true`: placement
+    /// never uses it and the sweep never clears it.
     #[serde(default = "yes")]
     pub quarantined: bool,
     pub detail: String,
     pub at: String,
-    /// EIO strikes in a row on this device (type write, mdev create/remove, clear); reset
-    /// by a write that takes effect. Two quarantine the device.
+    /// EIO strikes in a row on this device's releases (type clear, mdev remove); reset by a
+    /// write that takes effect. Two quarantine the device.
     #[serde(default)]
     pub eio_in_a_row: u32,
 }
@@ -203,21 +392,82 @@ fn yes() -> bool {
     true
 }
 
+/// A record that exists but could not be read or decoded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unreadable {
+    /// The file.
+    pub path: PathBuf,
+    /// What the file name says the record is about: the device of a claim or health mark,
+    /// the instance id of an instance record, the uuid of an mdev record.
+    pub key: String,
+    /// Why it could not be read (one sentence).
+    pub error: String,
+    /// The instance the record names, when its JSON still says (`instance_id`): a claim
+    /// that does not decode may still tell whose it is.
+    #[serde(default)]
+    pub owner: Option<Uuid>,
+}
+
+/// A tolerant listing: the records that could be read, and those that could not.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listing<T> {
+    pub records: Vec<T>,
+    pub unreadable: Vec<Unreadable>,
+}
+
+impl<T> Default for Listing<T> {
+    fn default() -> Self {
+        Listing { records: Vec::new(), unreadable: Vec::new() }
+    }
+}
+
+impl<T> Listing<T> {
+    /// True when every record could be read.
+    pub fn complete(&self) -> bool {
+        self.unreadable.is_empty()
+    }
+
+    /// True when an unreadable record's key is `key` (it may concern that device or id).
+    pub fn unreadable_key(&self, key: &str) -> bool {
+        self.unreadable.iter().any(|u| u.key.eq_ignore_ascii_case(key))
+    }
+
+    /// The records, or the first unreadable one as [`StoreError::Corrupt`].
+    pub fn strict(self) -> Result<Vec<T>> {
+        match self.unreadable.into_iter().next() {
+            None => Ok(self.records),
+            Some(u) => Err(StoreError::Corrupt { path: u.path, reason: u.error }),
+        }
+    }
+}
+
 /// The data directory.
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
 }
 
+const SUBDIRS: [&str; 7] = ["", "instances", "names", "claims", "mdevs", "health", "images"];
+
 impl Store {
-    /// Opens (and creates, mode 0700) the data directory and its subdirectories.
+    /// Opens (and creates, mode 0700) the data directory and its subdirectories. A data
+    /// directory from before the name index gets one, built from the readable records.
     pub fn open(root: impl Into<PathBuf>) -> Result<Store> {
         let root = root.into();
-        for sub in ["", "instances", "claims", "mdevs", "health", "images"] {
+        let had_names = root.join("names").is_dir();
+        for sub in SUBDIRS {
             let p = root.join(sub);
             fs::create_dir_all(&p).map_err(|e| StoreError::io(&p, e))?;
         }
-        Ok(Store { root })
+        let store = Store { root };
+        if !had_names {
+            for rec in store.scan_instances()?.records {
+                if let Err(e) = store.claim_name(&rec.name, rec.id) {
+                    tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, error = %e, "name index: cannot index the instance");
+                }
+            }
+        }
+        Ok(store)
     }
 
     /// The data directory.
@@ -246,7 +496,8 @@ impl Store {
         self.root.join("instances").join(id.to_string())
     }
 
-    fn instance_path(&self, id: Uuid) -> PathBuf {
+    /// `instances/<id>/instance.json`.
+    pub fn instance_path(&self, id: Uuid) -> PathBuf {
         self.instance_dir(id).join("instance.json")
     }
 
@@ -265,59 +516,126 @@ impl Store {
         read_json_opt(&self.instance_path(id))
     }
 
-    /// Every instance record, strictly: any unreadable or undecodable record fails the
-    /// listing. A directory without `instance.json` (a create that crashed before its first
-    /// write, or a delete that crashed after removing it) is skipped.
-    pub fn list_instances(&self) -> Result<Vec<InstanceRecord>> {
+    /// Every instance record, tolerantly: unreadable records are listed as such (key: the
+    /// instance id). A directory without `instance.json` (a create that crashed before its
+    /// first write, or a delete that crashed after removing it) is skipped. Errors: the
+    /// instances directory cannot be listed.
+    pub fn scan_instances(&self) -> Result<Listing<InstanceRecord>> {
         let dir = self.root.join("instances");
-        let mut out = Vec::new();
+        let mut out = Listing::default();
         for name in list_names(&dir)? {
             let p = dir.join(&name).join("instance.json");
-            if let Some(rec) = read_json_opt::<InstanceRecord>(&p)? {
-                out.push(rec);
+            match read_json_opt::<InstanceRecord>(&p) {
+                Ok(Some(rec)) => out.records.push(rec),
+                Ok(None) => {}
+                Err(e) => {
+                    let owner = Uuid::parse_str(&name).ok();
+                    out.unreadable.push(Unreadable { path: p, key: name, error: e.to_string(), owner })
+                }
             }
         }
-        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out.records.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
 
-    /// Removes the instance directory: every other file first (VMM socket, serial log,
-    /// overlays), then the record itself (durably), then the directory — so a crash midway
-    /// leaves a recognisable record, never an orphan directory without one.
+    /// Every instance record, strictly (the first unreadable one is an error).
+    pub fn list_instances(&self) -> Result<Vec<InstanceRecord>> {
+        self.scan_instances()?.strict()
+    }
+
+    /// Removes the instance directory and its name: every other file first (VMM socket,
+    /// serial log, overlays), then the record itself (durably), then the directory, then the
+    /// name index entry — so a crash midway leaves a recognisable record, or a stale name
+    /// entry that the next [`Store::claim_name`] replaces, never an orphan directory without
+    /// a record.
     pub fn remove_instance(&self, id: Uuid) -> Result<()> {
         let dir = self.instance_dir(id);
+        let name = self.read_instance(id).ok().flatten().map(|r| r.name);
         let rd = match fs::read_dir(&dir) {
-            Ok(rd) => rd,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Ok(rd) => Some(rd),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
             Err(e) => return Err(StoreError::io(&dir, e)),
         };
-        for ent in rd {
-            let ent = ent.map_err(|e| StoreError::io(&dir, e))?;
-            if ent.file_name() == "instance.json" {
-                continue;
+        if let Some(rd) = rd {
+            for ent in rd {
+                let ent = ent.map_err(|e| StoreError::io(&dir, e))?;
+                if ent.file_name() == "instance.json" {
+                    continue;
+                }
+                let p = ent.path();
+                let res = if ent.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    fs::remove_dir_all(&p)
+                } else {
+                    fs::remove_file(&p)
+                };
+                match res {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(StoreError::io(&p, e)),
+                }
             }
-            let p = ent.path();
-            let res = if ent.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                fs::remove_dir_all(&p)
-            } else {
-                fs::remove_file(&p)
-            };
-            match res {
-                Ok(()) => {}
+            let p = self.instance_path(id);
+            match fs::remove_file(&p) {
+                Ok(()) => fsync_dir(&dir)?,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => return Err(StoreError::io(&p, e)),
             }
+            match fs::remove_dir(&dir) {
+                Ok(()) => fsync_dir(&self.root.join("instances"))?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(StoreError::io(&dir, e)),
+            }
         }
-        let p = self.instance_path(id);
-        match fs::remove_file(&p) {
-            Ok(()) => fsync_dir(&dir)?,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(StoreError::io(&p, e)),
+        if let Some(name) = name {
+            self.release_name(&name, id)?;
         }
-        match fs::remove_dir(&dir) {
-            Ok(()) => fsync_dir(&self.root.join("instances")),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(StoreError::io(&dir, e)),
+        Ok(())
+    }
+
+    // ----- names
+
+    fn name_path(&self, name: &str) -> PathBuf {
+        self.root.join("names").join(name)
+    }
+
+    /// The instance id the name index gives for `name` (`Ok(None)`: no entry). The entry
+    /// may be stale (its instance gone); callers read the record.
+    pub fn name_owner(&self, name: &str) -> Result<Option<Uuid>> {
+        #[derive(Deserialize)]
+        struct Entry {
+            id: Uuid,
+        }
+        Ok(read_json_opt::<Entry>(&self.name_path(name))?.map(|e| e.id))
+    }
+
+    /// Gives `name` to `id` in the name index (O(1): one exclusive file). An entry whose
+    /// instance has no record directory any more is stale and replaced. Callers hold the
+    /// allocation lock (two callers could otherwise both replace one stale entry). Errors:
+    /// [`StoreError::NameTaken`] when a live (or unreadable) instance owns the name.
+    pub fn claim_name(&self, name: &str, id: Uuid) -> Result<()> {
+        let path = self.name_path(name);
+        let entry = serde_json::json!({ "id": id });
+        match create_exclusive(&path, &entry) {
+            Ok(()) => Ok(()),
+            Err(StoreError::ClaimExists { .. }) => match self.name_owner(name) {
+                Ok(Some(owner)) if owner == id => Ok(()),
+                Ok(Some(owner)) if self.instance_path(owner).exists() => {
+                    Err(StoreError::NameTaken { name: name.to_string(), owner })
+                }
+                // No record: a create or delete that crashed midway left the entry.
+                Ok(_) | Err(StoreError::Corrupt { .. }) => write_json_atomic(&path, &entry),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes `name` from the index if it names `id` (a missing entry is not an error).
+    pub fn release_name(&self, name: &str, id: Uuid) -> Result<()> {
+        match self.name_owner(name) {
+            Ok(Some(owner)) if owner != id => Ok(()),
+            Ok(None) => Ok(()),
+            _ => remove_file_durable(&self.name_path(name), &self.root.join("names")),
         }
     }
 
@@ -330,27 +648,10 @@ impl Store {
     /// Creates the claim file exclusively (`renameat2(RENAME_NOREPLACE)`).
     /// Errors: [`StoreError::ClaimExists`] when the device already has a claim.
     pub fn create_claim(&self, claim: &Claim) -> Result<()> {
-        let path = self.claim_path(&claim.device);
-        let tmp = write_temp(&path, claim)?;
-        let dir = self.root.join("claims");
-        let res = nix::fcntl::renameat2(
-            nix::fcntl::AT_FDCWD,
-            &tmp,
-            nix::fcntl::AT_FDCWD,
-            &path,
-            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
-        );
-        match res {
-            Ok(()) => fsync_dir(&dir),
-            Err(errno) => {
-                let _ = fs::remove_file(&tmp);
-                if errno == nix::errno::Errno::EEXIST {
-                    Err(StoreError::ClaimExists { device: claim.device.clone() })
-                } else {
-                    Err(StoreError::io(&path, io::Error::from(errno)))
-                }
-            }
-        }
+        create_exclusive(&self.claim_path(&claim.device), claim).map_err(|e| match e {
+            StoreError::ClaimExists { .. } => StoreError::ClaimExists { device: claim.device.clone() },
+            e => e,
+        })
     }
 
     /// Replaces an existing claim atomically (state changes, release attempts).
@@ -368,9 +669,14 @@ impl Store {
         remove_file_durable(&self.claim_path(device), &self.root.join("claims"))
     }
 
+    /// Every claim, tolerantly (key: the device named by the file).
+    pub fn scan_claims(&self) -> Result<Listing<Claim>> {
+        scan_records(&self.root.join("claims"))
+    }
+
     /// Every claim, strictly.
     pub fn list_claims(&self) -> Result<Vec<Claim>> {
-        list_records(&self.root.join("claims"))
+        self.scan_claims()?.strict()
     }
 
     // ----- mdev records
@@ -389,9 +695,9 @@ impl Store {
         remove_file_durable(&self.mdev_path(uuid), &self.root.join("mdevs"))
     }
 
-    /// Every mdev record, strictly.
-    pub fn list_mdevs(&self) -> Result<Vec<MdevRecord>> {
-        list_records(&self.root.join("mdevs"))
+    /// Every mdev record, tolerantly (key: the uuid named by the file).
+    pub fn scan_mdevs(&self) -> Result<Listing<MdevRecord>> {
+        scan_records(&self.root.join("mdevs"))
     }
 
     // ----- health
@@ -400,7 +706,7 @@ impl Store {
         self.root.join("health").join(format!("{device}.json"))
     }
 
-    /// Writes a quarantine mark.
+    /// Writes a health mark.
     pub fn write_health(&self, rec: &HealthRecord) -> Result<()> {
         write_json_atomic(&self.health_path(&rec.device), rec)
     }
@@ -410,12 +716,12 @@ impl Store {
         read_json_opt(&self.health_path(device))
     }
 
-    /// Every quarantine mark, strictly (an unreadable one makes placement fail closed).
-    pub fn list_health(&self) -> Result<Vec<HealthRecord>> {
-        list_records(&self.root.join("health"))
+    /// Every health mark, tolerantly (key: the device named by the file).
+    pub fn scan_health(&self) -> Result<Listing<HealthRecord>> {
+        scan_records(&self.root.join("health"))
     }
 
-    /// Clears a quarantine mark.
+    /// Clears a health mark.
     pub fn remove_health(&self, device: &str) -> Result<()> {
         remove_file_durable(&self.health_path(device), &self.root.join("health"))
     }
@@ -442,19 +748,35 @@ fn list_names(dir: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
-fn list_records<T: DeserializeOwned>(dir: &Path) -> Result<Vec<T>> {
-    let mut out = Vec::new();
+fn scan_records<T: DeserializeOwned>(dir: &Path) -> Result<Listing<T>> {
+    let mut out = Listing::default();
     for name in list_names(dir)? {
         let p = dir.join(&name);
-        if !name.ends_with(".json") {
-            return Err(StoreError::Corrupt { path: p, reason: "unexpected file name".into() });
-        }
-        match read_json_opt(&p)? {
-            Some(r) => out.push(r),
-            None => continue, // removed while listing
+        let Some(key) = name.strip_suffix(".json") else {
+            out.unreadable.push(Unreadable {
+                path: p,
+                key: name,
+                error: "not a record file (no .json suffix)".into(),
+                owner: None,
+            });
+            continue;
+        };
+        match read_json_opt(&p) {
+            Ok(Some(r)) => out.records.push(r),
+            Ok(None) => continue, // removed while listing
+            Err(e) => {
+                let owner = best_effort_owner(&p);
+                out.unreadable.push(Unreadable { path: p, key: key.to_string(), error: e.to_string(), owner })
+            }
         }
     }
     Ok(out)
+}
+
+/// The `instance_id` of a record that does not decode as its type, when it is still JSON.
+fn best_effort_owner(path: &Path) -> Option<Uuid> {
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(path).ok()?).ok()?;
+    Uuid::parse_str(v.get("instance_id")?.as_str()?).ok()
 }
 
 fn read_json_opt<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
@@ -489,6 +811,31 @@ fn write_temp<T: Serialize>(path: &Path, value: &T) -> Result<PathBuf> {
     Ok(tmp)
 }
 
+/// Exclusive create: temp file, fsync, `renameat2(RENAME_NOREPLACE)`, fsync directory.
+/// Errors: [`StoreError::ClaimExists`] (with the path as `device`) when `path` exists.
+fn create_exclusive<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    let tmp = write_temp(path, value)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let res = nix::fcntl::renameat2(
+        nix::fcntl::AT_FDCWD,
+        &tmp,
+        nix::fcntl::AT_FDCWD,
+        path,
+        nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+    );
+    match res {
+        Ok(()) => fsync_dir(dir),
+        Err(errno) => {
+            let _ = fs::remove_file(&tmp);
+            if errno == nix::errno::Errno::EEXIST {
+                Err(StoreError::ClaimExists { device: path.display().to_string() })
+            } else {
+                Err(StoreError::io(path, io::Error::from(errno)))
+            }
+        }
+    }
+}
+
 /// Atomic replace: temp file, fsync, rename, fsync directory.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     let tmp = write_temp(path, value)?;
@@ -520,6 +867,8 @@ mod tests {
             device: device.into(),
             framework: Framework::VendorVfio,
             instance_id: Uuid::new_v4(),
+            owner_name: Some("a".into()),
+            owner_labels: Some(Labels::new()),
             gpu: "0000:41:00.0".into(),
             profile: "L40S-2Q".into(),
             type_id: Some(1148),
@@ -567,6 +916,10 @@ mod tests {
         for cut in 0..full.len() - 1 {
             fs::write(d.path().join("claims/0000:41:00.5.json"), &full[..cut]).unwrap();
             assert!(matches!(s.list_claims(), Err(StoreError::Corrupt { .. })), "cut at {cut} was accepted");
+            let l = s.scan_claims().unwrap();
+            assert!(l.records.is_empty(), "cut at {cut} was decoded");
+            assert_eq!(l.unreadable.len(), 1);
+            assert_eq!(l.unreadable[0].key, "0000:41:00.5", "the unreadable claim names its device");
         }
     }
 
@@ -584,5 +937,115 @@ mod tests {
         let s = Store::open(d.path()).unwrap();
         let _held = s.lock_exclusive().unwrap();
         assert!(matches!(s.lock_exclusive(), Err(StoreError::Locked { .. })));
+    }
+
+    fn record(name: &str) -> InstanceRecord {
+        InstanceRecord::new(
+            InstanceDefinition {
+                id: Uuid::new_v4(),
+                name: name.into(),
+                image: "demo".into(),
+                hypervisor: "qemu".into(),
+                vcpus: 1,
+                memory_mib: 256,
+                labels: Labels::new(),
+                gpu_profile: None,
+                gpu_framework: None,
+                created_at: "2026-01-01T00:00:00Z".into(),
+            },
+            InstanceState::Stopped,
+        )
+    }
+
+    #[test]
+    fn an_undecodable_record_is_listed_as_unreadable_beside_the_others() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        let a = record("a");
+        s.write_instance(&a).unwrap();
+        let bad = Uuid::new_v4();
+        fs::create_dir_all(s.instance_dir(bad)).unwrap();
+        fs::write(s.instance_path(bad), b"{not json").unwrap();
+        let l = s.scan_instances().unwrap();
+        assert_eq!(l.records, vec![a]);
+        assert_eq!(l.unreadable.len(), 1);
+        assert_eq!(l.unreadable[0].key, bad.to_string());
+        assert!(s.list_instances().is_err(), "the strict listing still refuses");
+    }
+
+    #[test]
+    fn a_name_belongs_to_one_instance_and_a_stale_entry_is_replaced() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        let a = record("a");
+        s.claim_name("a", a.id).unwrap();
+        s.write_instance(&a).unwrap();
+        let other = Uuid::new_v4();
+        assert!(matches!(s.claim_name("a", other), Err(StoreError::NameTaken { owner, .. }) if owner == a.id));
+        assert_eq!(s.name_owner("a").unwrap(), Some(a.id));
+        s.remove_instance(a.id).unwrap();
+        assert_eq!(s.name_owner("a").unwrap(), None, "delete removes the name");
+        // A create that crashed after its name entry, before its record: the entry is stale.
+        s.claim_name("b", Uuid::new_v4()).unwrap();
+        s.claim_name("b", other).unwrap();
+        assert_eq!(s.name_owner("b").unwrap(), Some(other));
+    }
+
+    #[test]
+    fn a_data_directory_without_a_name_index_gets_one() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        let a = record("a");
+        s.write_instance(&a).unwrap();
+        fs::remove_dir_all(d.path().join("names")).unwrap();
+        let s = Store::open(d.path()).unwrap();
+        assert_eq!(s.name_owner("a").unwrap(), Some(a.id));
+    }
+
+    #[test]
+    fn the_transition_table_allows_exactly_the_documented_moves() {
+        use InstanceState::*;
+        let legal = [
+            (Starting, Running),
+            (Starting, Stopped),
+            (Starting, CleanupPending),
+            (Starting, Deleting),
+            (Starting, Stopping),
+            (Running, Stopping),
+            (Running, Stopped),
+            (Running, Deleting),
+            (Stopping, Stopped),
+            (Stopping, Running),
+            (Stopping, Deleting),
+            (Stopped, Starting),
+            (Stopped, Deleting),
+            (Deleting, CleanupPending),
+            (CleanupPending, Deleting),
+        ];
+        for from in InstanceState::ALL {
+            for to in InstanceState::ALL {
+                let expected = from == to || legal.contains(&(from, to));
+                assert_eq!(from.can_move_to(to), expected, "{from} -> {to}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_illegal_transition_is_refused_and_changes_nothing() {
+        let mut r = record("a");
+        assert_eq!(r.state(), InstanceState::Stopped);
+        let e = r.transition(InstanceState::Running).unwrap_err();
+        assert_eq!((e.from, e.to), (InstanceState::Stopped, InstanceState::Running));
+        assert_eq!(r.state(), InstanceState::Stopped);
+        r.transition(InstanceState::Starting).unwrap();
+        assert_eq!(r.state(), InstanceState::Starting);
+    }
+
+    #[test]
+    fn a_cleanup_pending_instance_can_only_be_deleted() {
+        for to in InstanceState::ALL {
+            let ok = InstanceState::CleanupPending.can_move_to(to);
+            assert_eq!(ok, matches!(to, InstanceState::CleanupPending | InstanceState::Deleting), "{to}");
+        }
     }
 }

@@ -3,8 +3,7 @@
 //! arbitrary moment; every record must still decode (the old or the new version), and the
 //! strict listings must succeed.
 
-use gpuvisor::store::{Claim, ClaimState, InstanceRecord, InstanceState, Store};
-use gpuvisor_sdk::Framework;
+use gpuvisor::store::{Claim, ClaimState, Framework, InstanceDefinition, InstanceRecord, InstanceState, Store};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -12,21 +11,23 @@ use uuid::Uuid;
 const CHILD_ENV: &str = "GPUVISOR_STORE_WRITER_DIR";
 
 fn record(id: Uuid, n: u64) -> InstanceRecord {
-    InstanceRecord {
-        id,
-        name: format!("vm-{n}"),
-        image: "demo".into(),
-        hypervisor: "qemu".into(),
-        vcpus: 1,
-        memory_mib: 256 + n,
-        labels: Default::default(),
-        gpu_profile: Some("L40S-2Q".into()),
-        gpu_framework: Some(Framework::VendorVfio),
-        state: if n.is_multiple_of(2) { InstanceState::Running } else { InstanceState::Stopped },
-        vmm: None,
-        created_at: "2026-01-01T00:00:00Z".into(),
-        last_error: Some("x".repeat((n % 4096) as usize)),
-    }
+    let mut r = InstanceRecord::new(
+        InstanceDefinition {
+            id,
+            name: format!("vm-{n}"),
+            image: "demo".into(),
+            hypervisor: "qemu".into(),
+            vcpus: 1,
+            memory_mib: 256 + n,
+            labels: Default::default(),
+            gpu_profile: Some("L40S-2Q".into()),
+            gpu_framework: Some(Framework::VendorVfio),
+            created_at: "2026-01-01T00:00:00Z".into(),
+        },
+        if n.is_multiple_of(2) { InstanceState::Running } else { InstanceState::Stopped },
+    );
+    r.last_error = Some("x".repeat((n % 4096) as usize));
+    r
 }
 
 fn claim(device: &str, id: Uuid, n: u64) -> Claim {
@@ -34,6 +35,8 @@ fn claim(device: &str, id: Uuid, n: u64) -> Claim {
         device: device.into(),
         framework: Framework::VendorVfio,
         instance_id: id,
+        owner_name: None,
+        owner_labels: None,
         gpu: "0000:41:00.0".into(),
         profile: "L40S-2Q".into(),
         type_id: Some(1148),

@@ -4,9 +4,10 @@
 //! left-aligned in 5 columns, ` : `, the full name. The parser is tolerant and no single
 //! line can fail the catalog: LF or CRLF; blank lines skipped; the header (first token
 //! `ID`, any case) skipped; an entry split at its first `:` or else at the first run of
-//! whitespace; the id a decimal u32 of any width; the name non-empty. Malformed lines are
-//! counted in [`Catalog::skipped`] — skipping only hides capacity, it never causes a
-//! destructive action.
+//! whitespace; the id a decimal u32 of any width other than `0` (`0` means "no vGPU" in
+//! `current_vgpu_type`, so it is never a type); the name non-empty. Malformed lines are kept
+//! in [`Catalog::skipped`] for the caller to report with the VF's name and count —
+//! skipping only hides capacity, it never causes a destructive action.
 
 /// One creatable vGPU type.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,8 +22,8 @@ pub struct CatalogEntry {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Catalog {
     pub entries: Vec<CatalogEntry>,
-    /// Malformed lines that were skipped.
-    pub skipped: usize,
+    /// Malformed lines that were skipped (trimmed, at most 200 characters each).
+    pub skipped: Vec<String>,
 }
 
 impl Catalog {
@@ -53,11 +54,10 @@ pub fn parse_creatable_vgpu_types(text: &str) -> Catalog {
         };
         let digits_only = !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit());
         match (id.parse::<u32>(), name.is_empty()) {
-            (Ok(n), false) if digits_only => cat.entries.push(CatalogEntry { id: n, name: name.to_string() }),
-            _ => {
-                tracing::warn!(line = %line, "skipping malformed creatable_vgpu_types line");
-                cat.skipped += 1;
+            (Ok(n), false) if digits_only && n != 0 => {
+                cat.entries.push(CatalogEntry { id: n, name: name.to_string() })
             }
+            _ => cat.skipped.push(line.chars().take(200).collect()),
         }
     }
     cat
@@ -75,7 +75,7 @@ mod tests {
     fn the_driver_format_parses() {
         let c = parse_creatable_vgpu_types("ID    : vGPU Name\n1147  : NVIDIA L40S-1Q\n1148  : NVIDIA L40S-2Q\n");
         assert_eq!(ids(&c), vec![(1147, "NVIDIA L40S-1Q"), (1148, "NVIDIA L40S-2Q")]);
-        assert_eq!(c.skipped, 0);
+        assert!(c.skipped.is_empty());
     }
 
     #[test]
@@ -95,7 +95,7 @@ mod tests {
         assert!(parse_creatable_vgpu_types("").entries.is_empty());
         let c = parse_creatable_vgpu_types("ID    : vGPU Name\n");
         assert!(c.entries.is_empty());
-        assert_eq!(c.skipped, 0);
+        assert!(c.skipped.is_empty());
     }
 
     #[test]
@@ -103,7 +103,14 @@ mod tests {
         let text = "ID : vGPU Name\nxyz : bad id\n-5 : negative\n99999999999 : too big\n1150 :\n1150\n\u{0}\u{1}\n1148 : NVIDIA L40S-2Q\n";
         let c = parse_creatable_vgpu_types(text);
         assert_eq!(ids(&c), vec![(1148, "NVIDIA L40S-2Q")]);
-        assert_eq!(c.skipped, 6);
+        assert_eq!(c.skipped.len(), 6);
+    }
+
+    #[test]
+    fn id_zero_is_never_a_type() {
+        let c = parse_creatable_vgpu_types("ID : vGPU Name\n0 : NVIDIA L40S-2Q\n0000 : NVIDIA L40S-4Q\n1148 : NVIDIA L40S-2Q\n");
+        assert_eq!(ids(&c), vec![(1148, "NVIDIA L40S-2Q")]);
+        assert_eq!(c.skipped, vec!["0 : NVIDIA L40S-2Q".to_string(), "0000 : NVIDIA L40S-4Q".to_string()]);
     }
 
     #[test]

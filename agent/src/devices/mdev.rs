@@ -3,8 +3,11 @@
 //! and removed by writing `1` to `sys/bus/mdev/devices/<uuid>/remove`
 //! (Linux `Documentation/driver-api/vfio-mediated-device.rst`, NVIDIA-HOST.md §6).
 //! gpuvisor creates only transient mdevs and never removes one it did not create.
+//!
+//! The one primitive that removes an mdev is [`remove`], and only the release path
+//! (`instances::release`) calls it.
 
-use super::{errno_name, link_basename, read_attr, write_attr, WriteError};
+use super::{errno_name, link_basename, read_attr, write_attr, UnreadableDevice, WriteError};
 use crate::host::HostRoot;
 use std::fs;
 use std::io;
@@ -30,7 +33,15 @@ pub struct MdevParent {
     pub bdf: String,
     /// The physical GPU: basename of `physfn`, or the parent itself.
     pub pf: String,
-    pub types: Vec<MdevType>,
+    /// Its types; `Err` when `mdev_supported_types` (or a type's `name`) cannot be read.
+    pub types: Result<Vec<MdevType>, String>,
+}
+
+impl MdevParent {
+    /// The readable types (none when unreadable).
+    pub fn types(&self) -> &[MdevType] {
+        self.types.as_deref().unwrap_or(&[])
+    }
 }
 
 /// One existing mdev.
@@ -44,10 +55,10 @@ pub struct MdevDevice {
     pub iommu_group: Option<u32>,
 }
 
-/// True when `mdev_bus` has at least one parent with a non-empty `mdev_supported_types`.
-/// Errors: `mdev_bus` exists but cannot be read (a probe error, never a fallback).
-pub fn probe(host: &HostRoot) -> Result<bool, String> {
-    Ok(!parents(host)?.iter().all(|p| p.types.is_empty()))
+/// True when at least one parent has a non-empty `mdev_supported_types` (NVIDIA-HOST.md §1
+/// step 1; an unreadable one counts, so that it is reported rather than hidden).
+pub fn probe(parents: &[MdevParent]) -> bool {
+    parents.iter().any(|p| p.types.as_ref().map(|t| !t.is_empty()).unwrap_or(true))
 }
 
 /// Parses `framebuffer=<N>M` out of an mdev type's `description`.
@@ -59,18 +70,12 @@ pub fn framebuffer_from_description(desc: &str) -> Option<u64> {
     })
 }
 
-/// Every mdev parent with its types, read now. A missing `mdev_bus` means none.
-pub fn parents(host: &HostRoot) -> Result<Vec<MdevParent>, String> {
+/// Every mdev parent with its types, read now. A missing `mdev_bus` means none. Errors:
+/// `mdev_bus` exists but cannot be listed (a probe error, never a fallback).
+pub fn parents(host: &HostRoot) -> Result<Vec<MdevParent>, super::DeviceError> {
     let dir = host.mdev_bus_dir();
-    let rd = match fs::read_dir(&dir) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
-    };
     let mut out = Vec::new();
-    for ent in rd {
-        let ent = ent.map_err(|e| format!("cannot list {}: {}", dir.display(), errno_name(&e)))?;
-        let bdf = ent.file_name().to_string_lossy().into_owned();
+    for bdf in super::list_dir(&dir)? {
         let pdir = dir.join(&bdf);
         let pf = link_basename(&pdir.join("physfn")).unwrap_or_else(|_| bdf.clone());
         let types = read_types(&pdir.join("mdev_supported_types"));
@@ -80,55 +85,73 @@ pub fn parents(host: &HostRoot) -> Result<Vec<MdevParent>, String> {
     Ok(out)
 }
 
-fn read_types(dir: &Path) -> Vec<MdevType> {
-    let Ok(rd) = fs::read_dir(dir) else { return Vec::new() };
-    let mut types: Vec<MdevType> = rd
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let d = e.path();
-            let name = read_attr(&d.join("name")).ok()?;
-            Some(MdevType {
-                dir: e.file_name().to_string_lossy().into_owned(),
-                framebuffer_mib: read_attr(&d.join("description")).ok().and_then(|s| framebuffer_from_description(&s)),
-                available: read_attr(&d.join("available_instances")).ok().and_then(|s| s.parse().ok()).unwrap_or(0),
-                name,
-            })
-        })
-        .collect();
-    types.sort_by(|a, b| a.dir.cmp(&b.dir));
-    types
-}
-
-/// Every mdev on the host. Errors: the devices directory exists but cannot be read.
-pub fn devices(host: &HostRoot) -> Result<Vec<MdevDevice>, String> {
-    let dir = host.mdev_devices_dir();
-    let rd = match fs::read_dir(&dir) {
+fn read_types(dir: &Path) -> Result<Vec<MdevType>, String> {
+    let rd = match fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
+        Err(e) => return Err(format!("mdev_supported_types cannot be listed: {}", errno_name(&e))),
     };
+    let mut types = Vec::new();
+    for e in rd {
+        let e = e.map_err(|e| format!("mdev_supported_types cannot be listed: {}", errno_name(&e)))?;
+        let d = e.path();
+        let dir_name = e.file_name().to_string_lossy().into_owned();
+        let name = read_attr(&d.join("name")).map_err(|e| format!("{dir_name}/name cannot be read: {}", errno_name(&e)))?;
+        types.push(MdevType {
+            dir: dir_name,
+            framebuffer_mib: read_attr(&d.join("description")).ok().and_then(|s| framebuffer_from_description(&s)),
+            available: read_attr(&d.join("available_instances")).ok().and_then(|s| s.parse().ok()).unwrap_or(0),
+            name,
+        });
+    }
+    types.sort_by(|a, b| a.dir.cmp(&b.dir));
+    Ok(types)
+}
+
+/// Every mdev on the host, and those that could not be read (a directory whose name is not a
+/// UUID, an `mdev_type` link that cannot be read): each is named, never skipped silently.
+/// Errors: the devices directory exists but cannot be listed.
+pub fn devices(host: &HostRoot) -> Result<(Vec<MdevDevice>, Vec<UnreadableDevice>), super::DeviceError> {
     let mut out = Vec::new();
-    for ent in rd {
-        let ent = ent.map_err(|e| format!("cannot list {}: {}", dir.display(), errno_name(&e)))?;
-        let uuid = ent.file_name().to_string_lossy().into_owned();
-        if let Some(d) = read_device(host, &uuid) {
-            out.push(d);
+    let mut unreadable = Vec::new();
+    for uuid in super::list_dir(&host.mdev_devices_dir())? {
+        if uuid::Uuid::parse_str(&uuid).is_err() {
+            unreadable.push(UnreadableDevice {
+                address: uuid.clone(),
+                gpu: None,
+                reason: format!("mdev directory {uuid:?} is not named by a UUID"),
+            });
+            continue;
+        }
+        match read_device(host, &uuid) {
+            Ok(Some(d)) => out.push(d),
+            Ok(None) => {} // removed while listing
+            Err(reason) => unreadable.push(UnreadableDevice { address: uuid.clone(), gpu: None, reason }),
         }
     }
     out.sort_by(|a, b| a.uuid.cmp(&b.uuid));
-    Ok(out)
+    Ok((out, unreadable))
 }
 
-/// Reads one mdev; `None` when it does not exist (or its `mdev_type` link is unreadable).
-pub fn read_device(host: &HostRoot, uuid: &str) -> Option<MdevDevice> {
+/// Reads one mdev. `Ok(None)` only when its directory does not exist; an `mdev_type` link
+/// that cannot be read or parsed is `Err` — unreadable is not absent.
+pub fn read_device(host: &HostRoot, uuid: &str) -> Result<Option<MdevDevice>, String> {
     let d = host.mdev_device(uuid);
-    let target = fs::read_link(d.join("mdev_type")).ok()?;
+    let target = match fs::read_link(d.join("mdev_type")) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound && fs::symlink_metadata(&d).is_err() => return Ok(None),
+        Err(e) => return Err(format!("mdev {uuid}/mdev_type cannot be read: {}", errno_name(&e))),
+    };
     let comps: Vec<String> = target.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
-    let pos = comps.iter().position(|c| c == "mdev_supported_types")?;
-    let parent = comps.get(pos.checked_sub(1)?)?.clone();
-    let mdev_type = comps.last()?.clone();
+    let parsed = comps.iter().position(|c| c == "mdev_supported_types").and_then(|pos| {
+        let parent = comps.get(pos.checked_sub(1)?)?.clone();
+        Some((parent, comps.last()?.clone()))
+    });
+    let Some((parent, mdev_type)) = parsed else {
+        return Err(format!("mdev {uuid}/mdev_type points to {}, not a parent's type", target.display()));
+    };
     let iommu_group = link_basename(&d.join("iommu_group")).ok().and_then(|g| g.parse().ok());
-    Some(MdevDevice { uuid: uuid.to_string(), parent, mdev_type, iommu_group })
+    Ok(Some(MdevDevice { uuid: uuid.to_string(), parent, mdev_type, iommu_group }))
 }
 
 /// The device nodes of an mdev: its group node and its `vfio-dev` cdevs. Absent paths mean
@@ -165,14 +188,18 @@ pub fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Resu
     let path = host.mdev_bus_dir().join(parent).join("mdev_supported_types").join(type_dir).join("create");
     write_attr(&path, uuid).map_err(|e| WriteError::from_io(&format!("creating mdev {uuid} on {parent}"), &e))?;
     match read_device(host, uuid) {
-        Some(d) if d.mdev_type == type_dir && d.parent == parent => Ok(()),
-        Some(d) => Err(WriteError::other(format!("mdev {uuid} appeared as {} on {}", d.mdev_type, d.parent))),
-        None => Err(WriteError::other(format!("mdev {uuid} did not appear after create"))),
+        Ok(Some(d)) if d.mdev_type == type_dir && d.parent == parent => Ok(()),
+        Ok(Some(d)) => Err(WriteError::other(format!("mdev {uuid} appeared as {} on {}", d.mdev_type, d.parent))),
+        Ok(None) => Err(WriteError::other(format!("mdev {uuid} did not appear after create"))),
+        Err(e) => Err(WriteError::other(format!("mdev {uuid} cannot be verified after create: {e}"))),
     }
 }
 
 /// Removes an mdev gpuvisor created: a missing device is already done. Errors: the remove
 /// write failed (EBUSY while held or during teardown) and the device still exists.
+///
+/// **Only the release path calls this**, after proving the owner dead (or the mdev an
+/// orphan) and scanning for holders under the device lock.
 pub fn remove(host: &HostRoot, uuid: &str) -> Result<(), WriteError> {
     let d = host.mdev_device(uuid);
     if fs::symlink_metadata(&d).is_err() {

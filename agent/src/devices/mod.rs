@@ -1,13 +1,17 @@
 //! # devices — native device backends
 //!
 //! One backend per framework: [`vendor_vfio`] (type ids written to SR-IOV VFs) and
-//! [`mdev`] (mediated devices). Each discovers GPUs and devices (inventory), configures a
-//! claimed device, and clears one. Framework detection follows NVIDIA-HOST.md §1. Nothing
-//! here is cached: every call reads sysfs again (catalogs shrink as GPUs fill).
+//! [`mdev`] (mediated devices). [`scan`] reads the whole host once — framework detection
+//! (NVIDIA-HOST.md §1), every VF and its catalog, every mdev parent and mdev — reading each
+//! sysfs file once; nothing here is cached (catalogs shrink as GPUs fill).
 //!
-//! The functions here are primitives; the **release guard** in `instances` is the only
-//! caller that clears a device, always after a fresh open-handle scan under the device
-//! lock.
+//! The functions here are primitives. The two that clear a device
+//! ([`vendor_vfio::clear`], [`mdev::remove`]) are called only by the release path
+//! (`instances::release`), always after a fresh open-handle scan under the device lock.
+//!
+//! Unreadable is never absent: a device whose state cannot be read is returned as an
+//! [`UnreadableDevice`] naming it and why, and a listing that fails is an error, never
+//! "fewer devices".
 
 pub mod catalog;
 pub mod mdev;
@@ -16,7 +20,7 @@ pub mod vendor_vfio;
 use crate::host::HostRoot;
 use std::fs;
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// NVIDIA's PCI vendor id as sysfs prints it.
 pub const NVIDIA_VENDOR: &str = "0x10de";
@@ -50,23 +54,193 @@ impl HostMode {
     }
 }
 
-/// Detects the vGPU framework. Errors: a probe error (e.g. `mdev_bus` unreadable) — the
-/// caller reports "not ready" and never falls through to another framework.
-pub fn detect(host: &HostRoot) -> Result<HostMode, String> {
-    let mdev = mdev::probe(host)?;
-    let vendor = vendor_vfio::probe(host)?;
-    Ok(match (mdev, vendor) {
+/// Errors of the device backends.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// A sysfs directory exists but cannot be listed: a probe error, never "no devices".
+    #[error("cannot list {}: {errno}", path.display())]
+    List { path: PathBuf, errno: String },
+    /// Vendor-VFIO VFs exist but none of their types can be read (NVIDIA-HOST.md §1: fail
+    /// only if no VF at all is readable).
+    #[error("no VF's current_vgpu_type can be read ({count} VFs)")]
+    NoReadableVf { count: usize },
+}
+
+/// A device that exists but whose state cannot be read: counted as unreadable everywhere,
+/// never shown as clear, never written to.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct UnreadableDevice {
+    /// The device (VF BDF, PCI function, mdev directory name).
+    pub address: String,
+    /// The GPU (PF) it belongs to, when known.
+    pub gpu: Option<String>,
+    /// Why (one sentence with the errno).
+    pub reason: String,
+}
+
+/// One read of the host's GPU devices.
+#[derive(Debug, Clone)]
+pub struct HostScan {
+    /// The framework, or the probe error (not ready; never a fallback).
+    pub mode: Result<HostMode, DeviceError>,
+    /// Vendor-VFIO GPUs and their VFs (readable or not).
+    pub vendor: Vec<vendor_vfio::GpuInfo>,
+    /// mdev parents and their types.
+    pub parents: Vec<mdev::MdevParent>,
+    /// Existing mdevs.
+    pub mdevs: Vec<mdev::MdevDevice>,
+    /// Devices skipped because their state cannot be read.
+    pub unreadable: Vec<UnreadableDevice>,
+    /// `sys/module/nvidia/version`.
+    pub driver_version: Option<String>,
+}
+
+impl HostScan {
+    /// True when every listing succeeded and the framework probe decided (the observation
+    /// a reconcile pass needs before it may release or sweep anything, INVARIANTS.md I13).
+    pub fn complete(&self) -> bool {
+        self.mode.is_ok()
+    }
+}
+
+/// Reads the host once (NVIDIA-HOST.md §1: mdev probe, vendor-VFIO probe, decide; then the
+/// inventory of the detected framework). Never fails: a probe error is in `mode`.
+pub fn scan(host: &HostRoot) -> HostScan {
+    let driver_version = read_attr(&host.nvidia_version_path()).ok();
+    let mut unreadable = Vec::new();
+    let out = |mode, vendor, parents, mdevs, unreadable| HostScan {
+        mode,
+        vendor,
+        parents,
+        mdevs,
+        unreadable,
+        driver_version: driver_version.clone(),
+    };
+    // 1. mdev probe.
+    let parents = match mdev::parents(host) {
+        Ok(p) => p,
+        Err(e) => return out(Err(e), vec![], vec![], vec![], unreadable),
+    };
+    for p in &parents {
+        if let Err(reason) = &p.types {
+            unreadable.push(UnreadableDevice { address: p.bdf.clone(), gpu: Some(p.pf.clone()), reason: reason.clone() });
+        }
+    }
+    let mdev_found = mdev::probe(&parents);
+    let mdevs = if mdev_found {
+        match mdev::devices(host) {
+            Ok((d, u)) => {
+                unreadable.extend(u);
+                d
+            }
+            Err(e) => return out(Err(e), vec![], parents, vec![], unreadable),
+        }
+    } else {
+        Vec::new()
+    };
+    // 2. vendor-VFIO probe (one read of every PCI function).
+    let pci = match list_dir(&host.pci_devices_dir()) {
+        Ok(p) => p,
+        Err(e) => return out(Err(e), vec![], parents, mdevs, unreadable),
+    };
+    let mut vendor: Vec<vendor_vfio::GpuInfo> = Vec::new();
+    let mut vfs_seen = 0usize;
+    let mut pfs = Vec::new();
+    for bdf in &pci {
+        let d = host.pci_device(bdf);
+        match read_attr(&d.join("vendor")) {
+            Ok(v) if v == NVIDIA_VENDOR => {}
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                unreadable.push(UnreadableDevice {
+                    address: bdf.clone(),
+                    gpu: None,
+                    reason: format!("vendor cannot be read: {}", errno_name(&e)),
+                });
+                continue;
+            }
+        }
+        let pf = match link_basename(&d.join("physfn")) {
+            Ok(pf) => pf,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                pfs.push(bdf.clone());
+                continue;
+            }
+            Err(e) => {
+                unreadable.push(UnreadableDevice {
+                    address: bdf.clone(),
+                    gpu: None,
+                    reason: format!("physfn cannot be read: {}", errno_name(&e)),
+                });
+                continue;
+            }
+        };
+        let current_type = match vendor_vfio::read_current_type(host, bdf) {
+            // No nvidia/ directory: not a vendor-VFIO VF (e.g. an mdev parent).
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            r => r.map_err(|e| vendor_vfio::errno_or_msg(&e)),
+        };
+        vfs_seen += 1;
+        let vf = vendor_vfio::read_vf_with_type(host, bdf, pf.clone(), current_type);
+        if let Some(reason) = vf.unreadable_reason() {
+            unreadable.push(UnreadableDevice { address: vf.bdf.clone(), gpu: Some(pf.clone()), reason });
+        }
+        match vendor.iter_mut().find(|g| g.bdf == pf) {
+            Some(g) => g.vfs.push(vf),
+            None => {
+                let pd = host.pci_device(&pf);
+                vendor.push(vendor_vfio::GpuInfo {
+                    device_id: read_attr(&pd.join("device")).unwrap_or_default(),
+                    numa_node: read_attr(&pd.join("numa_node")).ok().and_then(|s| s.parse().ok()),
+                    bdf: pf,
+                    vfs: vec![vf],
+                })
+            }
+        }
+    }
+    vendor.sort_by(|a, b| a.bdf.cmp(&b.bdf));
+    for g in &mut vendor {
+        g.vfs.sort_by(|a, b| a.bdf.cmp(&b.bdf));
+    }
+    let readable_vf = vendor.iter().flat_map(|g| &g.vfs).any(|v| v.current_type.is_ok());
+    if vfs_seen > 0 && !readable_vf {
+        return out(Err(DeviceError::NoReadableVf { count: vfs_seen }), vendor, parents, mdevs, unreadable);
+    }
+    // 3. decide; 4. not ready is not passthrough.
+    let mode = match (mdev_found, readable_vf) {
         (true, true) => HostMode::Mixed,
         (true, false) => HostMode::Mdev,
         (false, true) => HostMode::VendorVfio,
-        (false, false) => {
-            if vendor_vfio::waiting_for_vfs(host) {
-                HostMode::WaitingForVfs
-            } else {
-                HostMode::None
-            }
-        }
-    })
+        (false, false) if pfs.iter().any(|pf| waiting_for_vfs(host, pf)) => HostMode::WaitingForVfs,
+        (false, false) => HostMode::None,
+    };
+    out(Ok(mode), vendor, parents, mdevs, unreadable)
+}
+
+/// An NVIDIA PF bound to `nvidia` with `sriov_totalvfs > 0` and `sriov_numvfs = 0`.
+fn waiting_for_vfs(host: &HostRoot, pf: &str) -> bool {
+    let d = host.pci_device(pf);
+    link_basename(&d.join("driver")).ok().as_deref() == Some("nvidia")
+        && read_attr(&d.join("sriov_totalvfs")).ok().and_then(|s| s.parse::<u32>().ok()).unwrap_or(0) > 0
+        && read_attr(&d.join("sriov_numvfs")).ok().and_then(|s| s.parse::<u32>().ok()) == Some(0)
+}
+
+/// The entries of a sysfs directory, sorted. A missing directory means none; any other error
+/// (also while iterating) is a [`DeviceError::List`], never "fewer entries".
+pub(crate) fn list_dir(dir: &Path) -> Result<Vec<String>, DeviceError> {
+    let err = |e: &io::Error| DeviceError::List { path: dir.to_path_buf(), errno: errno_name(e) };
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(err(&e)),
+    };
+    let mut out = Vec::new();
+    for e in rd {
+        out.push(e.map_err(|e| err(&e))?.file_name().to_string_lossy().into_owned());
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// Reads a small sysfs attribute, trimmed.
@@ -94,30 +268,32 @@ pub(crate) fn write_attr(path: &Path, value: &str) -> io::Result<()> {
     Ok(())
 }
 
-/// A sysfs write that did not take effect: the message for people, and whether the kernel
-/// answered EIO. LIFECYCLE.md "Device health" counts EIO strikes (the first makes a device
-/// `suspect`, a second in a row quarantines it). NVIDIA-HOST.md §4: on a type write, EIO is
-/// the resource manager refusing a type the VF's catalog listed (`NVRM: Failed to add vgpu
-/// create request`), not the transient EBUSY of a teardown.
+/// A sysfs write that did not take effect: the message for people, and the errno the
+/// kernel answered, if the write itself failed. LIFECYCLE.md "Device health" counts EIO
+/// strikes; NVIDIA-HOST.md §4: on a type write, EIO is the resource manager refusing a type
+/// the VF's catalog listed (`NVRM: Failed to add vgpu create request`), not the transient
+/// EBUSY of a teardown.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteError {
     pub message: String,
-    pub eio: bool,
+    pub errno: Option<i32>,
 }
 
 impl WriteError {
     /// A failure that is not an errno of the write itself (read-back mismatch, a device
     /// that did not appear, an unreadable file).
     pub fn other(message: impl Into<String>) -> WriteError {
-        WriteError { message: message.into(), eio: false }
+        WriteError { message: message.into(), errno: None }
     }
 
     /// `what` failed with the errno of `e` (`"<what> failed with EIO"`).
     pub fn from_io(what: &str, e: &io::Error) -> WriteError {
-        WriteError {
-            message: format!("{what} failed with {}", errno_name(e)),
-            eio: e.raw_os_error() == Some(libc::EIO),
-        }
+        WriteError { message: format!("{what} failed with {}", errno_name(e)), errno: e.raw_os_error() }
+    }
+
+    /// The kernel answered EIO.
+    pub fn eio(&self) -> bool {
+        self.errno == Some(libc::EIO)
     }
 }
 
@@ -145,6 +321,15 @@ pub fn model_by_device_id(device_id: &str) -> Option<&'static str> {
         "2330" => Some("NVIDIA H100 SXM"),
         "26b1" => Some("NVIDIA RTX 6000 Ada"),
         "20b5" => Some("NVIDIA A100 80GB"),
+        _ => None,
+    }
+}
+
+/// The framebuffer of a GPU by PCI device id, MiB, for the models the presets use.
+pub fn framebuffer_by_device_id(device_id: &str) -> Option<u64> {
+    match device_id.trim_start_matches("0x") {
+        "26b9" | "26b5" | "26b1" => Some(49152),
+        "2335" => Some(144384),
         _ => None,
     }
 }

@@ -2,13 +2,20 @@
 //! id into an SR-IOV VF's `nvidia/current_vgpu_type`, and destroyed by writing `0`
 //! (NVIDIA-HOST.md §§2–3). gpuvisor never binds/unbinds VFs, never writes a PF and never
 //! writes `sriov_numvfs`.
+//!
+//! [`set_type`] only ever writes a non-zero id; the one primitive that writes `0` is
+//! [`clear`], and only the release path (`instances::release`) calls it.
 
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
-use super::{errno_name, link_basename, read_attr, write_attr, WriteError, NVIDIA_VENDOR};
+use super::{errno_name, link_basename, read_attr, write_attr, WriteError};
 use crate::host::HostRoot;
 use std::fs;
 use std::io;
+use std::num::NonZeroU32;
 use std::path::PathBuf;
+
+/// What `current_vgpu_type` reads: a type id, `0` (no vGPU), or unreadable.
+pub type TypeReading = Result<u32, String>;
 
 /// One VF as read now.
 #[derive(Debug, Clone)]
@@ -26,7 +33,7 @@ pub struct VfInfo {
     pub targets_error: Option<String>,
     /// `current_vgpu_type`: `Ok(0)` = no vGPU; `Err` = unreadable/unparseable (skip, never
     /// write).
-    pub current_type: Result<u32, String>,
+    pub current_type: TypeReading,
     /// `creatable_vgpu_types`, `Err` when unreadable.
     pub catalog: Result<Catalog, String>,
 }
@@ -35,6 +42,15 @@ impl VfInfo {
     /// Readable and usable for placement decisions.
     pub fn readable(&self) -> bool {
         self.current_type.is_ok() && self.catalog.is_ok()
+    }
+
+    /// Why the VF cannot be used, if it cannot (its type or catalog is unreadable).
+    pub fn unreadable_reason(&self) -> Option<String> {
+        match (&self.current_type, &self.catalog) {
+            (Err(e), _) => Some(format!("current_vgpu_type cannot be read: {e}")),
+            (_, Err(e)) => Some(format!("creatable_vgpu_types cannot be read: {e}")),
+            _ => None,
+        }
     }
 }
 
@@ -52,49 +68,6 @@ fn nvidia_dir(host: &HostRoot, vf: &str) -> PathBuf {
     host.pci_device(vf).join("nvidia")
 }
 
-/// True when at least one vendor-VFIO VF is readable. Errors only when the devices
-/// directory itself is unreadable (a missing directory means none).
-pub fn probe(host: &HostRoot) -> Result<bool, String> {
-    let bdfs = list_pci(host)?;
-    Ok(bdfs.iter().any(|b| is_vendor_vf(host, b) && read_current_type(host, b).is_ok()))
-}
-
-/// An NVIDIA PF bound to `nvidia` with `sriov_totalvfs > 0` and `sriov_numvfs = 0`.
-pub fn waiting_for_vfs(host: &HostRoot) -> bool {
-    let Ok(bdfs) = list_pci(host) else { return false };
-    bdfs.iter().any(|b| {
-        let d = host.pci_device(b);
-        read_attr(&d.join("vendor")).ok().as_deref() == Some(NVIDIA_VENDOR)
-            && link_basename(&d.join("driver")).ok().as_deref() == Some("nvidia")
-            && read_attr(&d.join("sriov_totalvfs")).ok().and_then(|s| s.parse::<u32>().ok()).unwrap_or(0) > 0
-            && read_attr(&d.join("sriov_numvfs")).ok().and_then(|s| s.parse::<u32>().ok()) == Some(0)
-    })
-}
-
-fn list_pci(host: &HostRoot) -> Result<Vec<String>, String> {
-    let dir = host.pci_devices_dir();
-    let rd = match fs::read_dir(&dir) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("cannot list {}: {}", dir.display(), errno_name(&e))),
-    };
-    // An error while listing is a probe error, never "fewer devices".
-    let mut out = Vec::new();
-    for e in rd {
-        let e = e.map_err(|e| format!("cannot list {}: {}", dir.display(), errno_name(&e)))?;
-        out.push(e.file_name().to_string_lossy().into_owned());
-    }
-    out.sort();
-    Ok(out)
-}
-
-fn is_vendor_vf(host: &HostRoot, bdf: &str) -> bool {
-    let d = host.pci_device(bdf);
-    read_attr(&d.join("vendor")).ok().as_deref() == Some(NVIDIA_VENDOR)
-        && fs::symlink_metadata(d.join("physfn")).is_ok()
-        && d.join("nvidia/current_vgpu_type").exists()
-}
-
 /// Reads `current_vgpu_type` (a decimal id and a newline; `0` = none).
 pub fn read_current_type(host: &HostRoot, vf: &str) -> io::Result<u32> {
     let s = read_attr(&nvidia_dir(host, vf).join("current_vgpu_type"))?;
@@ -107,13 +80,15 @@ pub fn read_catalog(host: &HostRoot, vf: &str) -> io::Result<Catalog> {
     Ok(parse_creatable_vgpu_types(&text))
 }
 
-/// Writes a type id (or `0`) to `current_vgpu_type` in one write on a fresh fd.
-pub fn write_type(host: &HostRoot, vf: &str, id: u32) -> io::Result<()> {
+/// Writes a type id to `current_vgpu_type` in one write on a fresh fd. Never `0`: only
+/// [`clear`] destroys a vGPU.
+fn write_type(host: &HostRoot, vf: &str, id: NonZeroU32) -> io::Result<()> {
     write_attr(&nvidia_dir(host, vf).join("current_vgpu_type"), &format!("{id}\n"))
 }
 
-/// Reads one VF.
-pub fn read_vf(host: &HostRoot, bdf: &str, pf: String) -> VfInfo {
+/// Reads one VF whose type has already been read (`current_type`): its VFIO paths and its
+/// catalog.
+pub(crate) fn read_vf_with_type(host: &HostRoot, bdf: &str, pf: String, current_type: TypeReading) -> VfInfo {
     let d = host.pci_device(bdf);
     let mut targets_error = None;
     let iommu_group = match link_basename(&d.join("iommu_group")) {
@@ -138,15 +113,17 @@ pub fn read_vf(host: &HostRoot, bdf: &str, pf: String) -> VfInfo {
         Err(e) => targets_error = Some(format!("{bdf}/vfio-dev: {}", errno_or_msg(&e))),
     }
     cdevs.sort();
-    let current_type = read_current_type(host, bdf).map_err(|e| errno_or_msg(&e));
     let catalog = read_catalog(host, bdf).map_err(|e| errno_or_msg(&e));
-    if let Err(e) = &current_type {
-        tracing::warn!(gpu.device = %bdf, error = %e, "skipping unreadable VF");
-    }
     VfInfo { bdf: bdf.to_string(), pf, iommu_group, cdevs, targets_error, current_type, catalog }
 }
 
-fn errno_or_msg(e: &io::Error) -> String {
+/// Reads one VF now (type, VFIO paths, catalog).
+pub fn read_vf(host: &HostRoot, bdf: &str, pf: String) -> VfInfo {
+    let current_type = read_current_type(host, bdf).map_err(|e| errno_or_msg(&e));
+    read_vf_with_type(host, bdf, pf, current_type)
+}
+
+pub(crate) fn errno_or_msg(e: &io::Error) -> String {
     if e.raw_os_error().is_some() {
         errno_name(e)
     } else {
@@ -172,43 +149,12 @@ pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Result<Vec<PathBuf>, String> 
     Ok(t)
 }
 
-/// Every vendor-VFIO GPU and its VFs, read now. One unreadable VF is kept (marked
-/// unreadable), never hiding the rest. Errors: the PCI devices directory is unreadable.
-pub fn inventory(host: &HostRoot) -> Result<Vec<GpuInfo>, String> {
-    let bdfs = list_pci(host)?;
-    let mut gpus: Vec<GpuInfo> = Vec::new();
-    for bdf in &bdfs {
-        if !is_vendor_vf(host, bdf) {
-            continue;
-        }
-        let Ok(pf) = link_basename(&host.pci_device(bdf).join("physfn")) else { continue };
-        let vf = read_vf(host, bdf, pf.clone());
-        match gpus.iter_mut().find(|g| g.bdf == pf) {
-            Some(g) => g.vfs.push(vf),
-            None => {
-                let pd = host.pci_device(&pf);
-                gpus.push(GpuInfo {
-                    device_id: read_attr(&pd.join("device")).unwrap_or_default(),
-                    numa_node: read_attr(&pd.join("numa_node")).ok().and_then(|s| s.parse().ok()),
-                    bdf: pf,
-                    vfs: vec![vf],
-                })
-            }
-        }
-    }
-    gpus.sort_by(|a, b| a.bdf.cmp(&b.bdf));
-    for g in &mut gpus {
-        g.vfs.sort_by(|a, b| a.bdf.cmp(&b.bdf));
-    }
-    Ok(gpus)
-}
-
 /// Why a configure step did not set the type.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConfigureError {
     /// The driver refused the type here now (EINVAL/EIO/not in the fresh catalog): try the
     /// next candidate. Never branch on which errno came back for placement (NVIDIA-HOST.md
-    /// §4); `eio` only feeds the device's health strikes.
+    /// §4); the errno only feeds the device's health accounting.
     NotCreatable(WriteError),
     /// The read-back shows a value gpuvisor did not write: another writer is on the VF.
     Foreign { value: u32 },
@@ -228,7 +174,7 @@ impl std::fmt::Display for ConfigureError {
 
 /// Sets the profile's type on a VF that reads `0`: looks the name up in the VF's fresh
 /// catalog, writes the id, reads back. Returns the type id written.
-/// The caller holds the allocation and device locks and the claim is durable.
+/// The caller holds the configure and device locks and the claim is durable.
 pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, ConfigureError> {
     let catalog = read_catalog(host, vf).map_err(|e| ConfigureError::Io(format!("catalog: {}", errno_name(&e))))?;
     let Some(entry) = catalog.find(profile) else {
@@ -236,13 +182,15 @@ pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, Configu
             "{profile} is not in the catalog of {vf}"
         ))));
     };
-    let id = entry.id;
+    // The parser never yields id 0 (NVIDIA-HOST.md §3.1: 0 is "no vGPU").
+    let Some(id) = NonZeroU32::new(entry.id) else {
+        return Err(ConfigureError::Io(format!("the catalog of {vf} lists {profile} as id 0")));
+    };
     let write = write_type(host, vf, id);
     let back =
         read_current_type(host, vf).map_err(|e| ConfigureError::Io(format!("read-back: {}", errno_or_msg(&e))))?;
-    tracing::debug!(gpu.device = %vf, type_id = id, read_back = back, write = ?write.as_ref().err().map(errno_name), "type write");
     match back {
-        v if v == id => Ok(id),
+        v if v == id.get() => Ok(id.get()),
         0 => Err(ConfigureError::NotCreatable(match write {
             Err(e) => WriteError::from_io(&format!("writing {id}"), &e),
             Ok(()) => WriteError::other(format!("{id} was accepted but reads back 0")),
@@ -256,7 +204,7 @@ pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, Configu
 pub enum ClearError {
     /// The write failed and the VF still holds a type (EBUSY during teardown, EIO, ...).
     Failed(WriteError),
-    /// The read-back shows another non-zero type than the one expected (a foreign writer).
+    /// The VF reads another non-zero type than the one expected (a foreign writer).
     Foreign { value: u32 },
 }
 
@@ -273,7 +221,9 @@ impl std::fmt::Display for ClearError {
 /// read back — `0` is success whatever the write returned (EPERM on an already-clear VF is
 /// the normal "already clear", NVIDIA-HOST.md §3.2).
 /// `expected`: the type gpuvisor believes is set (None: any).
-/// The caller has proven the owner dead and scanned for holders under the device lock.
+///
+/// **Only the release path calls this**, after proving the owner dead and scanning for
+/// holders under the device lock (a test checks no other caller exists).
 pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<(), ClearError> {
     let cur = match read_current_type(host, vf) {
         Ok(v) => v,
@@ -293,7 +243,7 @@ pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<(), Cle
             return Err(ClearError::Foreign { value: cur });
         }
     }
-    let write = write_type(host, vf, 0);
+    let write = write_attr(&nvidia_dir(host, vf).join("current_vgpu_type"), "0\n");
     match read_current_type(host, vf) {
         Ok(0) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),

@@ -31,19 +31,61 @@ const PROC: &str = "/proc";
 /// (`include/linux/net.h`; `net/unix/af_unix.c` `unix_seq_show`).
 const SO_ACCEPTCON: u64 = 1 << 16;
 
-/// Who a VMM process is: survives pid reuse and reboots.
+/// Who a VMM process is: survives pid reuse, reboots and PID namespaces.
 ///
 /// `start_time` is `/proc/<pid>/stat` field 22 (`starttime`, clock ticks since boot, parsed
 /// after the last `)` of the `comm` field — the `procfs` crate does this). `boot_id` is the
-/// host root's boot id when the identity was captured. Stored in instance records.
+/// host root's boot id when the identity was captured. `pid_ns` is the inode of the PID
+/// namespace the pid was read in (`/proc/self/ns/pid` of the agent that recorded it): a pid
+/// means nothing in another namespace. Stored in instance records.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ProcessIdentity {
-    /// Process id (thread-group id).
+    /// Process id (thread-group id), as seen in PID namespace `pid_ns`.
     pub pid: i32,
     /// Start time in clock ticks since boot (`/proc/<pid>/stat` field 22).
     pub start_time: u64,
     /// Boot id of the host the process ran on.
     pub boot_id: String,
+    /// Inode of the PID namespace of the agent that recorded the identity. `None` in records
+    /// written before namespaces were recorded: such an identity is never trusted as dead.
+    #[serde(default)]
+    pub pid_ns: Option<u64>,
+}
+
+/// The inode of the initial PID namespace (`PROC_PID_INIT_INO` in the kernel's
+/// `include/linux/proc_ns.h`): the host's own namespace.
+pub const INITIAL_PID_NS: u64 = 0xEFFF_FFFC;
+
+/// The inode of this process's PID namespace (`/proc/self/ns/pid` reads `pid:[<inode>]`,
+/// `namespaces(7)`), read once. `None` when it cannot be read (then every recorded
+/// identity is "maybe alive").
+pub fn own_pid_namespace() -> Option<u64> {
+    static NS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *NS.get_or_init(|| {
+        let link = std::fs::read_link(Path::new(PROC).join("self/ns/pid")).ok()?;
+        let s = link.to_str()?;
+        s.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
+    })
+}
+
+/// Why `identity` cannot be judged from this agent's PID namespace, if it cannot: it was
+/// recorded in another namespace (or in an unknown one). Such a VMM is *maybe alive*: never
+/// signalled, never released on its behalf (LIFECYCLE.md "provably dead").
+pub fn foreign_namespace(identity: &ProcessIdentity) -> Option<String> {
+    let own = own_pid_namespace();
+    match (identity.pid_ns, own) {
+        (Some(rec), Some(own)) if rec == own => None,
+        (Some(rec), Some(own)) => Some(format!(
+            "its VMM (pid {}) was recorded in PID namespace {rec}, this agent runs in PID namespace {own} and cannot \
+             see that process: run `gpuvisor serve` in the PID namespace the VM was started from (the host's)",
+            identity.pid
+        )),
+        (None, _) => Some(format!(
+            "its VMM (pid {}) was recorded without a PID namespace, so the pid cannot be checked here",
+            identity.pid
+        )),
+        (Some(_), None) => Some("this agent cannot read its own PID namespace (/proc/self/ns/pid)".to_string()),
+    }
 }
 
 /// Errors reading `/proc`. Callers that must decide liveness treat any of these as
@@ -99,6 +141,16 @@ pub enum Liveness {
     },
 }
 
+impl std::fmt::Display for Liveness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Liveness::Alive { pid } => write!(f, "alive (pid {pid})"),
+            Liveness::Dead => f.write_str("provably dead"),
+            Liveness::MaybeAlive { reason } => write!(f, "maybe alive: {reason}"),
+        }
+    }
+}
+
 /// Result of an open-handle scan (NVIDIA-HOST.md §5).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandleScan {
@@ -143,14 +195,23 @@ pub fn identity_of(pid: i32, boot_id: &str) -> Result<Option<ProcessIdentity>, P
         Err(e) if proc_vanished(&e) => return Ok(None),
         Err(source) => return Err(ProcError::Process { pid, source }),
     };
-    Ok(Some(ProcessIdentity { pid, start_time: stat.starttime, boot_id: boot_id.to_string() }))
+    Ok(Some(ProcessIdentity {
+        pid,
+        start_time: stat.starttime,
+        boot_id: boot_id.to_string(),
+        pid_ns: own_pid_namespace(),
+    }))
 }
 
-/// Liveness of the recorded identity alone (the first half of "provably dead").
-fn identity_liveness(rec: &ProcessIdentity, current_boot_id: &str) -> Liveness {
+/// Liveness of the recorded identity alone (the first half of "provably dead"): cheap (no
+/// scan of `/proc`), used by views and to tell which process a live control socket belongs to.
+pub fn identity_liveness(rec: &ProcessIdentity, current_boot_id: &str) -> Liveness {
     if rec.boot_id != current_boot_id {
         // A VMM of an earlier boot is dead (NVIDIA-HOST.md §9, reboot).
         return Liveness::Dead;
+    }
+    if let Some(reason) = foreign_namespace(rec) {
+        return Liveness::MaybeAlive { reason };
     }
     if rec.pid <= 0 {
         return Liveness::MaybeAlive { reason: format!("the recorded VMM pid {} is not a process id", rec.pid) };
@@ -240,8 +301,23 @@ pub fn vmm_liveness(
         }
     }
     if let Some(sock) = control_socket {
-        match unix_listener_owners(sock) {
-            Ok(owners) if owners.len() > 1 => {
+        let listener = unix_listener_inodes(sock).and_then(|inodes| Ok((owners_of(&inodes)?, inodes)));
+        match listener {
+            Ok((owners, inodes)) if owners.is_empty() && !inodes.is_empty() => {
+                // A listener is bound at the control path, yet no process this agent can see
+                // holds it: its owner lives where this agent cannot look (another PID
+                // namespace). Never "dead".
+                let reason = format!(
+                    "a listener is bound at the control socket {} but no process visible to this agent holds it \
+                     (it may be held from another PID namespace)",
+                    sock.display()
+                );
+                maybe = Some(match maybe {
+                    Some(m) => format!("{m}; {reason}"),
+                    None => reason,
+                });
+            }
+            Ok((owners, _)) if owners.len() > 1 => {
                 // Several live processes listen at the VMM's control path and none is the
                 // recorded identity: which one is the VMM cannot be decided.
                 return Liveness::MaybeAlive {
@@ -252,7 +328,7 @@ pub fn vmm_liveness(
                     ),
                 };
             }
-            Ok(owners) => {
+            Ok((owners, _)) => {
                 if let Some(&pid) = owners.first() {
                     return Liveness::Alive { pid };
                 }
@@ -490,13 +566,17 @@ fn links_hold_socket(links: &[OsString], inodes: &BTreeSet<u64>) -> bool {
 /// unreadable or malformed, or a `/proc/<pid>/fd` unreadable for a reason other than the
 /// process having exited.
 pub fn unix_listener_owners(path: &Path) -> Result<Vec<i32>, ProcError> {
-    let inodes = unix_listener_inodes(path)?;
+    owners_of(&unix_listener_inodes(path)?)
+}
+
+/// The pids (sorted) of the visible processes holding an fd on any socket inode in `inodes`.
+fn owners_of(inodes: &BTreeSet<u64>) -> Result<Vec<i32>, ProcError> {
     if inodes.is_empty() {
         return Ok(Vec::new());
     }
     let mut owners = Vec::new();
     for pid in all_pids()? {
-        if links_hold_socket(&fd_links_of(pid)?, &inodes) {
+        if links_hold_socket(&fd_links_of(pid)?, inodes) {
             owners.push(pid);
         }
     }
@@ -605,6 +685,9 @@ pub fn confirm_identity(
 ) -> Result<Option<ConfirmedProcess>, ProcError> {
     if identity.boot_id != current_boot_id || identity.pid <= 0 {
         return Ok(None);
+    }
+    if let Some(reason) = foreign_namespace(identity) {
+        return Err(ProcError::Malformed { path: Path::new(PROC).join("self/ns/pid"), detail: reason });
     }
     let pid = identity.pid;
     let pidfd = match PidFd::open(pid) {
@@ -904,7 +987,7 @@ mod tests {
         let pid = child.id() as i32;
 
         assert_eq!(unix_listener_owners(&sock).unwrap(), vec![pid]);
-        let stale = ProcessIdentity { pid: 1, start_time: u64::MAX, boot_id: BOOT.into() };
+        let stale = ProcessIdentity { pid: 1, start_time: u64::MAX, boot_id: BOOT.into(), pid_ns: own_pid_namespace() };
         assert_eq!(vmm_liveness(Some(&stale), Some(&sock), BOOT), Liveness::Alive { pid });
         let owners = confirm_listener_owners(&sock, &[]).unwrap();
         assert_eq!(owners.iter().map(PidFd::pid).collect::<Vec<_>>(), vec![pid]);
@@ -912,6 +995,31 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(vmm_liveness(Some(&stale), Some(&sock), BOOT), Liveness::Dead);
+    }
+
+    #[test]
+    fn an_identity_recorded_in_another_pid_namespace_is_maybe_alive_never_dead() {
+        let me = identity_of(std::process::id() as i32, BOOT).unwrap().unwrap();
+        assert_eq!(me.pid_ns, own_pid_namespace());
+        let elsewhere = ProcessIdentity { pid_ns: Some(me.pid_ns.unwrap() ^ 1), ..me.clone() };
+        match identity_liveness(&elsewhere, BOOT) {
+            Liveness::MaybeAlive { reason } => assert!(reason.contains("PID namespace"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        // Even a pid that does not exist here: it may exist there.
+        let gone = ProcessIdentity { pid: i32::MAX - 7, ..elsewhere.clone() };
+        assert!(matches!(vmm_liveness(Some(&gone), None, BOOT), Liveness::MaybeAlive { .. }));
+        assert!(confirm_identity(&elsewhere, BOOT).is_err(), "never confirmed, so never signalled");
+        let unknown = ProcessIdentity { pid_ns: None, ..me.clone() };
+        assert!(matches!(identity_liveness(&unknown, BOOT), Liveness::MaybeAlive { .. }));
+        // Another boot is dead whatever the namespace.
+        let old_boot = ProcessIdentity { boot_id: "earlier".into(), ..elsewhere };
+        assert_eq!(identity_liveness(&old_boot, BOOT), Liveness::Dead);
+    }
+
+    #[test]
+    fn the_own_pid_namespace_is_read() {
+        assert!(own_pid_namespace().is_some());
     }
 
     #[test]

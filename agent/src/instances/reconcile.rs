@@ -1,48 +1,87 @@
 //! # The reconciler (LIFECYCLE.md "Reconciler")
 //!
 //! One pass: observe → plan → act.
-//! 1. **Inventory**: every instance and claim record, strictly. If the store cannot be read
-//!    completely, the pass counts `reconcile_failures_total{stage="inventory"}`, skips the
-//!    stale-claim release and the vendor-VFIO sweep, and still runs the mdev sweep limited to
-//!    gpuvisor's own old, idle mdevs.
+//! 1. **Observe**: every instance, claim and health record (tolerantly: an unreadable
+//!    record blocks what it may own and is reported) and the host's devices. A store
+//!    directory that cannot be listed makes the inventory incomplete: the pass counts
+//!    `reconcile_failures_total{stage="inventory"}`, skips stale-claim releases and the
+//!    vendor-VFIO sweep, and still runs the mdev sweep limited to gpuvisor's own old, idle
+//!    mdevs. A host that cannot be observed completely (a probe error) makes the pass
+//!    release and sweep nothing (`stage="host"`). Nothing is released until a pass had a
+//!    complete observation (INVARIANTS.md I13).
 //! 2. **Records**: an instance recorded `starting`/`running`/`stopping` whose VMM is provably
-//!    dead and which no operation holds moves to `stopped` (`last_error` says why); a live
-//!    control-socket owner of an instance without a recorded identity has its identity
-//!    recorded.
-//! 3. **Stale claims**: under the instance lock (instances mid-operation are skipped), maybe
-//!    alive → kept, no question asked; provably dead or absent owner → *eligible*; the
-//!    `grace` plugin decides which eligible claims are released now; each release goes
-//!    through the release guard. A failed grace call keeps the whole batch.
-//! 4. **Orphan sweep** (managed GPUs only): dirty VFs with no claim, and mdevs gpuvisor
-//!    recorded but no claim names, that are not held open, are eligible; the `grace` plugin
-//!    says when. Unmanaged GPUs and mdevs of other tools are never touched.
-//!
-//! Nothing here clears a device except through the guard's scan-then-write under the
-//! device lock; "maybe alive" is never "dead".
+//!    dead and which no operation holds moves to `stopped` (`last_error` says why; logged at
+//!    WARN); a live control-socket owner that is not the recorded identity is recorded as
+//!    the instance's VMM; a VMM recorded in another PID namespace is *maybe alive* and
+//!    reported.
+//! 3. **Claims vs. hardware**: a claimed VF whose type differs from its claim under a live
+//!    VM is quarantined (`foreign_write`) and reported, never repaired.
+//! 4. **Stale claims**: under the instance lock (instances mid-operation are skipped),
+//!    maybe alive → kept; provably dead or absent owner → *eligible*.
+//! 5. **Orphan sweep** (managed GPUs only): dirty VFs with no claim, and mdevs gpuvisor
+//!    recorded but no claim names, that are not held open, are eligible.
+//! 6. The `grace` plugin decides which eligible items are released now; each release goes
+//!    through the release path, and the report counts what was actually done.
 
-use super::*;
-use gpuvisor_sdk::{GraceAction, GraceDecision, GraceInput, GraceItem, GraceItemKind, GraceOwner};
-use std::collections::HashSet;
+use super::release::{scan, Release, Released};
+use super::view::{FailedItem, PassReport, RecordChange, ReleasedItem};
+use super::vmm::Dead;
+use super::Manager;
+use crate::devices::{mdev, vendor_vfio};
+use crate::host::proc::{self, HandleScan, Liveness};
+use crate::host::HostRoot;
+use crate::metrics::{PassStage, StaleResult};
+use crate::store::{Claim, Framework, InstanceRecord, InstanceState, MdevRecord, Store, VmmRecord};
+use crate::sync::lock;
+use gpuvisor_sdk::{GraceAction, GraceItem, GraceItemKind, GraceOwner};
+use serde_json::json;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use uuid::Uuid;
 
-/// What one pass observed, kept, released and failed (the `reconcile.run` result).
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct PassReport {
-    /// Every instance and claim record could be read.
-    pub inventory_complete: bool,
-    pub duration_ms: u64,
-    /// `{device, reason}` of every claim or orphan kept this pass.
-    pub kept: Vec<Value>,
-    /// `{device, kind}` of every device released.
-    pub released: Vec<Value>,
-    /// `{device, error}` of every release that failed.
-    pub failed: Vec<Value>,
-    /// `{instance, name, from, to, reason}` of every record changed.
-    pub records: Vec<Value>,
-    /// Problems that did not stop the pass.
-    pub errors: Vec<String>,
+/// The reconciler's own state.
+pub struct ReconcileState {
+    /// Serialises passes.
+    pass: Mutex<()>,
+    /// Orphan device → CLOCK_BOOTTIME ms when a pass first saw it dirty/unclaimed
+    /// (persisted with the boot id in `<data-dir>/orphans.json`).
+    orphan_seen: Mutex<HashMap<String, u64>>,
+    orphans_path: PathBuf,
+    /// Devices an eligible item of which the grace plugin has kept longer than
+    /// `claim_grace_s` + one reconcile interval, with the plugin's reason (PLUGINS.md
+    /// "grace": reported as `held_by_policy`). Rebuilt by every pass.
+    held_by_policy: Mutex<BTreeMap<String, String>>,
+    /// A pass had a complete observation: releases are allowed from now on.
+    observed: AtomicBool,
+    /// Instances whose VMM was recorded in another PID namespace (reported once each).
+    foreign_namespace: Mutex<BTreeMap<Uuid, String>>,
 }
 
-/// An eligible item with what the release needs.
+impl ReconcileState {
+    /// Loads the orphan first-seen times (they survive a restart within the same boot).
+    pub fn load(store: &Store, host: &HostRoot) -> ReconcileState {
+        let orphans_path = store.root().join("orphans.json");
+        let orphan_seen: HashMap<String, u64> = std::fs::read(&orphans_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .filter(|v| host.boot_id().ok().as_deref() == v["boot_id"].as_str())
+            .and_then(|v| serde_json::from_value(v["seen_boottime_ms"].clone()).ok())
+            .unwrap_or_default();
+        ReconcileState {
+            pass: Mutex::new(()),
+            orphan_seen: Mutex::new(orphan_seen),
+            orphans_path,
+            held_by_policy: Mutex::new(BTreeMap::new()),
+            observed: AtomicBool::new(false),
+            foreign_namespace: Mutex::new(BTreeMap::new()),
+        }
+    }
+}
+
+/// An eligible item with what its release needs.
 enum Eligible {
     Claim(Claim),
     OrphanVf { vf: String, gpu: String, type_id: u32 },
@@ -60,141 +99,234 @@ impl Eligible {
 }
 
 impl Manager {
-    /// Writes the orphan first-seen times (`<data-dir>/orphans.json`, with the boot id).
+    /// True once a pass had a complete observation (releases are allowed).
+    pub(crate) fn startup_observed(&self) -> bool {
+        self.reconciler.observed.load(Ordering::SeqCst)
+    }
+
+    /// Devices the grace plugin holds past `claim_grace_s` + one interval, with its reason.
+    pub fn held_by_policy(&self) -> BTreeMap<String, String> {
+        lock(&self.reconciler.held_by_policy).clone()
+    }
+
+    /// What the reconciler knows is degraded (for `agent.health`).
+    pub(crate) fn reconciler_problems(&self) -> Vec<String> {
+        lock(&self.reconciler.foreign_namespace).iter().map(|(id, why)| format!("instance {id}: {why}")).collect()
+    }
+
     fn persist_orphan_seen(&self) {
         let Ok(boot_id) = self.host.boot_id() else { return };
-        let seen = lock(&self.orphan_seen).clone();
+        let seen = lock(&self.reconciler.orphan_seen).clone();
         let doc = json!({ "boot_id": boot_id, "seen_boottime_ms": seen });
-        if let Err(e) = crate::store::write_json_atomic(&self.store.root().join("orphans.json"), &doc) {
+        if let Err(e) = crate::store::write_json_atomic(&self.reconciler.orphans_path, &doc) {
             tracing::warn!(error = %e, "cannot persist orphan first-seen times");
         }
     }
 
     /// Runs one reconcile pass now. Never fails: problems are in the report and counted.
-    /// The first pass with a complete inventory makes the agent ready (I13). Passes never
+    /// The first pass with a complete observation makes the agent ready (I13). Passes never
     /// overlap: a `reconcile.run` during the periodic pass waits for it.
     pub fn reconcile(&self) -> PassReport {
-        let _pass = lock(&self.pass_lock);
+        let _pass = lock(&self.reconciler.pass);
         let started = Instant::now();
         let mut report = PassReport::default();
         let boot_id = match self.host.boot_id() {
             Ok(b) => b,
             Err(e) => {
                 report.errors.push(format!("cannot read the host boot id: {e}"));
-                self.counters.reconcile_inventory_failures.fetch_add(1, Ordering::Relaxed);
-                self.counters.reconcile_incomplete.fetch_add(1, Ordering::Relaxed);
-                return report;
+                self.metrics.reconcile_failure(PassStage::Host);
+                return self.end_pass(report, started);
             }
         };
-        let inventory = self.store.list_instances().and_then(|i| Ok((i, self.store.list_claims()?)));
-        match inventory {
-            Ok((instances, claims)) => {
+        let instances = self.store.scan_instances();
+        let obs = self.observe(None);
+        match (&instances, &obs) {
+            (Ok(instances), Ok(obs)) => {
                 report.inventory_complete = true;
-                self.reconcile_records(&instances, &boot_id, &mut report);
-                let mut eligible = self.stale_claims(&claims, &boot_id, &mut report);
-                eligible.extend(self.orphan_vfs(&claims, &mut report));
-                eligible.extend(self.orphan_mdevs(&claims, false, &boot_id, &mut report));
-                self.decide_and_release(eligible, &boot_id, &mut report);
+                report.host_complete = obs.mode.is_ok();
+                for u in instances.unreadable.iter().chain(&obs.claims.unreadable).chain(&obs.health.unreadable) {
+                    report.errors.push(format!(
+                        "record {} cannot be read ({}): what it may own is kept",
+                        u.path.display(),
+                        u.error
+                    ));
+                }
+                if report.host_complete && !self.reconciler.observed.swap(true, Ordering::SeqCst) {
+                    tracing::info!("first complete observation: releases allowed");
+                }
+                self.reconcile_records(&instances.records, &obs.claims.records, &boot_id, &mut report);
+                if report.host_complete {
+                    self.check_claimed_types(obs, &boot_id, &mut report);
+                    let mut eligible = self.stale_claims(&obs.claims.records, &boot_id, &mut report);
+                    eligible.extend(self.orphan_vfs(obs, &mut report));
+                    eligible.extend(self.orphan_mdevs(Some(&obs.claims.records), false, &boot_id, &mut report));
+                    self.decide_and_release(eligible, &boot_id, &mut report);
+                } else {
+                    let why = obs.mode.as_ref().err().cloned().unwrap_or_default();
+                    report.errors.push(format!(
+                        "the host cannot be observed completely ({why}): nothing is released or swept this pass"
+                    ));
+                    self.metrics.reconcile_failure(PassStage::Host);
+                }
             }
-            Err(e) => {
-                tracing::error!(error = %e, "reconcile: the store cannot be read completely; releasing nothing on its behalf");
+            _ => {
+                let e = instances.err().map(|e| e.to_string()).or(obs.err().map(|e| e.message)).unwrap_or_default();
+                tracing::error!(error = %e, "reconcile: the store cannot be listed completely; releasing nothing on its behalf");
                 report.errors.push(format!("inventory incomplete: {e}"));
-                self.counters.reconcile_inventory_failures.fetch_add(1, Ordering::Relaxed);
-                // Only gpuvisor's own, old, idle mdevs, with the claims we can still read.
-                let claims: Vec<Claim> = Vec::new();
-                let eligible = self.orphan_mdevs(&claims, true, &boot_id, &mut report);
-                self.decide_and_release(eligible, &boot_id, &mut report);
+                self.metrics.reconcile_failure(PassStage::Inventory);
+                // Only gpuvisor's own, old, idle mdevs (their holders protect live VMs).
+                if self.startup_observed() && crate::devices::scan(&self.host).complete() {
+                    let eligible = self.orphan_mdevs(None, true, &boot_id, &mut report);
+                    self.decide_and_release(eligible, &boot_id, &mut report);
+                }
             }
         }
-        if report.inventory_complete {
-            self.counters.reconcile_complete.fetch_add(1, Ordering::Relaxed);
-            if !self.ready.swap(true, Ordering::SeqCst) {
-                tracing::info!("startup reconcile pass complete: accepting new claims");
-            }
-        } else {
-            self.counters.reconcile_incomplete.fetch_add(1, Ordering::Relaxed);
+        let complete = report.inventory_complete && report.host_complete;
+        if complete && !self.ready.swap(true, Ordering::SeqCst) {
+            tracing::info!("startup reconcile pass complete: accepting new claims");
         }
+        self.end_pass(report, started)
+    }
+
+    fn end_pass(&self, mut report: PassReport, started: Instant) -> PassReport {
+        let complete = report.inventory_complete && report.host_complete;
+        self.metrics.reconcile_run(complete);
         report.duration_ms = started.elapsed().as_millis() as u64;
-        tracing::info!(
-            duration_ms = report.duration_ms,
-            released = report.released.len(),
-            kept = report.kept.len(),
-            failed = report.failed.len(),
-            complete = report.inventory_complete,
-            "reconcile pass done"
-        );
+        let msg = "reconcile pass done";
+        if complete {
+            tracing::info!(duration_ms = report.duration_ms, released = report.released.len(), kept = report.kept.len(),
+                failed = report.failed.len(), complete, "{msg}");
+        } else {
+            tracing::warn!(duration_ms = report.duration_ms, released = report.released.len(), kept = report.kept.len(),
+                failed = report.failed.len(), complete, errors = %report.errors.join("; "), "{msg}");
+        }
         report
     }
 
-    /// Step 2: records whose VMM is provably dead move to `stopped`; a `stopping` record
-    /// whose VMM still runs (a stop interrupted by an agent restart) moves back to `running`.
-    fn reconcile_records(&self, instances: &[InstanceRecord], boot_id: &str, report: &mut PassReport) {
+    /// Step 2: records whose VMM is provably dead move to `stopped`; a live control-socket
+    /// owner that is not the recorded identity is recorded; a `stopping` record whose VMM
+    /// still runs (a stop interrupted by an agent restart) moves back to `running`.
+    fn reconcile_records(&self, instances: &[InstanceRecord], claims: &[Claim], boot_id: &str, report: &mut PassReport) {
         for rec in instances {
-            if !matches!(rec.state, InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
+            if !matches!(rec.state(), InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
                 continue;
             }
             let ilock = self.instance_lock(rec.id);
             let Ok(_i) = ilock.try_lock() else {
-                report.kept.push(json!({"instance": rec.id.to_string(), "reason": "operation in progress"}));
+                report.keep_instance(rec.id, "operation in progress");
                 continue;
             };
             let Ok(Some(mut rec)) = self.store.read_instance(rec.id) else { continue };
-            let sock = self.control_socket(&rec);
+            let from = rec.state();
             match self.liveness_at(&rec, boot_id) {
-                Liveness::Dead if rec.vmm.is_none() && self.young_claim(rec.id, boot_id) => {
+                Liveness::Dead if rec.vmm.is_none() && self.young_claim(rec.id, claims, boot_id) => {
                     // A crash between claim and spawn (or before the identity was
                     // persisted): protected while its claim is younger than claim_grace in
                     // this boot; the grace plugin decides about the claim.
-                    report.kept.push(json!({"instance": rec.id.to_string(),
-                        "reason": "starting without a recorded VMM; claim younger than claim_grace"}));
+                    report.keep_instance(rec.id, "starting without a recorded VMM; claim younger than claim_grace");
                 }
                 Liveness::Dead => {
-                    let from = rec.state;
                     let reason = if rec.vmm.is_some() {
                         "the VMM exited".to_string()
                     } else {
-                        format!("the agent restarted while the instance was {}", from.as_str())
+                        format!("the agent restarted while the instance was {from}")
                     };
-                    rec.state = InstanceState::Stopped;
                     rec.vmm = None;
                     rec.last_error = Some(reason.clone());
+                    if let Err(e) = rec.transition(InstanceState::Stopped) {
+                        report.errors.push(e.to_string());
+                        continue;
+                    }
                     match self.store.write_instance(&rec) {
-                        Ok(()) => report.records.push(json!({"instance": rec.id.to_string(), "name": rec.name,
-                            "from": from.as_str(), "to": "stopped", "reason": reason})),
+                        Ok(()) => {
+                            self.metrics.vm_died();
+                            tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, from = %from, reason = %reason,
+                                "VM found dead: recorded stopped");
+                            report.records.push(RecordChange {
+                                instance: rec.id.to_string(),
+                                name: rec.name.clone(),
+                                from,
+                                to: InstanceState::Stopped,
+                                reason,
+                            })
+                        }
                         Err(e) => report.errors.push(format!("cannot mark {} stopped: {e}", rec.name)),
                     }
                 }
-                Liveness::Alive { pid } if rec.vmm.is_none() => {
-                    // A live control-socket owner without a recorded identity (a crash
-                    // between spawn and persisting it): record it; the VM is running.
-                    if let Ok(Some(identity)) = proc::identity_of(pid, boot_id) {
-                        rec.vmm = Some(VmmRecord { identity, control_socket: sock });
-                        rec.state = InstanceState::Running;
-                        if self.store.write_instance(&rec).is_ok() {
-                            report.records.push(json!({"instance": rec.id.to_string(), "name": rec.name,
-                                "from": rec.state.as_str(), "to": rec.state.as_str(),
-                                "reason": format!("recorded the identity of the control socket owner {pid}")}));
+                Liveness::Alive { pid } => self.record_live_vmm(rec, pid, boot_id, report),
+                Liveness::MaybeAlive { reason } => {
+                    if let Some(why) = rec.vmm.as_ref().and_then(|v| proc::foreign_namespace(&v.identity)) {
+                        let mut seen = lock(&self.reconciler.foreign_namespace);
+                        if seen.insert(rec.id, why.clone()).is_none() {
+                            tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, reason = %why,
+                                "the VM's process cannot be seen from this agent: nothing of it is signalled or released");
                         }
                     }
+                    report.keep_instance(rec.id, format!("maybe alive: {reason}"));
                 }
-                Liveness::Alive { pid } if rec.state == InstanceState::Stopping => {
-                    // A stop interrupted by an agent restart (no operation holds the
-                    // instance: its lock is ours). The stop was never acknowledged and the
-                    // VMM still runs: say so, instead of a `stopping` that never ends (I8).
-                    rec.state = InstanceState::Running;
-                    let reason = format!("the agent restarted during a stop; the VMM {pid} still runs: stop again");
-                    rec.last_error = Some(reason.clone());
-                    match self.store.write_instance(&rec) {
-                        Ok(()) => report.records.push(json!({"instance": rec.id.to_string(), "name": rec.name,
-                            "from": "stopping", "to": "running", "reason": reason})),
-                        Err(e) => report.errors.push(format!("cannot mark {} running: {e}", rec.name)),
-                    }
-                }
-                Liveness::Alive { .. } => {}
-                Liveness::MaybeAlive { reason } => report
-                    .kept
-                    .push(json!({"instance": rec.id.to_string(), "reason": format!("maybe alive: {reason}")})),
             }
+        }
+    }
+
+    /// A live VMM (the recorded identity, or the control-socket owner `pid`): record the
+    /// owner's identity when the recorded one is not it (a crash between spawn and
+    /// persisting it, or a recorded pid now used by another process); `starting` and an
+    /// interrupted `stopping` move to `running`.
+    fn record_live_vmm(&self, mut rec: InstanceRecord, pid: i32, boot_id: &str, report: &mut PassReport) {
+        let from = rec.state();
+        let recorded_alive = rec.vmm.as_ref().is_some_and(|v| matches!(self.identity_liveness(v), Liveness::Alive { .. }));
+        let mut reasons = Vec::new();
+        if !recorded_alive {
+            match proc::identity_of(pid, boot_id) {
+                Ok(Some(identity)) => {
+                    let control_socket = self.control_socket(rec.id, rec.vmm.as_ref());
+                    reasons.push(match &rec.vmm {
+                        Some(v) => format!(
+                            "the recorded VMM pid {} is not the VM's process; recorded the control socket owner {pid}",
+                            v.identity.pid
+                        ),
+                        None => format!("recorded the identity of the control socket owner {pid}"),
+                    });
+                    rec.vmm = Some(VmmRecord { identity, control_socket });
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    report.keep_instance(rec.id, format!("the control socket owner {pid} cannot be read: {e}"));
+                    return;
+                }
+            }
+        }
+        match from {
+            InstanceState::Stopping => {
+                // A stop interrupted by an agent restart (no operation holds the instance:
+                // its lock is ours). The stop was never acknowledged and the VMM still runs:
+                // say so, instead of a `stopping` that never ends (I8).
+                let why = format!("the agent restarted during a stop; the VMM {pid} still runs: stop again");
+                rec.last_error = Some(why.clone());
+                reasons.push(why);
+            }
+            InstanceState::Starting => reasons.push(format!("the VMM {pid} runs")),
+            _ => {}
+        }
+        if reasons.is_empty() {
+            return;
+        }
+        if rec.transition(InstanceState::Running).is_err() {
+            return;
+        }
+        let reason = reasons.join("; ");
+        match self.store.write_instance(&rec) {
+            Ok(()) => {
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, pid, reason = %reason, "recorded the live VMM");
+                report.records.push(RecordChange {
+                    instance: rec.id.to_string(),
+                    name: rec.name.clone(),
+                    from,
+                    to: InstanceState::Running,
+                    reason,
+                })
+            }
+            Err(e) => report.errors.push(format!("cannot record the VMM of {}: {e}", rec.name)),
         }
     }
 
@@ -205,7 +337,7 @@ impl Manager {
             if rec.last_error.as_deref().is_some_and(|e| e.starts_with("vGPU release pending")) {
                 rec.last_error = None;
                 if let Err(e) = self.store.write_instance(&rec) {
-                    tracing::warn!(instance.id = %id, error = %e, "cannot clear the release-pending note");
+                    tracing::warn!(instance.id = %id, instance.name = %rec.name, error = %e, "cannot clear the release-pending note");
                 }
             }
         }
@@ -213,70 +345,73 @@ impl Manager {
 
     /// True when the instance has a claim made in this boot that is younger than
     /// `claim_grace_s` (measured on CLOCK_BOOTTIME).
-    fn young_claim(&self, id: Uuid, boot_id: &str) -> bool {
+    fn young_claim(&self, id: Uuid, claims: &[Claim], boot_id: &str) -> bool {
         let now = proc::boottime_ms();
-        self.store.list_claims().unwrap_or_default().iter().any(|c| {
+        claims.iter().any(|c| {
             c.instance_id == id
                 && c.claim_boot_id == boot_id
                 && now.saturating_sub(c.claimed_boottime_ms) < self.cfg.claim_grace_s.saturating_mul(1000)
         })
     }
 
-    /// Step 3: claims whose owner is provably dead or absent are eligible.
+    /// Step 3: a claimed VF whose type differs from its claim while its owner lives is
+    /// quarantined and reported — never repaired (the release path refuses it too).
+    fn check_claimed_types(&self, obs: &super::inventory::Observation, boot_id: &str, report: &mut PassReport) {
+        for (_, d) in obs.devices() {
+            let (Some(m), Some(c)) = (&d.type_mismatch, &d.claim) else { continue };
+            let owner = self.store.read_instance(c.instance_id).ok().flatten();
+            if self.prove_dead(c.instance_id, owner.as_ref(), boot_id).is_ok() {
+                continue; // the release path handles a dead owner's foreign type
+            }
+            if !d.health.as_ref().is_some_and(|h| h.quarantined) {
+                self.quarantine(&d.address, "foreign_write", &format!("{m} (found under a live VM)"));
+            }
+            report.keep_device(&d.address, format!("type mismatch under a live VM: {m}"));
+        }
+    }
+
+    /// Step 4: claims whose owner is provably dead or absent are eligible.
     fn stale_claims(&self, claims: &[Claim], boot_id: &str, report: &mut PassReport) -> Vec<(Eligible, GraceItem)> {
         let mut out = Vec::new();
         let now = proc::boottime_ms();
         for claim in claims {
+            let ilock = self.instance_lock(claim.instance_id);
+            let Ok(_i) = ilock.try_lock() else {
+                report.keep_device(&claim.device, "owner operation in progress");
+                continue;
+            };
             let owner = match self.store.read_instance(claim.instance_id) {
                 Ok(o) => o,
                 Err(e) => {
-                    report
-                        .kept
-                        .push(json!({"device": claim.device, "reason": format!("owner record unreadable: {e}")}));
+                    report.keep_device(&claim.device, format!("owner record unreadable: {e}"));
                     continue;
                 }
-            };
-            let ilock = self.instance_lock(claim.instance_id);
-            let Ok(_i) = ilock.try_lock() else {
-                report.kept.push(json!({"device": claim.device, "reason": "owner operation in progress"}));
-                continue;
-            };
-            // Re-read under the instance lock.
-            let owner = match self.store.read_instance(claim.instance_id) {
-                Ok(o) => o.or(owner),
-                Err(_) => continue,
             };
             let same_boot = claim.claim_boot_id == boot_id;
-            if let Some(o) = &owner {
-                match self.liveness_at(o, boot_id) {
-                    Liveness::Dead => {}
-                    Liveness::Alive { pid } => {
-                        report
-                            .kept
-                            .push(json!({"device": claim.device, "reason": format!("owner VMM {pid} is alive")}));
-                        continue;
-                    }
-                    Liveness::MaybeAlive { reason } => {
-                        report
-                            .kept
-                            .push(json!({"device": claim.device, "reason": format!("owner maybe alive: {reason}")}));
-                        continue;
-                    }
-                }
-                // A running record is handled by step 2 first; one still `running` here was
-                // changed concurrently: leave it to the next pass.
-                if matches!(o.state, InstanceState::Running) {
-                    report.kept.push(json!({"device": claim.device, "reason": "owner recorded running"}));
+            match self.prove_dead(claim.instance_id, owner.as_ref(), boot_id) {
+                Ok(_) => {}
+                Err(Liveness::Alive { pid }) => {
+                    report.keep_device(&claim.device, format!("owner VMM {pid} is alive"));
                     continue;
                 }
+                Err(l) => {
+                    report.keep_device(&claim.device, format!("owner {l}"));
+                    continue;
+                }
+            }
+            // A running record is handled by step 2 first; one still `running` here was
+            // changed concurrently: leave it to the next pass.
+            if owner.as_ref().is_some_and(|o| o.state() == InstanceState::Running) {
+                report.keep_device(&claim.device, "owner recorded running");
+                continue;
             }
             let item = GraceItem {
                 kind: GraceItemKind::StaleClaim,
                 device: claim.device.clone(),
-                framework: claim.framework,
+                framework: claim.framework.into(),
                 owner: owner.as_ref().map(|o| GraceOwner {
                     instance_id: o.id.to_string(),
-                    state: o.state.as_str().to_string(),
+                    state: o.state().as_str().to_string(),
                     labels: o.labels.clone(),
                     vmm_identity_recorded: o.vmm.is_some(),
                 }),
@@ -291,43 +426,25 @@ impl Manager {
         out
     }
 
-    /// Step 4a: dirty VFs without a claim on managed GPUs that no process holds.
-    fn orphan_vfs(&self, claims: &[Claim], report: &mut PassReport) -> Vec<(Eligible, GraceItem)> {
+    /// Step 5a: dirty VFs without a claim on managed GPUs that no process holds.
+    fn orphan_vfs(&self, obs: &super::inventory::Observation, report: &mut PassReport) -> Vec<(Eligible, GraceItem)> {
+        use gpuvisor_sdk::DeviceState;
         let mut out = Vec::new();
-        let gpus = match vendor_vfio::inventory(&self.host) {
-            Ok(g) => g,
-            Err(e) => {
-                report.errors.push(format!("VF inventory failed; no orphan sweep this pass: {e}"));
-                return out;
-            }
-        };
-        let health = match self.store.list_health() {
-            Ok(h) => h,
-            Err(e) => {
-                report.errors.push(format!("health records unreadable; no orphan sweep this pass: {e}"));
-                return out;
-            }
-        };
         let now = proc::boottime_ms();
-        let seen_before = lock(&self.orphan_seen).clone();
+        let seen_before = lock(&self.reconciler.orphan_seen).clone();
         let mut seen_now = HashSet::new();
-        for g in gpus {
-            if !self.cfg.manages(&g.bdf) {
-                continue;
-            }
+        for g in obs.vendor.iter().filter(|g| self.cfg.manages(&g.bdf)) {
             for vf in &g.vfs {
-                let Ok(t) = vf.current_type else { continue };
-                if t == 0 || claims.iter().any(|c| c.device == vf.bdf) {
+                let Some(d) = obs.devices().find(|(_, d)| d.address == vf.bdf).map(|(_, d)| d) else { continue };
+                if d.state == DeviceState::Quarantined && d.current_type.id().is_some_and(|t| t != 0) && d.claim.is_none() {
+                    report.keep_device(&vf.bdf, "quarantined");
                     continue;
                 }
-                if health.iter().any(|h| h.device == vf.bdf && h.quarantined) {
-                    report.kept.push(json!({"device": vf.bdf, "reason": "quarantined"}));
-                    continue;
-                }
+                let (DeviceState::Dirty, Some(t)) = (d.state, d.current_type.id()) else { continue };
                 // The dirty age runs from the first pass that saw the VF dirty and unclaimed,
                 // held open or not (persisted, so an agent restart does not reset it).
                 seen_now.insert(vf.bdf.clone());
-                let since = *lock(&self.orphan_seen).entry(vf.bdf.clone()).or_insert(now);
+                let since = *lock(&self.reconciler.orphan_seen).entry(vf.bdf.clone()).or_insert(now);
                 if !idle(&vf.bdf, vendor_vfio::vf_targets(&self.host, vf), report) {
                     continue;
                 }
@@ -336,7 +453,7 @@ impl Manager {
                     GraceItem {
                         kind: GraceItemKind::OrphanVf,
                         device: vf.bdf.clone(),
-                        framework: Framework::VendorVfio,
+                        framework: gpuvisor_sdk::Framework::VendorVfio,
                         owner: None,
                         claimed_age_ms: None,
                         dirty_age_ms: Some(now.saturating_sub(since)),
@@ -348,7 +465,7 @@ impl Manager {
             }
         }
         let changed = {
-            let mut seen = lock(&self.orphan_seen);
+            let mut seen = lock(&self.reconciler.orphan_seen);
             seen.retain(|k, _| seen_now.contains(k));
             *seen != seen_before
         };
@@ -358,48 +475,59 @@ impl Manager {
         out
     }
 
-    /// Step 4b: gpuvisor's own mdevs (recorded in `mdevs/`) that no claim names and no
-    /// process holds. `limited`: the inventory was unreadable, so only records older than
-    /// `claim_grace` in this boot are considered (the grace plugin still decides).
+    /// Step 5b: gpuvisor's own mdevs (recorded in `mdevs/`) that no claim names and no
+    /// process holds. `claims: None`: the inventory was incomplete, so only records older
+    /// than `claim_grace` in this boot are considered (the grace plugin still decides).
     fn orphan_mdevs(
         &self,
-        claims: &[Claim],
+        claims: Option<&[Claim]>,
         limited: bool,
         boot_id: &str,
         report: &mut PassReport,
     ) -> Vec<(Eligible, GraceItem)> {
         let mut out = Vec::new();
-        let records = match self.store.list_mdevs() {
+        let records = match self.store.scan_mdevs() {
             Ok(r) => r,
             Err(e) => {
-                report.errors.push(format!("mdev records unreadable: {e}"));
+                report.errors.push(format!("mdev records cannot be listed: {e}"));
                 return out;
             }
         };
+        for u in &records.unreadable {
+            report.keep_device(&u.key, format!("mdev record unreadable: {}", u.error));
+        }
         let now = proc::boottime_ms();
-        for rec in records {
+        for rec in records.records {
             let uuid = rec.uuid.to_string();
-            if claims.iter().any(|c| c.mdev_uuid == Some(rec.uuid)) {
+            if claims.unwrap_or(&[]).iter().any(|c| c.mdev_uuid == Some(rec.uuid)) {
                 continue;
             }
             if limited {
                 // Without claims we cannot tell a live owner from a stale one: only mdevs
                 // older than claim_grace in this boot and idle are touched.
                 let old = rec.boot_id == boot_id
-                    && now.saturating_sub(rec.created_boottime_ms) >= self.cfg.claim_grace_s * 1000;
+                    && now.saturating_sub(rec.created_boottime_ms) >= self.cfg.claim_grace_s.saturating_mul(1000);
                 if !old {
-                    report
-                        .kept
-                        .push(json!({"device": uuid, "reason": "inventory incomplete; mdev younger than claim_grace"}));
+                    report.keep_device(&uuid, "inventory incomplete; mdev younger than claim_grace");
                     continue;
                 }
             }
-            let Some(dev) = mdev::read_device(&self.host, &uuid) else {
-                // Already gone: forget the record.
-                let _ = self.store.remove_mdev(rec.uuid);
-                continue;
+            let dev = match mdev::read_device(&self.host, &uuid) {
+                Ok(Some(d)) => d,
+                // Gone: forget the record (only ours, only when no claim names it).
+                Ok(None) => {
+                    if claims.is_some() {
+                        let _ = self.store.remove_mdev(rec.uuid);
+                    }
+                    continue;
+                }
+                // Unreadable is not absent: keep the record and the mdev.
+                Err(reason) => {
+                    report.keep_device(&uuid, format!("mdev unreadable: {reason}"));
+                    continue;
+                }
             };
-            if !self.cfg.manages(&pf_of(&self.host, &dev.parent)) {
+            if !self.cfg.manages(&super::release::pf_of(self, &dev.parent)) {
                 continue;
             }
             if !idle(&uuid, mdev::targets(&self.host, &uuid), report) {
@@ -410,7 +538,7 @@ impl Manager {
             let item = GraceItem {
                 kind: GraceItemKind::OrphanMdev,
                 device: uuid,
-                framework: Framework::Mdev,
+                framework: gpuvisor_sdk::Framework::Mdev,
                 owner: None,
                 claimed_age_ms: None,
                 dirty_age_ms: Some(age),
@@ -423,13 +551,21 @@ impl Manager {
         out
     }
 
-    /// Asks the `grace` plugin about the eligible items and releases those it allows.
+    /// Step 6: asks the `grace` plugin about the eligible items and releases those it
+    /// allows, counting what was actually done.
     fn decide_and_release(&self, eligible: Vec<(Eligible, GraceItem)>, boot_id: &str, report: &mut PassReport) {
         if eligible.is_empty() {
-            lock(&self.held_by_policy).clear();
+            lock(&self.reconciler.held_by_policy).clear();
             return;
         }
-        let decisions = self.grace_decisions(&eligible, boot_id, report);
+        let decisions = match self.grace_decisions(eligible.iter().map(|(_, i)| i.clone()).collect(), boot_id) {
+            Ok(d) => d,
+            Err(msg) => {
+                self.metrics.reconcile_failure(PassStage::Grace);
+                report.errors.push(msg);
+                HashMap::new()
+            }
+        };
         let limit_ms = (self.cfg.claim_grace_s + self.cfg.reconcile_interval_s).saturating_mul(1000);
         let mut held = BTreeMap::new();
         for (e, item) in eligible {
@@ -437,189 +573,118 @@ impl Manager {
             match decisions.get(&device) {
                 Some(d) if d.action == GraceAction::Release => {}
                 Some(d) => {
-                    report.kept.push(json!({"device": device, "reason": format!("grace: {}", d.reason),
-                        "recheck_after_ms": d.recheck_after_ms}));
+                    report.kept.push(super::view::KeptItem {
+                        device: Some(device.clone()),
+                        instance: None,
+                        reason: format!("grace: {}", d.reason),
+                        recheck_after_ms: d.recheck_after_ms,
+                    });
                     let age = item.claimed_age_ms.or(item.dirty_age_ms).unwrap_or(0);
                     if age > limit_ms || !item.same_boot {
-                        tracing::warn!(gpu.device = %device, reason = %d.reason, "held_by_policy: the grace plugin keeps an eligible item past claim_grace");
+                        if !lock(&self.reconciler.held_by_policy).contains_key(&device) {
+                            tracing::warn!(gpu.device = %device, reason = %d.reason,
+                                "held_by_policy: the grace plugin keeps an eligible item past claim_grace");
+                        }
                         held.insert(device, d.reason.clone());
                     }
                     continue;
                 }
                 None => {
-                    report.kept.push(json!({"device": device, "reason": "grace: no decision"}));
+                    report.keep_device(&device, "grace: no decision");
                     continue;
                 }
             }
             crate::crash_point!("reconcile_before_release");
             match e {
-                Eligible::Claim(c) => {
-                    // Hold the owner's instance lock again across the release (an operation
-                    // started since the observation makes the pass skip it).
-                    let ilock = self.instance_lock(c.instance_id);
-                    let Ok(_i) = ilock.try_lock() else {
-                        report.kept.push(json!({"device": device, "reason": "owner operation in progress"}));
-                        continue;
-                    };
-                    match self.release_within(&c, Duration::ZERO) {
-                        Ok(()) => {
-                            self.counters.stale_released.fetch_add(1, Ordering::Relaxed);
-                            crate::crash_point!("reconcile_after_release");
-                            self.clear_release_pending_note(c.instance_id);
-                            report.released.push(json!({"device": device, "kind": "stale_claim",
-                            "instance": c.instance_id.to_string()}));
-                        }
-                        Err(err) => {
-                            let ctr = match err {
-                                ReleaseError::InUse(_) => &self.counters.stale_in_use,
-                                ReleaseError::ScanIncomplete(_) => &self.counters.stale_scan_incomplete,
-                                _ => &self.counters.stale_failed,
-                            };
-                            ctr.fetch_add(1, Ordering::Relaxed);
-                            report.failed.push(json!({"device": device, "error": err.to_string()}));
-                        }
+                Eligible::Claim(c) => self.release_stale(&c, boot_id, report),
+                Eligible::OrphanVf { vf, gpu, type_id } => {
+                    let r = self.release(Release::OrphanVf { vf: &vf, gpu: &gpu, type_id }, Duration::ZERO);
+                    if matches!(r, Ok(Released::Cleared)) {
+                        self.metrics.orphan_released(Framework::VendorVfio.as_str());
+                        lock(&self.reconciler.orphan_seen).remove(&vf);
                     }
+                    record_release(report, &device, "orphan_vf", None, r);
                 }
-                Eligible::OrphanVf { vf, gpu, type_id } => match self.release_orphan_vf(&vf, &gpu, type_id) {
-                    Ok(()) => {
-                        self.counters.orphans_released_vendor_vfio.fetch_add(1, Ordering::Relaxed);
-                        lock(&self.orphan_seen).remove(&vf);
-                        report.released.push(json!({"device": device, "kind": "orphan_vf"}));
+                Eligible::OrphanMdev(rec) => {
+                    let r = self.release(Release::OrphanMdev(&rec), Duration::ZERO);
+                    if matches!(r, Ok(Released::Cleared)) {
+                        self.metrics.orphan_released(Framework::Mdev.as_str());
                     }
-                    Err(err) => report.failed.push(json!({"device": device, "error": err.to_string()})),
-                },
-                Eligible::OrphanMdev(rec) => match self.release_orphan_mdev(&rec) {
-                    Ok(()) => {
-                        self.counters.orphans_released_mdev.fetch_add(1, Ordering::Relaxed);
-                        report.released.push(json!({"device": device, "kind": "orphan_mdev"}));
-                    }
-                    Err(err) => report.failed.push(json!({"device": device, "error": err.to_string()})),
-                },
+                    record_release(report, &device, "orphan_mdev", None, r);
+                }
             }
         }
-        *lock(&self.held_by_policy) = held;
+        *lock(&self.reconciler.held_by_policy) = held;
     }
 
-    /// The grace plugin's decisions by device. A failed call, or an answer that does not
-    /// decode, keeps everything (empty map).
-    fn grace_decisions(
-        &self,
-        eligible: &[(Eligible, GraceItem)],
-        boot_id: &str,
-        report: &mut PassReport,
-    ) -> HashMap<String, GraceDecision> {
-        let policies = self.policies();
-        let Some(plugin) = &policies.grace else {
-            report.errors.push("no grace plugin loaded: keeping every eligible item".into());
-            return HashMap::new();
+    /// Releases a stale claim with its owner's instance lock held again (an operation
+    /// started since the observation makes the pass skip it) and its death proven again.
+    fn release_stale(&self, c: &Claim, boot_id: &str, report: &mut PassReport) {
+        let ilock = self.instance_lock(c.instance_id);
+        let Ok(_i) = ilock.try_lock() else {
+            report.keep_device(&c.device, "owner operation in progress");
+            return;
         };
-        let mut params = self.cfg.plugin_params(gpuvisor_sdk::PolicyKind::Grace);
-        if let Value::Object(m) = &mut params {
-            m.entry("claim_grace_s").or_insert(json!(self.cfg.claim_grace_s));
-        }
-        let input = GraceInput {
-            now_boottime_ms: proc::boottime_ms(),
-            boot_id: boot_id.to_string(),
-            items: eligible.iter().map(|(_, i)| i.clone()).collect(),
-            params,
-        };
-        self.record_input("grace", &input);
-        let t = Instant::now();
-        let answer = plugin.call_grace(&input);
-        self.counters.observe_policy_call(&plugin.manifest().name, "grace", t);
-        match answer {
-            Ok(answer) => {
-                let asked: HashSet<String> = eligible.iter().map(|(e, _)| e.device()).collect();
-                let mut out = HashMap::new();
-                for d in answer.decisions {
-                    if asked.contains(&d.device) {
-                        out.insert(d.device.clone(), d);
-                    } else {
-                        // A decision about a device that was not asked about is ignored.
-                        self.counters.reject(&plugin.manifest().name, "grace", "unasked_device");
-                    }
-                }
-                out
-            }
+        let owner = match self.store.read_instance(c.instance_id) {
+            Ok(o) => o,
             Err(e) => {
-                tracing::warn!(plugin.name = %plugin.manifest().name, error = %e, "grace plugin failed: keeping every eligible item");
-                self.counters.reconcile_grace_failures.fetch_add(1, Ordering::Relaxed);
-                report.errors.push(format!("grace plugin failed: {e}; kept every eligible item"));
-                HashMap::new()
+                report.keep_device(&c.device, format!("owner record unreadable: {e}"));
+                return;
             }
+        };
+        let dead: Dead = match self.prove_dead(c.instance_id, owner.as_ref(), boot_id) {
+            Ok(d) => d,
+            Err(l) => {
+                report.keep_device(&c.device, format!("owner {l}"));
+                return;
+            }
+        };
+        let r = self.release(Release::Claim(c, dead), Duration::ZERO);
+        match &r {
+            Ok(Released::Cleared) => {
+                self.metrics.stale_release(StaleResult::Released);
+                crate::crash_point!("reconcile_after_release");
+                self.clear_release_pending_note(c.instance_id);
+            }
+            Ok(Released::NotOurs) => {}
+            Err(super::release::ReleaseError::InUse(_)) => self.metrics.stale_release(StaleResult::InUse),
+            Err(super::release::ReleaseError::ScanIncomplete(_)) => self.metrics.stale_release(StaleResult::ScanIncomplete),
+            Err(_) => self.metrics.stale_release(StaleResult::Failed),
         }
+        record_release(report, &c.device, "stale_claim", Some(c.instance_id), r);
     }
+}
 
-    /// Clears a dirty VF that has no claim: under the allocation lock the VF must still be
-    /// unclaimed; under the device lock a fresh scan, then write `0` and read back.
-    fn release_orphan_vf(&self, vf: &str, gpu: &str, type_id: u32) -> Result<(), ReleaseError> {
-        let _a = lock(&self.alloc);
-        match self.store.read_claim(vf) {
-            Ok(None) => {}
-            Ok(Some(_)) => return Ok(()), // claimed meanwhile: not an orphan any more
-            Err(e) => return Err(ReleaseError::Store(e.to_string())),
-        }
-        let dev_lock = self.device_lock(vf);
-        let _d = lock(&dev_lock);
-        let info = vendor_vfio::read_vf(&self.host, vf, gpu.to_string());
-        match scan(vendor_vfio::vf_targets(&self.host, &info)) {
-            HandleScan::Clean => {}
-            HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
-            HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
-        }
-        vendor_vfio::clear(&self.host, vf, Some(type_id)).map_err(|e| match e {
-            vendor_vfio::ClearError::Foreign { value } => {
-                ReleaseError::Foreign(format!("type changed to {value} during the sweep"))
-            }
-            vendor_vfio::ClearError::Failed(w) => {
-                self.write_failed(vf, &w);
-                ReleaseError::Failed(w)
-            }
-        })?;
-        self.write_succeeded(vf);
-        tracing::info!(gpu.device = %vf, type_id, "orphan VF cleared");
-        Ok(())
-    }
-
-    /// Removes one of gpuvisor's own mdevs that no claim names.
-    fn release_orphan_mdev(&self, rec: &MdevRecord) -> Result<(), ReleaseError> {
-        let _a = lock(&self.alloc);
-        if let Ok(claims) = self.store.list_claims() {
-            if claims.iter().any(|c| c.mdev_uuid == Some(rec.uuid)) {
-                return Ok(());
-            }
-        }
-        let dev_lock = self.device_lock(&rec.parent);
-        let _d = lock(&dev_lock);
-        let uuid = rec.uuid.to_string();
-        match scan(mdev::targets(&self.host, &uuid)) {
-            HandleScan::Clean => {}
-            HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
-            HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
-        }
-        self.checked_write(&rec.parent, mdev::remove(&self.host, &uuid)).map_err(ReleaseError::Failed)?;
-        self.store.remove_mdev(rec.uuid).map_err(|e| ReleaseError::Store(e.to_string()))?;
-        tracing::info!(mdev = %uuid, "orphan mdev removed");
-        Ok(())
+/// Puts what a release did in the report: released only when something was done.
+fn record_release(
+    report: &mut PassReport,
+    device: &str,
+    kind: &str,
+    instance: Option<Uuid>,
+    r: Result<Released, super::release::ReleaseError>,
+) {
+    match r {
+        Ok(Released::Cleared) => report.released.push(ReleasedItem {
+            device: device.to_string(),
+            kind: kind.to_string(),
+            instance: instance.map(|i| i.to_string()),
+        }),
+        Ok(Released::NotOurs) => report.keep_device(device, "claimed or changed meanwhile: nothing was written"),
+        Err(e) => report.failed.push(FailedItem { device: device.to_string(), error: e.to_string() }),
     }
 }
 
 /// True when a fresh scan finds no holder of the device; otherwise records why it is kept.
-fn idle(device: &str, targets: Result<Vec<std::path::PathBuf>, String>, report: &mut PassReport) -> bool {
+fn idle(device: &str, targets: Result<Vec<PathBuf>, String>, report: &mut PassReport) -> bool {
     match scan(targets) {
         HandleScan::Clean => true,
         HandleScan::Held { pids } => {
-            report.kept.push(json!({"device": device, "reason": format!("held open by {pids:?}")}));
+            report.keep_device(device, format!("held open by {pids:?}"));
             false
         }
         HandleScan::Unknown { reason } => {
-            report.kept.push(json!({"device": device, "reason": format!("scan incomplete: {reason}")}));
+            report.keep_device(device, format!("scan incomplete: {reason}"));
             false
         }
     }
-}
-
-/// The PF of an mdev parent (basename of `physfn`, or the parent itself).
-fn pf_of(host: &HostRoot, parent: &str) -> String {
-    devices::link_basename(&host.pci_device(parent).join("physfn")).unwrap_or_else(|_| parent.to_string())
 }

@@ -2,10 +2,11 @@
 //!
 //! A request is an HTTP/1.1 `POST /` with a JSON-RPC body, so
 //! `curl --unix-socket /run/gpuvisor/gpuvisor.sock -H 'content-type: application/json' -d '{"jsonrpc":"2.0","id":1,"method":"agent.health"}' http://x/`
-//! works. Methods are `noun.verb`; [`openrpc::METHODS`] lists every one and `rpc.discover`
-//! publishes them as an OpenRPC document. This layer is thin: it parses parameters, runs
-//! the lifecycle on a blocking thread, and is the one place that maps [`ApiError`] to a
-//! JSON-RPC error object: numeric `code` = the class (400/404/409/500/503), `data` =
+//! works. Methods are `noun.verb`; [`openrpc::methods`] lists every one and `rpc.discover`
+//! publishes them as an OpenRPC document. This layer is thin: it decodes the request types
+//! of `instances::request`, runs the lifecycle on a blocking thread, serialises the typed
+//! view it returns, and is the one place that maps [`ApiError`] to a JSON-RPC error
+//! object: numeric `code` = the class (400/404/409/500/503), `data` =
 //! `{"code": "<stable string>", ...details}`.
 
 pub mod client;
@@ -13,95 +14,41 @@ pub mod metrics;
 pub mod openrpc;
 
 use crate::error::ApiError;
-use crate::instances::{CreateRequest, Manager};
+use crate::instances::fork::SaveStateOp;
+use crate::instances::request::*;
+use crate::instances::Manager;
 use jsonrpsee::types::ErrorObjectOwned;
 use jsonrpsee::RpcModule;
-use serde::Deserialize;
+use serde::Serialize;
 use serde_json::{json, Value};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
+/// The largest request body, bytes.
+pub const MAX_REQUEST_BYTES: u32 = 4 * 1024 * 1024;
+
 fn to_rpc_error(e: ApiError) -> ErrorObjectOwned {
     ErrorObjectOwned::owned(e.code.class(), e.message.clone(), Some(e.data()))
 }
 
-/// Runs a blocking lifecycle call off the async runtime and maps its error.
-async fn blocking<F>(method: &'static str, m: &Arc<Manager>, f: F) -> Result<Value, ErrorObjectOwned>
+/// Runs a blocking lifecycle call off the async runtime, counts it, and serialises its
+/// typed answer (the one place views become JSON).
+async fn blocking<T, F>(method: &'static str, m: &Arc<Manager>, f: F) -> Result<Value, ErrorObjectOwned>
 where
-    F: FnOnce(&Manager) -> Result<Value, ApiError> + Send + 'static,
+    T: Serialize + Send + 'static,
+    F: FnOnce(&Manager) -> Result<T, ApiError> + Send + 'static,
 {
-    let m = m.clone();
+    let mm = m.clone();
     let started = std::time::Instant::now();
-    let res = tokio::task::spawn_blocking(move || f(&m))
+    let res = tokio::task::spawn_blocking(move || f(&mm).and_then(|v| serde_json::to_value(v).map_err(ApiError::internal)))
         .await
         .map_err(|e| to_rpc_error(ApiError::internal(format!("operation panicked: {e}"))))
         .and_then(|r| r.map_err(to_rpc_error));
     let elapsed = started.elapsed();
-    metrics::observe_rpc(method, res.is_ok(), elapsed.as_secs_f64());
+    m.metrics().rpc_call(method, res.is_ok(), elapsed.as_secs_f64());
     tracing::debug!(method, duration_ms = elapsed.as_millis() as u64, ok = res.is_ok(), "rpc call done");
     res
-}
-
-/// `{"ref": "<id or name>"}` for instance methods.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RefParams {
-    #[serde(alias = "id", alias = "name")]
-    r#ref: String,
-    #[serde(default)]
-    force: bool,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ForkParams {
-    #[serde(alias = "id")]
-    r#ref: String,
-    name: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SaveParams {
-    #[serde(alias = "id", alias = "name")]
-    r#ref: String,
-    #[serde(default)]
-    #[allow(dead_code)]
-    snapshot: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DryRunParams {
-    profile: String,
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default)]
-    labels: crate::config::Labels,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ImportParams {
-    name: String,
-    kernel: std::path::PathBuf,
-    #[serde(default)]
-    initrd: Option<std::path::PathBuf>,
-    #[serde(default)]
-    cmdline: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NameParams {
-    name: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeviceParams {
-    device: String,
 }
 
 fn invalid_params(msg: String) -> ErrorObjectOwned {
@@ -133,120 +80,76 @@ fn no_params(p: &jsonrpsee::types::Params<'_>) -> Result<(), ErrorObjectOwned> {
     }
 }
 
-/// Builds the module with every method of [`openrpc::METHODS`].
+/// Registers a method with typed params `P`.
+macro_rules! with_params {
+    ($module:ident, $name:literal, |$m:ident, $p:ident: $P:ty| $body:expr) => {
+        $module.register_async_method($name, |params, m, _| async move {
+            let $p: $P = parse(&params)?;
+            blocking($name, &m, move |$m| $body).await
+        })?;
+    };
+}
+
+/// Registers a method without params.
+macro_rules! without_params {
+    ($module:ident, $name:literal, |$m:ident| $body:expr) => {
+        $module.register_async_method($name, |params, m, _| async move {
+            no_params(&params)?;
+            blocking($name, &m, move |$m| $body).await
+        })?;
+    };
+}
+
+/// Builds the module with every method of [`openrpc::methods`].
 pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     let mut module = RpcModule::new(m);
-    module.register_async_method("instance.create", |p, m, _| async move {
-        let req: CreateRequest = parse(&p)?;
-        blocking("instance.create", &m, move |m| m.create(req)).await
-    })?;
-    module.register_async_method("instance.get", |p, m, _| async move {
-        let r: RefParams = parse(&p)?;
-        blocking("instance.get", &m, move |m| m.get(&r.r#ref)).await
-    })?;
-    module.register_async_method("instance.list", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("instance.list", &m, |m| m.list()).await
-    })?;
-    module.register_async_method("instance.start", |p, m, _| async move {
-        let r: RefParams = parse(&p)?;
-        blocking("instance.start", &m, move |m| m.start(&r.r#ref)).await
-    })?;
-    module.register_async_method("instance.stop", |p, m, _| async move {
-        let r: RefParams = parse(&p)?;
-        blocking("instance.stop", &m, move |m| m.stop(&r.r#ref, r.force)).await
-    })?;
-    module.register_async_method("instance.delete", |p, m, _| async move {
-        let r: RefParams = parse(&p)?;
-        blocking("instance.delete", &m, move |m| m.delete(&r.r#ref)).await
-    })?;
-    module.register_async_method("instance.fork", |p, m, _| async move {
-        let f: ForkParams = parse(&p)?;
-        blocking("instance.fork", &m, move |m| m.fork(&f.r#ref, &f.name)).await
-    })?;
-    for op in ["standby", "snapshot", "restore"] {
-        let method: &'static str = match op {
-            "standby" => "instance.standby",
-            "snapshot" => "instance.snapshot",
-            _ => "instance.restore",
-        };
-        module.register_async_method(method, move |p, m, _| async move {
-            let s: SaveParams = parse(&p)?;
-            blocking(method, &m, move |m| m.save_state_op(&s.r#ref, op)).await
-        })?;
-    }
-    module.register_async_method("resources.get", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("resources.get", &m, |m| m.resources()).await
-    })?;
-    module.register_async_method("gpu.list", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("gpu.list", &m, |m| m.gpus()).await
-    })?;
-    module.register_async_method("gpu.unquarantine", |p, m, _| async move {
-        let d: DeviceParams = parse(&p)?;
-        blocking("gpu.unquarantine", &m, move |m| m.unquarantine(&d.device)).await
-    })?;
-    module.register_async_method("placement.dry_run", |p, m, _| async move {
-        let d: DryRunParams = parse(&p)?;
-        blocking("placement.dry_run", &m, move |m| m.dry_run(&d.profile, d.name, d.labels)).await
-    })?;
-    module.register_async_method("image.import", |p, m, _| async move {
-        let i: ImportParams = parse(&p)?;
-        blocking("image.import", &m, move |m| {
-            let img =
-                crate::images::import(&m.store().images_dir(), &i.name, &i.kernel, i.initrd.as_deref(), i.cmdline)?;
-            Ok(serde_json::to_value(img).unwrap_or(Value::Null))
-        })
-        .await
-    })?;
-    module.register_async_method("image.list", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("image.list", &m, |m| Ok(json!({ "images": crate::images::list(&m.store().images_dir()) }))).await
-    })?;
-    module.register_async_method("image.delete", |p, m, _| async move {
-        let n: NameParams = parse(&p)?;
-        blocking("image.delete", &m, move |m| {
-            crate::images::delete(&m.store().images_dir(), &n.name)?;
-            Ok(json!({ "name": n.name, "deleted": true }))
-        })
-        .await
-    })?;
-    module.register_async_method("plugin.list", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("plugin.list", &m, |m| {
-            let p = m.policies();
-            let mut out = vec![plugin_json("placement", &p.placement), plugin_json("hypervisor", &p.hypervisor)];
-            if let Some(g) = &p.grace {
-                out.push(plugin_json("grace", g));
-            }
-            Ok(json!({ "plugins": out }))
-        })
-        .await
-    })?;
-    module.register_async_method("plugin.reload", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("plugin.reload", &m, |m| m.reload_plugins()).await
-    })?;
-    module.register_async_method("reconcile.run", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("reconcile.run", &m, |m| Ok(serde_json::to_value(m.reconcile()).unwrap_or(Value::Null))).await
-    })?;
-    module.register_async_method("agent.health", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("agent.health", &m, |m| Ok(m.health())).await
-    })?;
-    module.register_async_method("agent.metrics", |p, m, _| async move {
-        no_params(&p)?;
-        blocking("agent.metrics", &m, |m| Ok(Value::String(metrics::render(m)))).await
-    })?;
+    with_params!(module, "instance.create", |m, r: CreateRequest| m.create(r));
+    with_params!(module, "instance.get", |m, r: RefParams| m.get(&r.reference));
+    without_params!(module, "instance.list", |m| m.list());
+    with_params!(module, "instance.start", |m, r: RefParams| m.start(&r.reference));
+    with_params!(module, "instance.stop", |m, r: StopParams| m.stop(&r.reference, r.force));
+    with_params!(module, "instance.delete", |m, r: RefParams| m.delete(&r.reference));
+    with_params!(module, "instance.fork", |m, f: ForkParams| m.fork(&f.reference, &f.name));
+    with_params!(module, "instance.standby", |m, s: SaveStateParams| m.save_state_op(&s.reference, SaveStateOp::Standby));
+    with_params!(module, "instance.snapshot", |m, s: SaveStateParams| m.save_state_op(&s.reference, SaveStateOp::Snapshot));
+    with_params!(module, "instance.restore", |m, s: SaveStateParams| m.save_state_op(&s.reference, SaveStateOp::Restore));
+    without_params!(module, "resources.get", |m| m.resources());
+    without_params!(module, "gpu.list", |m| m.gpus());
+    with_params!(module, "gpu.unquarantine", |m, u: UnquarantineParams| m.unquarantine(u));
+    with_params!(module, "placement.dry_run", |m, d: DryRunParams| m.dry_run(d));
+    with_params!(module, "image.import", |m, i: ImportParams| crate::images::import(
+        &m.store().images_dir(),
+        &i.name,
+        &i.kernel,
+        i.initrd.as_deref(),
+        i.cmdline
+    ));
+    without_params!(module, "image.list", |m| Ok(crate::instances::view::ImageList {
+        images: crate::images::list(&m.store().images_dir())
+    }));
+    with_params!(module, "image.delete", |m, n: NameParams| crate::images::delete(&m.store().images_dir(), &n.name)
+        .map(|()| crate::instances::view::ImageDeleted { name: n.name, deleted: true }));
+    without_params!(module, "plugin.list", |m| Ok(m.plugin_list()));
+    without_params!(module, "plugin.reload", |m| m.reload_plugins());
+    without_params!(module, "reconcile.run", |m| Ok(m.reconcile()));
+    without_params!(module, "agent.health", |m| Ok(m.health()));
+    without_params!(module, "agent.metrics", |m| Ok(m.metrics_text()));
     module.register_method("rpc.discover", |p, _m, _| {
         no_params(&p)?;
         Ok::<Value, ErrorObjectOwned>(openrpc::document())
     })?;
+    if cfg!(feature = "failpoints") {
+        with_params!(module, "debug.failpoint", |m, f: FailpointParams| {
+            crate::failpoints::set_pause(&f.name, f.action == FailpointAction::Pause)
+                .map_err(ApiError::invalid_request)
+                .map(|()| m.failpoints())
+        });
+        without_params!(module, "debug.failpoints", |m| Ok(m.failpoints()));
+    }
     // rpc.discover must describe exactly what is served.
     let served: std::collections::BTreeSet<&str> = module.method_names().collect();
-    let declared: std::collections::BTreeSet<&str> = openrpc::METHODS.iter().map(|m| m.name).collect();
+    let methods = openrpc::methods();
+    let declared: std::collections::BTreeSet<&str> = methods.iter().map(|m| m.name).collect();
     if served != declared {
         anyhow::bail!(
             "the OpenRPC document and the served methods differ: served only {:?}, declared only {:?}",
@@ -257,18 +160,53 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     Ok(module)
 }
 
-fn plugin_json(slot: &str, p: &gpuvisor_policy::Plugin) -> Value {
-    let s = p.stats();
-    json!({
-        "slot": slot,
-        "name": p.manifest().name,
-        "version": p.manifest().version,
-        "kinds": p.manifest().kinds,
-        "path": p.path().display().to_string(),
-        "calls_ok": s.calls_ok,
-        "calls_failed": s.calls_failed.values().sum::<u64>(),
-        "failures_by_reason": s.calls_failed,
-    })
+/// Refuses a request whose `id` jsonrpsee cannot represent (a negative or fractional
+/// number): JSON-RPC 2.0 answers it `-32600 Invalid Request` with a `null` id instead of
+/// an empty body. `Some(answer)` when refused.
+pub fn refuse_bad_ids(body: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let bad = |r: &Value| match r.get("id") {
+        Some(Value::Number(n)) => n.as_u64().is_none(),
+        Some(Value::Bool(_) | Value::Array(_) | Value::Object(_)) => true,
+        _ => false,
+    };
+    let refusal = || {
+        json!({"jsonrpc": "2.0", "id": null, "error": {"code": jsonrpsee::types::error::INVALID_REQUEST_CODE,
+            "message": "Invalid request: the id must be a string, a non-negative integer, or null"}})
+        .to_string()
+    };
+    match &v {
+        Value::Object(_) if bad(&v) => Some(refusal()),
+        Value::Array(items) if items.iter().any(bad) => Some(refusal()),
+        _ => None,
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// One HTTP request: the body is read (bounded), requests with ids jsonrpsee cannot
+/// represent are refused with `-32600`, everything else goes to jsonrpsee.
+async fn checked_call<S>(
+    mut svc: S,
+    req: jsonrpsee::server::HttpRequest<hyper::body::Incoming>,
+) -> Result<jsonrpsee::server::HttpResponse, BoxError>
+where
+    S: tower::Service<
+        jsonrpsee::server::HttpRequest<http_body_util::Full<hyper::body::Bytes>>,
+        Response = jsonrpsee::server::HttpResponse,
+        Error = BoxError,
+    >,
+{
+    use http_body_util::BodyExt;
+    let (parts, body) = req.into_parts();
+    let bytes = http_body_util::Limited::new(body, MAX_REQUEST_BYTES as usize + 1).collect().await?.to_bytes();
+    if let Some(answer) = refuse_bad_ids(&bytes) {
+        let resp = jsonrpsee::server::HttpResponse::builder()
+            .header("content-type", "application/json")
+            .body(jsonrpsee::server::HttpBody::from(answer))?;
+        return Ok(resp);
+    }
+    svc.call(jsonrpsee::server::HttpRequest::from_parts(parts, http_body_util::Full::new(bytes))).await
 }
 
 /// Serves JSON-RPC on `socket` (created with mode 0600; a stale socket file is replaced)
@@ -300,7 +238,7 @@ pub async fn serve(
         .map_err(|e| anyhow::anyhow!("cannot make {} mode 0600: {e}", socket.display()))?;
     let (stop_handle, server_handle) = jsonrpsee::server::stop_channel();
     let server_cfg =
-        jsonrpsee::server::ServerConfig::builder().max_request_body_size(4 * 1024 * 1024).http_only().build();
+        jsonrpsee::server::ServerConfig::builder().max_request_body_size(MAX_REQUEST_BYTES).http_only().build();
     let builder = jsonrpsee::server::Server::builder().set_config(server_cfg).to_service_builder();
     let methods: jsonrpsee::Methods = module.into();
     tracing::info!(socket = %socket.display(), "JSON-RPC listening");
@@ -314,8 +252,11 @@ pub async fn serve(
                     Err(e) => { tracing::warn!(error = %e, "accept failed"); continue; }
                 };
                 let svc = builder.clone().build(methods.clone(), stop_handle.clone());
+                let checked = tower::service_fn(move |req: jsonrpsee::server::HttpRequest<hyper::body::Incoming>| {
+                    checked_call(svc.clone(), req)
+                });
                 tokio::spawn(async move {
-                    if let Err(e) = jsonrpsee::server::serve(stream, svc).await {
+                    if let Err(e) = jsonrpsee::server::serve(stream, checked).await {
                         tracing::debug!(error = %e, "connection ended with an error");
                     }
                 });
@@ -325,4 +266,23 @@ pub async fn serve(
     let _ = server_handle.stop();
     let _ = std::fs::remove_file(socket);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negative_and_fractional_ids_are_refused_not_dropped() {
+        for body in [r#"{"jsonrpc":"2.0","id":-1,"method":"agent.health"}"#, r#"{"jsonrpc":"2.0","id":1.5,"method":"x"}"#] {
+            let a: Value = serde_json::from_str(&refuse_bad_ids(body.as_bytes()).unwrap()).unwrap();
+            assert_eq!(a["error"]["code"], -32600, "{body}");
+            assert!(a["id"].is_null());
+        }
+        for body in [r#"{"jsonrpc":"2.0","id":1,"method":"a"}"#, r#"{"jsonrpc":"2.0","id":"x","method":"a"}"#, r#"{"jsonrpc":"2.0","method":"a"}"#, "not json"] {
+            assert!(refuse_bad_ids(body.as_bytes()).is_none(), "{body}");
+        }
+        let batch = r#"[{"jsonrpc":"2.0","id":1,"method":"a"},{"jsonrpc":"2.0","id":-2,"method":"a"}]"#;
+        assert!(refuse_bad_ids(batch.as_bytes()).is_some());
+    }
 }

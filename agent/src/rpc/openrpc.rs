@@ -1,200 +1,152 @@
-//! The OpenRPC document `rpc.discover` returns: every method with its parameters and the
-//! stable error codes it can answer (LIFECYCLE.md "Errors").
+//! The OpenRPC document `rpc.discover` returns: every method with its parameter and result
+//! schemas — generated (`schemars`) from the very types the agent decodes and returns, so
+//! every limit the agent enforces is stated — and the stable error codes it can answer
+//! (LIFECYCLE.md "Errors"), with their classes from [`ErrorCode::class`].
 
+use crate::error::ErrorCode;
+use crate::instances::request::*;
+use crate::instances::view::*;
+use schemars::generate::SchemaSettings;
+use schemars::{JsonSchema, Schema, SchemaGenerator};
 use serde_json::{json, Value};
 
-/// One method: name, summary, params `(name, JSON schema, required)`, error codes.
+/// One method: name, summary, the params type's schema (`None`: no params), the result
+/// type's schema, the error codes.
 pub struct Method {
     pub name: &'static str,
     pub summary: &'static str,
-    pub params: &'static [(&'static str, &'static str, bool)],
-    pub errors: &'static [&'static str],
+    pub params: Option<fn(&mut SchemaGenerator) -> Schema>,
+    pub result: fn(&mut SchemaGenerator) -> Schema,
+    pub errors: &'static [ErrorCode],
 }
 
-const REF: (&str, &str, bool) = ("ref", r#"{"type":"string","description":"instance id or name"}"#, true);
+fn schema<T: JsonSchema>(g: &mut SchemaGenerator) -> Schema {
+    g.subschema_for::<T>()
+}
 
-/// Every JSON-RPC method the agent serves (a test checks this against the module).
-pub const METHODS: &[Method] = &[
-    Method {
-        name: "instance.create",
-        summary: "Create an instance and boot it; with `gpu` a vGPU of that profile is claimed and configured first.",
-        params: &[
-            ("name", r#"{"type":"string","pattern":"^[a-z0-9][a-z0-9-]{0,62}$"}"#, true),
-            ("image", r#"{"type":"string"}"#, true),
-            ("gpu", r#"{"type":"string","description":"vGPU profile, e.g. L40S-2Q"}"#, false),
-            ("labels", r#"{"type":"object","additionalProperties":{"type":"string","maxLength":255},"maxProperties":64}"#, false),
-            ("vcpus", r#"{"type":"integer","minimum":1,"maximum":64}"#, false),
-            ("memory_mib", r#"{"type":"integer","minimum":64}"#, false),
-            ("hypervisor", r#"{"type":"string","enum":["qemu","cloud-hypervisor"]}"#, false),
-        ],
-        errors: &[
-            "invalid_request",
-            "unknown_profile",
-            "hypervisor_unsupported",
-            "name_taken",
-            "no_capacity",
-            "not_ready",
-            "policy_failed",
-            "vmm_start_failed",
-            "vgpu_cleanup_pending",
-            "internal",
-        ],
-    },
-    Method {
-        name: "instance.get",
-        summary: "One instance, with `gpu` derived from its claim.",
-        params: &[REF],
-        errors: &["not_found"],
-    },
-    Method { name: "instance.list", summary: "Every instance.", params: &[], errors: &["internal"] },
-    Method {
-        name: "instance.start",
-        summary: "Start a stopped instance (claims a device again).",
-        params: &[REF],
-        errors: &[
-            "not_found",
-            "invalid_state",
-            "instance_cleanup_pending",
-            "gpu_release_pending",
-            "no_capacity",
-            "not_ready",
-            "policy_failed",
-            "vmm_start_failed",
-            "vgpu_cleanup_pending",
-        ],
-    },
-    Method {
-        name: "instance.stop",
-        summary: "Power the guest off (or kill with force), then release its device.",
-        params: &[REF, ("force", r#"{"type":"boolean"}"#, false)],
-        errors: &["not_found", "instance_cleanup_pending", "vmm_liveness_unknown", "vmm_kill_failed"],
-    },
-    Method {
-        name: "instance.delete",
-        summary: "Kill the VMM, release the device, remove the instance.",
-        params: &[REF],
-        errors: &["not_found", "vmm_liveness_unknown", "vmm_kill_failed", "vgpu_cleanup_pending"],
-    },
-    Method {
-        name: "instance.fork",
-        summary: "A new stopped instance with the source's definition and GPU profile; never its claim or VMM.",
-        params: &[REF, ("name", r#"{"type":"string","pattern":"^[a-z0-9][a-z0-9-]{0,62}$"}"#, true)],
-        errors: &["not_found", "invalid_request", "name_taken", "instance_cleanup_pending"],
-    },
-    Method {
-        name: "instance.standby",
-        summary: "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
-        params: &[REF],
-        errors: &["not_found", "instance_cleanup_pending", "unsupported_with_gpu", "invalid_request"],
-    },
-    Method {
-        name: "instance.snapshot",
-        summary: "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
-        params: &[REF],
-        errors: &["not_found", "instance_cleanup_pending", "unsupported_with_gpu", "invalid_request"],
-    },
-    Method {
-        name: "instance.restore",
-        summary: "Refused for cleanup_pending instances; not implemented yet (a restore never brings back a claim or VMM identity).",
-        params: &[REF, ("snapshot", r#"{"type":"string"}"#, false)],
-        errors: &["not_found", "instance_cleanup_pending", "invalid_request"],
-    },
-    Method {
-        name: "resources.get",
-        summary: "GPU mode, device counts, placeable count per profile.",
-        params: &[],
-        errors: &[],
-    },
-    Method {
-        name: "gpu.list",
-        summary: "Every GPU and device: address, current type, claim owner, quarantine.",
-        params: &[],
-        errors: &["not_ready"],
-    },
-    Method {
-        name: "gpu.unquarantine",
-        summary: "Clear a device's quarantine mark after repair.",
-        params: &[("device", r#"{"type":"string"}"#, true)],
-        errors: &["not_found"],
-    },
-    Method {
-        name: "placement.dry_run",
-        summary: "What the placement plugin would choose for a profile now (claims nothing).",
-        params: &[
-            ("profile", r#"{"type":"string"}"#, true),
-            ("name", r#"{"type":"string"}"#, false),
-            ("labels", r#"{"type":"object","additionalProperties":{"type":"string","maxLength":255},"maxProperties":64}"#, false),
-        ],
-        errors: &["unknown_profile", "no_capacity", "not_ready", "policy_failed"],
-    },
-    Method {
-        name: "image.import",
-        summary: "Copy a kernel (and initrd) into the images directory.",
-        params: &[
-            ("name", r#"{"type":"string"}"#, true),
-            ("kernel", r#"{"type":"string","description":"path on the host"}"#, true),
-            ("initrd", r#"{"type":"string"}"#, false),
-            ("cmdline", r#"{"type":"string"}"#, false),
-        ],
-        errors: &["invalid_request", "name_taken"],
-    },
-    Method { name: "image.list", summary: "Every image.", params: &[], errors: &[] },
-    Method {
-        name: "image.delete",
-        summary: "Delete an image.",
-        params: &[("name", r#"{"type":"string"}"#, true)],
-        errors: &["not_found"],
-    },
-    Method {
-        name: "reconcile.run",
-        summary: "Run one reconcile pass now and return its report (kept, released, failed, records changed).",
-        params: &[],
-        errors: &[],
-    },
-    Method {
-        name: "plugin.reload",
-        summary: "Re-read the [plugins] config and load every plugin again; on any error the old plugins stay.",
-        params: &[],
-        errors: &["invalid_request"],
-    },
-    Method { name: "plugin.list", summary: "The loaded policy plugins with call counts.", params: &[], errors: &[] },
-    Method { name: "agent.health", summary: "Liveness and readiness.", params: &[], errors: &[] },
-    Method { name: "agent.metrics", summary: "Prometheus text exposition.", params: &[], errors: &[] },
-    Method { name: "rpc.discover", summary: "This OpenRPC document.", params: &[], errors: &[] },
-];
+fn string_result(_: &mut SchemaGenerator) -> Schema {
+    schemars::json_schema!({ "type": "string", "description": "Prometheus text exposition format 0.0.4" })
+}
 
-fn error_class(code: &str) -> i64 {
-    match code {
-        "invalid_request" | "unknown_profile" | "hypervisor_unsupported" => 400,
-        "not_found" => 404,
-        "not_ready" | "vmm_liveness_unknown" => 503,
-        "vgpu_cleanup_pending"
-        | "vmm_start_failed"
-        | "vmm_kill_failed"
-        | "passthrough_bind_failed"
-        | "policy_failed"
-        | "internal" => 500,
-        _ => 409,
+fn any_object(_: &mut SchemaGenerator) -> Schema {
+    schemars::json_schema!({ "type": "object" })
+}
+
+macro_rules! method {
+    ($name:literal, $summary:literal, params: $p:ty, result: $r:ty, errors: [$($e:ident),*]) => {
+        Method { name: $name, summary: $summary, params: Some(schema::<$p>), result: schema::<$r>, errors: &[$(ErrorCode::$e),*] }
+    };
+    ($name:literal, $summary:literal, result: $r:ty, errors: [$($e:ident),*]) => {
+        Method { name: $name, summary: $summary, params: None, result: schema::<$r>, errors: &[$(ErrorCode::$e),*] }
+    };
+}
+
+/// Every JSON-RPC method the agent serves (the module is checked against this list).
+pub fn methods() -> Vec<Method> {
+    let mut m = vec![
+        method!("instance.create", "Create an instance and boot it; with `gpu` a vGPU of that profile is claimed and configured first.",
+            params: CreateRequest, result: InstanceView,
+            errors: [InvalidRequest, UnknownProfile, HypervisorUnsupported, NameTaken, NoCapacity, NotReady, PolicyFailed,
+                VmmStartFailed, VmmKillFailed, VmmLivenessUnknown, VgpuCleanupPending, Internal]),
+        method!("instance.get", "One instance, with `gpu` derived from its claim.", params: RefParams, result: InstanceView,
+            errors: [NotFound, Internal]),
+        method!("instance.list", "Every instance, and every instance record that cannot be read.", result: InstanceList,
+            errors: [Internal]),
+        method!("instance.start", "Start a stopped instance (claims a device again).", params: RefParams, result: InstanceView,
+            errors: [NotFound, InvalidState, InstanceCleanupPending, GpuReleasePending, NoCapacity, NotReady, PolicyFailed,
+                VmmStartFailed, VmmKillFailed, VmmLivenessUnknown, VgpuCleanupPending, Internal]),
+        method!("instance.stop", "Power the guest off (or kill with force), then release its device; `gpu.release_pending` says when the release is still pending.",
+            params: StopParams, result: InstanceView,
+            errors: [NotFound, InvalidState, InstanceCleanupPending, VmmLivenessUnknown, VmmKillFailed, Internal]),
+        method!("instance.delete", "Kill the VMM, release the device, remove the instance.", params: RefParams, result: DeleteResult,
+            errors: [NotFound, VmmLivenessUnknown, VmmKillFailed, VgpuCleanupPending, Internal]),
+        method!("instance.fork", "A new stopped instance with the source's definition and GPU profile; never its claim or VMM.",
+            params: ForkParams, result: InstanceView, errors: [NotFound, InvalidRequest, NameTaken, InstanceCleanupPending, Internal]),
+        method!("instance.standby", "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
+            params: SaveStateParams, result: InstanceView, errors: [NotFound, InstanceCleanupPending, UnsupportedWithGpu, InvalidRequest]),
+        method!("instance.snapshot", "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
+            params: SaveStateParams, result: InstanceView, errors: [NotFound, InstanceCleanupPending, UnsupportedWithGpu, InvalidRequest]),
+        method!("instance.restore", "Refused for cleanup_pending instances; not implemented yet (a restore never brings back a claim or VMM identity).",
+            params: SaveStateParams, result: InstanceView, errors: [NotFound, InstanceCleanupPending, InvalidRequest]),
+        method!("resources.get", "GPU mode, device counts, placeable count per profile (one observation).", result: Resources, errors: []),
+        method!("gpu.list", "Every GPU and device: current type (or unknown), claim owner, health marks, what cannot be read.",
+            result: GpuList, errors: [NotReady]),
+        method!("gpu.unquarantine", "Clear the health marks of a device, of several, or of a whole GPU, after repair.",
+            params: UnquarantineParams, result: UnquarantineResult, errors: [InvalidRequest, NotFound, Internal]),
+        method!("placement.dry_run", "What the placement plugin would choose for a profile now (claims nothing).",
+            params: DryRunParams, result: DryRun, errors: [InvalidRequest, UnknownProfile, NoCapacity, NotReady, PolicyFailed]),
+        method!("image.import", "Copy a kernel (and initrd) into the images directory.", params: ImportParams, result: crate::images::Image,
+            errors: [InvalidRequest, NameTaken, Internal]),
+        method!("image.list", "Every image.", result: ImageList, errors: []),
+        method!("image.delete", "Delete an image.", params: NameParams, result: ImageDeleted, errors: [InvalidRequest, NotFound, Internal]),
+        method!("reconcile.run", "Run one reconcile pass now and return its report (kept, released, failed, records changed).",
+            result: PassReport, errors: []),
+        method!("plugin.reload", "Re-read the config and load every plugin again with its params and limits; on any error the old ones stay.",
+            result: ReloadResult, errors: [InvalidRequest]),
+        method!("plugin.list", "The loaded policy plugins with call counts.", result: PluginList, errors: []),
+        method!("agent.health", "Liveness, readiness and what is degraded.", result: HealthView, errors: []),
+        Method {
+            name: "agent.metrics",
+            summary: "Prometheus text exposition (format 0.0.4).",
+            params: None,
+            result: string_result,
+            errors: &[],
+        },
+        Method { name: "rpc.discover", summary: "This OpenRPC document.", params: None, result: any_object, errors: &[] },
+    ];
+    if cfg!(feature = "failpoints") {
+        m.push(method!("debug.failpoint", "Failpoint builds only: pause a failpoint (threads reaching it wait) or release it.",
+            params: FailpointParams, result: FailpointList, errors: [InvalidRequest]));
+        m.push(method!("debug.failpoints", "Failpoint builds only: every pause point, armed or not, with waiting threads and hits.",
+            result: FailpointList, errors: []));
     }
+    m
+}
+
+/// The schema generator: draft-07, every subschema inline (OpenRPC content descriptors
+/// carry plain schemas).
+fn generator() -> SchemaGenerator {
+    SchemaSettings::draft07()
+        .with(|s| {
+            s.inline_subschemas = true;
+            s.meta_schema = None;
+        })
+        .into_generator()
+}
+
+/// The parameters of a method as OpenRPC content descriptors (by name).
+fn params_of(schema: &Schema) -> Vec<Value> {
+    let v = schema.as_value();
+    let required: Vec<&str> =
+        v.get("required").and_then(|r| r.as_array()).map(|a| a.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
+    let mut out = Vec::new();
+    if let Some(props) = v.get("properties").and_then(|p| p.as_object()) {
+        for (name, s) in props {
+            out.push(json!({
+                "name": name,
+                "required": required.contains(&name.as_str()),
+                "schema": s,
+            }));
+        }
+    }
+    out
 }
 
 /// The OpenRPC 1.2 document.
 pub fn document() -> Value {
-    let methods: Vec<Value> = METHODS
+    let mut g = generator();
+    let methods: Vec<Value> = methods()
         .iter()
         .map(|m| {
+            let params = m.params.map(|p| params_of(&p(&mut g))).unwrap_or_default();
             json!({
                 "name": m.name,
                 "summary": m.summary,
                 "paramStructure": "by-name",
-                "params": m.params.iter().map(|(n, schema, req)| json!({
-                    "name": n,
-                    "required": req,
-                    "schema": serde_json::from_str::<Value>(schema).unwrap_or(Value::Null),
-                })).collect::<Vec<_>>(),
-                "result": { "name": "result", "schema": { "type": if m.name == "agent.metrics" { "string" } else { "object" } } },
+                "params": params,
+                "result": { "name": "result", "schema": (m.result)(&mut g) },
                 "errors": m.errors.iter().map(|c| json!({
-                    "code": error_class(c), "message": c, "data": { "code": c },
+                    "code": c.class(), "message": c.as_str(), "data": { "code": c.as_str() },
                 })).collect::<Vec<_>>(),
             })
         })
@@ -205,4 +157,78 @@ pub fn document() -> Value {
                   "description": "JSON-RPC 2.0 over HTTP on a Unix socket. Errors carry data.code (a stable string)." },
         "methods": methods,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param_schema(method: &str, param: &str) -> Value {
+        let doc = document();
+        let m = doc["methods"].as_array().unwrap().iter().find(|m| m["name"] == method).unwrap().clone();
+        m["params"].as_array().unwrap().iter().find(|p| p["name"] == param).unwrap()["schema"].clone()
+    }
+
+    /// A client validating against the document and the agent agree: every probe value is
+    /// accepted by both or refused by both.
+    #[test]
+    fn the_schema_and_the_agent_agree_on_names_labels_and_bounds() {
+        let create = |v: Value| -> bool {
+            serde_json::from_value::<CreateRequest>(v).map(|r| r.validate().is_ok()).unwrap_or(false)
+        };
+        let doc = document();
+        let m = doc["methods"].as_array().unwrap().iter().find(|m| m["name"] == "instance.create").unwrap().clone();
+        let mut props = serde_json::Map::new();
+        let mut required = vec![];
+        for p in m["params"].as_array().unwrap() {
+            props.insert(p["name"].as_str().unwrap().to_string(), p["schema"].clone());
+            if p["required"] == true {
+                required.push(p["name"].clone());
+            }
+        }
+        let schema = json!({"type": "object", "properties": props, "required": required, "additionalProperties": false});
+        let validator = jsonschema::validator_for(&schema).unwrap();
+        let k = |n: usize| "k".repeat(n);
+        let probes = vec![
+            json!({"name": "a", "image": "demo"}),
+            json!({"name": "A", "image": "demo"}),
+            json!({"name": "-a", "image": "demo"}),
+            json!({"name": "a".repeat(63), "image": "demo"}),
+            json!({"name": "a".repeat(64), "image": "demo"}),
+            json!({"name": "a", "image": "demo", "vcpus": 0}),
+            json!({"name": "a", "image": "demo", "vcpus": 64}),
+            json!({"name": "a", "image": "demo", "vcpus": 65}),
+            json!({"name": "a", "image": "demo", "memory_mib": 63}),
+            json!({"name": "a", "image": "demo", "memory_mib": 1_048_576}),
+            json!({"name": "a", "image": "demo", "memory_mib": 1_048_577}),
+            json!({"name": "a", "image": "demo", "labels": {"tenant": "x"}}),
+            json!({"name": "a", "image": "demo", "labels": {k(63): "x"}}),
+            json!({"name": "a", "image": "demo", "labels": {k(64): "x"}}),
+            json!({"name": "a", "image": "demo", "labels": {"": "x"}}),
+            json!({"name": "a", "image": "demo", "labels": {"k": "v".repeat(255)}}),
+            json!({"name": "a", "image": "demo", "labels": {"k": "v".repeat(256)}}),
+            json!({"name": "a", "image": "demo", "labels": {"k": "é"}}),
+            json!({"name": "a", "image": "demo", "labels": {"k é": "v"}}),
+            json!({"name": "a", "image": "demo", "hypervisor": "xen"}),
+            json!({"name": "a", "image": "demo", "hypervisor": "cloud-hypervisor"}),
+            json!({"name": "a", "image": "demo", "labels": (0..65).map(|i| (format!("k{i}"), json!(""))).collect::<serde_json::Map<_, _>>()}),
+            json!({"name": "a", "image": "demo", "force": true}),
+        ];
+        for p in probes {
+            assert_eq!(validator.is_valid(&p), create(p.clone()), "schema and agent disagree on {p}");
+        }
+        assert_eq!(param_schema("instance.create", "name")["pattern"], NAME_PATTERN);
+    }
+
+    #[test]
+    fn every_method_has_a_result_schema_and_errors_with_their_class() {
+        let doc = document();
+        for m in doc["methods"].as_array().unwrap() {
+            assert!(m["result"]["schema"].is_object(), "{}", m["name"]);
+            for e in m["errors"].as_array().unwrap() {
+                let code = ErrorCode::from_name(e["data"]["code"].as_str().unwrap()).unwrap();
+                assert_eq!(e["code"], code.class());
+            }
+        }
+    }
 }

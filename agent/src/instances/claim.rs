@@ -1,0 +1,252 @@
+//! Claim and configure (LIFECYCLE.md Create steps 3–4): observe the host under the
+//! allocation lock, ask the placement plugin, create the claim file of the first candidate
+//! still free, then configure the device (repairing a dirty VF first through the release
+//! path) under the configure and device locks.
+//!
+//! A create gives up after [`MAX_CONFIGURE_FAILURES`] refused candidates, and skips the
+//! rest of a GPU whose failures are one GPU-level problem (`health`), so a driver-wide
+//! fault costs a few writes and one clear message, not a write on every VF.
+
+use super::health::{Verdict, WriteSite};
+use super::inventory::Candidate;
+use super::policy_calls::PlacementAsk;
+use super::release::{Release, Released};
+use super::{now_rfc3339, Manager};
+use crate::devices::{mdev, vendor_vfio};
+use crate::error::ApiError;
+use crate::host::proc;
+use crate::store::{Claim, ClaimState, Framework, InstanceRecord, MdevRecord, StoreError};
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+/// A create (or start) tries at most this many candidates whose configure failed before it
+/// answers `no_capacity`.
+pub const MAX_CONFIGURE_FAILURES: usize = 4;
+
+/// Why a claim and configure did not end with a configured device.
+#[derive(Debug)]
+pub(crate) enum ClaimFailure {
+    /// Nothing of this instance is left claimed.
+    Nothing(ApiError),
+    /// A claim of this instance exists (configured, or in an unknown state) and must be
+    /// released through the rollback.
+    Held(Claim, ApiError),
+}
+
+/// A candidate the configure step refused.
+struct Refusal {
+    why: String,
+    verdict: Verdict,
+    /// The device was left as it was found (or reads 0): the claim can simply be dropped.
+    /// `false`: its state is unknown and the claim must go through the release path.
+    untouched: bool,
+}
+
+impl Refusal {
+    fn untouched(why: impl Into<String>) -> Refusal {
+        Refusal { why: why.into(), verdict: Verdict::None, untouched: true }
+    }
+}
+
+impl Manager {
+    fn new_claim(&self, rec: &InstanceRecord, c: &Candidate, framework: Framework, boot_id: &str, driver: &Option<String>) -> Claim {
+        Claim {
+            device: c.device.clone(),
+            framework,
+            instance_id: rec.id,
+            owner_name: Some(rec.name.clone()),
+            owner_labels: Some(rec.labels.clone()),
+            gpu: c.gpu.clone(),
+            profile: rec.gpu_profile.clone().unwrap_or_default(),
+            type_id: None,
+            mdev_uuid: c.mdev_type.as_ref().map(|_| Uuid::new_v4()),
+            mdev_type: c.mdev_type.clone(),
+            claimed_at: now_rfc3339(),
+            claim_boot_id: boot_id.to_string(),
+            claimed_boottime_ms: proc::boottime_ms(),
+            driver_version: driver.clone(),
+            state: ClaimState::Claimed,
+            release_attempts: 0,
+            last_error: None,
+        }
+    }
+
+    /// Claims and configures a device for `rec`. On success the claim is durable and
+    /// `configured`. On [`ClaimFailure::Nothing`] no claim of the instance is left.
+    pub(crate) fn claim_and_configure(&self, rec: &InstanceRecord) -> Result<Claim, ClaimFailure> {
+        let fail = ClaimFailure::Nothing;
+        self.require_ready().map_err(fail)?;
+        let profile = rec.gpu_profile.clone().unwrap_or_default();
+        let boot_id = self.boot_id().map_err(fail)?;
+        let started = Instant::now();
+        let ask = PlacementAsk { instance_id: rec.id, name: &rec.name, labels: &rec.labels, profile: &profile };
+        let (obs, framework, ranked) = {
+            let _a = self.alloc();
+            let obs = self.observe(Some(&profile)).map_err(fail)?;
+            let framework = obs.framework().map_err(fail)?;
+            let ranked = self.rank(&ask, framework, &obs).map_err(fail)?;
+            (obs, framework, ranked)
+        };
+        crate::crash_point!("claim_before_create");
+        let mut notes = obs.notes.clone();
+        let mut failures = 0;
+        let mut faulty_gpus = BTreeSet::new();
+        for cand in ranked {
+            if faulty_gpus.contains(&cand.gpu) {
+                continue;
+            }
+            if failures >= MAX_CONFIGURE_FAILURES {
+                notes.push(format!("gave up after {failures} refused candidates"));
+                break;
+            }
+            let mut claim = self.new_claim(rec, &cand, framework, &boot_id, &obs.driver_version);
+            {
+                let _a = self.alloc();
+                match self.store.create_claim(&claim) {
+                    Ok(()) => {}
+                    Err(StoreError::ClaimExists { .. }) => continue,
+                    Err(e) => return Err(fail(e.into())),
+                }
+            }
+            crate::crash_point!("after_claim_commit");
+            let result = match framework {
+                Framework::VendorVfio => self.configure_vf(&mut claim, &cand),
+                Framework::Mdev => self.configure_mdev(&mut claim, rec),
+                Framework::Passthrough => Err(Refusal::untouched("passthrough is not supported yet")),
+            };
+            match result {
+                Ok(()) => {
+                    claim.state = ClaimState::Configured;
+                    if let Err(e) = self.store.update_claim(&claim) {
+                        claim.state = ClaimState::Claimed;
+                        return Err(ClaimFailure::Held(claim, e.into()));
+                    }
+                    crate::crash_point!("after_configure");
+                    self.metrics.claim_duration(started.elapsed().as_secs_f64());
+                    tracing::info!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %claim.device,
+                        type_id = %claim.type_id.map(|t| t.to_string()).unwrap_or_else(|| "-".into()),
+                        duration_ms = started.elapsed().as_millis() as u64, "device claimed and configured");
+                    return Ok(claim);
+                }
+                Err(r) => {
+                    failures += 1;
+                    tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %cand.device,
+                        reason = %r.why, "candidate refused");
+                    notes.push(format!("{}: {}", cand.device, r.why));
+                    if let Verdict::GpuFault { gpu } = &r.verdict {
+                        notes.push(format!("GPU {gpu}: the same error on several of its devices: a GPU- or driver-level fault; its other devices were not tried"));
+                        faulty_gpus.insert(gpu.clone());
+                    }
+                    self.drop_refused_claim(rec, claim, r).map_err(|(c, e)| ClaimFailure::Held(c, e))?;
+                }
+            }
+        }
+        let msg = format!("no device can take profile {profile} now");
+        let msg = if notes.is_empty() { msg } else { format!("{msg} ({})", notes.join("; ")) };
+        Err(fail(ApiError::no_capacity(msg, &profile, notes, None)))
+    }
+
+    /// Forgets the claim of a refused candidate: dropped when the device was left as found,
+    /// released through the release path when its state is unknown. Errors: the release
+    /// failed — the claim stays (`release_pending`) and the caller must roll back.
+    fn drop_refused_claim(&self, rec: &InstanceRecord, claim: Claim, r: Refusal) -> Result<(), (Claim, ApiError)> {
+        if r.untouched {
+            let _a = self.alloc();
+            match self.store.read_claim(&claim.device) {
+                Ok(Some(cur)) if cur.same_claim(&claim) => {
+                    self.store.remove_claim(&claim.device).map_err(|e| (claim.clone(), e.into()))?
+                }
+                Ok(_) => {}
+                Err(e) => return Err((claim, e.into())),
+            }
+            if let Some(u) = claim.mdev_uuid {
+                let _ = self.store.remove_mdev(u);
+            }
+            return Ok(());
+        }
+        let boot_id = self.boot_id().map_err(|e| (claim.clone(), e))?;
+        let dead = match self.prove_dead(rec.id, Some(rec), &boot_id) {
+            Ok(d) => d,
+            Err(l) => return Err((claim, ApiError::internal(format!("the VMM of a starting instance is {l}")))),
+        };
+        match self.release(Release::Claim(&claim, dead), Duration::ZERO) {
+            Ok(_) => Ok(()),
+            Err(e) => Err((claim, ApiError::internal(format!("a refused candidate could not be released: {e}")))),
+        }
+    }
+
+    /// Configures a claimed VF: repairs it first if dirty (through the release path), then
+    /// sets the type with read-back, under the configure and device locks.
+    fn configure_vf(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
+        let _c = self.configure_lock();
+        let vf = claim.device.clone();
+        let cur = vendor_vfio::read_current_type(&self.host, &vf)
+            .map_err(|e| Refusal::untouched(format!("current_vgpu_type unreadable: {e}")))?;
+        if cur != 0 {
+            if !cand.dirty {
+                return Err(Refusal::untouched(format!("reads type {cur} since it was observed free")));
+            }
+            match self.release(Release::Repair { claim, type_id: cur }, Duration::ZERO) {
+                Ok(Released::Cleared) => tracing::info!(gpu.device = %vf, old_type = cur, "dirty VF repaired"),
+                Ok(Released::NotOurs) => return Err(Refusal::untouched("the claim changed during the repair")),
+                Err(e) => return Err(Refusal::untouched(format!("dirty (type {cur}) and not repaired: {e}"))),
+            }
+            crate::crash_point!("configure_after_repair");
+        }
+        let dev_lock = self.device_lock(&vf);
+        let _d = crate::sync::lock(&dev_lock);
+        match vendor_vfio::set_type(&self.host, &vf, &claim.profile) {
+            Ok(id) => {
+                claim.type_id = Some(id);
+                self.write_outcome(&vf, &claim.gpu, WriteSite::SetType, &Ok(()));
+                Ok(())
+            }
+            Err(vendor_vfio::ConfigureError::NotCreatable(w)) => {
+                let verdict = self.write_outcome(&vf, &claim.gpu, WriteSite::SetType, &Err(w.clone()));
+                Err(Refusal { why: w.message, verdict, untouched: true })
+            }
+            Err(vendor_vfio::ConfigureError::Foreign { value }) => {
+                self.quarantine(&vf, "foreign_write", &format!("read back type {value} that gpuvisor did not write"));
+                Err(Refusal::untouched(format!("foreign write: reads {value}")))
+            }
+            Err(vendor_vfio::ConfigureError::Io(m)) => {
+                let zero = vendor_vfio::read_current_type(&self.host, &vf).ok() == Some(0);
+                Err(Refusal { why: m, verdict: Verdict::None, untouched: zero })
+            }
+        }
+    }
+
+    /// Creates the claim's mdev: records it in `mdevs/` first, then writes `create`.
+    fn configure_mdev(&self, claim: &mut Claim, rec: &InstanceRecord) -> Result<(), Refusal> {
+        let _c = self.configure_lock();
+        let dev_lock = self.device_lock(&claim.device);
+        let _d = crate::sync::lock(&dev_lock);
+        let (Some(uuid), Some(t)) = (claim.mdev_uuid, claim.mdev_type.clone()) else {
+            return Err(Refusal::untouched("claim lacks an mdev uuid"));
+        };
+        let mrec = MdevRecord {
+            uuid,
+            parent: claim.device.clone(),
+            mdev_type: t.clone(),
+            instance_id: rec.id,
+            created_at: now_rfc3339(),
+            boot_id: claim.claim_boot_id.clone(),
+            created_boottime_ms: proc::boottime_ms(),
+        };
+        self.store.write_mdev(&mrec).map_err(|e| Refusal::untouched(e.to_string()))?;
+        let res = mdev::create(&self.host, &claim.device, &t, &uuid.to_string());
+        let verdict = self.write_outcome(&claim.device, &claim.gpu, WriteSite::MdevCreate, &res);
+        match res {
+            Ok(()) => Ok(()),
+            Err(w) => match mdev::read_device(&self.host, &uuid.to_string()) {
+                Ok(None) => {
+                    let _ = self.store.remove_mdev(uuid);
+                    Err(Refusal { why: w.message, verdict, untouched: true })
+                }
+                // The mdev exists (or cannot be read): its state is unknown.
+                _ => Err(Refusal { why: w.message, verdict, untouched: false }),
+            },
+        }
+    }
+}

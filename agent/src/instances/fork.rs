@@ -1,0 +1,98 @@
+//! `instance.fork` and the saved-state operations (`standby`, `snapshot`, `restore`).
+//!
+//! A fork never inherits a claim or a VMM identity: it keeps the GPU *profile* and claims
+//! its own device when it starts. `cleanup_pending` instances refuse all of these.
+
+use super::request::check_instance_name;
+use super::view::InstanceView;
+use super::vmm::OwnedClaim;
+use super::{now_rfc3339, Manager, Who};
+use crate::error::ApiError;
+use crate::store::{InstanceDefinition, InstanceRecord, InstanceState, Listing, StoreError};
+use uuid::Uuid;
+
+/// The saved-state operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveStateOp {
+    Standby,
+    Snapshot,
+    Restore,
+}
+
+impl SaveStateOp {
+    /// `standby`, `snapshot`, `restore`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SaveStateOp::Standby => "standby",
+            SaveStateOp::Snapshot => "snapshot",
+            SaveStateOp::Restore => "restore",
+        }
+    }
+}
+
+impl Manager {
+    /// `instance.fork`: a new stopped instance with the source's definition (image, vCPUs,
+    /// memory, labels, hypervisor and GPU *profile*).
+    pub fn fork(&self, r: &str, name: &str) -> Result<InstanceView, ApiError> {
+        let src = self.logged("fork", Who::named(r), self.find(r))?;
+        let res = self.fork_of(&src, name);
+        self.logged("fork", Who::of(&src), res)
+    }
+
+    fn fork_of(&self, src: &InstanceRecord, name: &str) -> Result<InstanceView, ApiError> {
+        if src.state() == InstanceState::CleanupPending {
+            return Err(ApiError::instance_cleanup_pending(src.id, &src.name));
+        }
+        check_instance_name(name)?;
+        let rec = InstanceRecord::new(
+            InstanceDefinition {
+                id: Uuid::new_v4(),
+                name: name.to_string(),
+                image: src.image.clone(),
+                hypervisor: src.hypervisor.clone(),
+                vcpus: src.vcpus,
+                memory_mib: src.memory_mib,
+                labels: src.labels.clone(),
+                gpu_profile: src.gpu_profile.clone(),
+                gpu_framework: src.gpu_framework,
+                created_at: now_rfc3339(),
+            },
+            InstanceState::Stopped,
+        );
+        {
+            let _a = self.alloc();
+            self.store.claim_name(name, rec.id).map_err(|e| match e {
+                StoreError::NameTaken { .. } => ApiError::name_taken("an instance", name),
+                e => e.into(),
+            })?;
+            if let Err(e) = self.store.write_instance(&rec) {
+                let _ = self.store.remove_instance(rec.id);
+                let _ = self.store.release_name(name, rec.id);
+                return Err(e.into());
+            }
+        }
+        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, source = %src.id, "instance forked");
+        Ok(self.view(&rec, &Listing::default()))
+    }
+
+    /// `instance.standby` / `instance.snapshot` / `instance.restore`: refused for
+    /// `cleanup_pending` instances (`instance_cleanup_pending`) and, for standby and
+    /// snapshot, for running instances with a VFIO device (`unsupported_with_gpu`: device
+    /// state cannot be saved). Plain instances: not implemented in this version.
+    pub fn save_state_op(&self, r: &str, op: SaveStateOp) -> Result<InstanceView, ApiError> {
+        let rec = self.logged(op.as_str(), Who::named(r), self.find(r))?;
+        let res = self.save_state_of(&rec, op);
+        self.logged(op.as_str(), Who::of(&rec), res)
+    }
+
+    fn save_state_of(&self, rec: &InstanceRecord, op: SaveStateOp) -> Result<InstanceView, ApiError> {
+        if rec.state() == InstanceState::CleanupPending {
+            return Err(ApiError::instance_cleanup_pending(rec.id, &rec.name));
+        }
+        let has_gpu = rec.wants_gpu() || !matches!(self.claim_of(rec)?, OwnedClaim::None);
+        if op != SaveStateOp::Restore && has_gpu && rec.state() == InstanceState::Running {
+            return Err(ApiError::unsupported_with_gpu(op.as_str(), &rec.name));
+        }
+        Err(ApiError::invalid_request(format!("instance.{} is not implemented in this version", op.as_str())))
+    }
+}

@@ -1,0 +1,704 @@
+//! Observation of the host: one [`devices::scan`] plus the claim and health records, turned
+//! into what every caller needs — the placement inventory (the plugins' view), the legal
+//! candidates for a profile, and the facts the views show (current types, unreadable
+//! devices, claim/type mismatches). What observations teach about profiles (names, type
+//! ids, framebuffer sizes) is kept in the [`ProfileBook`].
+//!
+//! Rules kept here:
+//! - **unknown is never clear**: a device whose type cannot be read is `unreadable`, never
+//!   free or type 0; a claim or health record that cannot be decoded blocks the device its
+//!   file names (claimed / quarantined), and only that device;
+//! - **O(1) store work per claim**: what placement needs about an owner (its labels) comes
+//!   from the claim itself, not from the instance records;
+//! - each problem is logged once, when it appears, naming the device (not at every
+//!   observation).
+
+use super::{now_rfc3339, Manager};
+use crate::devices::{self, mdev, vendor_vfio, HostMode, UnreadableDevice};
+use crate::error::ApiError;
+use crate::store::{Claim, ClaimState, Framework, HealthRecord, Listing, Store};
+use crate::sync::lock;
+use gpuvisor_sdk::{profile_framebuffer_mib, DeviceOwner, DeviceState, DeviceView, GpuView, Inventory};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+/// What `current_vgpu_type` of a device reads: a type id (`0`: none), or unknown.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TypeReading {
+    Id(u32),
+    Unknown(String),
+}
+
+impl TypeReading {
+    /// The id, when known.
+    pub fn id(&self) -> Option<u32> {
+        match self {
+            TypeReading::Id(i) => Some(*i),
+            TypeReading::Unknown(_) => None,
+        }
+    }
+}
+
+/// One device (VF or mdev parent) as observed.
+#[derive(Debug, Clone)]
+pub struct ObservedDevice {
+    pub address: String,
+    pub state: DeviceState,
+    /// Vendor VFIO: `current_vgpu_type`. mdev parents: `Id(0)` (no type file).
+    pub current_type: TypeReading,
+    /// Canonical profile names the device can create now (free devices only).
+    pub creatable: Vec<String>,
+    /// Its claim, if one could be read.
+    pub claim: Option<Claim>,
+    /// A claim file for this device exists but cannot be read (`path: error`).
+    pub claim_unreadable: Option<String>,
+    /// The owner's labels are unknown (a legacy claim whose owner record cannot be read).
+    pub owner_labels: Option<crate::store::Labels>,
+    /// Its health mark, if any (an unreadable health file is a quarantine mark).
+    pub health: Option<HealthRecord>,
+    /// Why its state cannot be read, if it cannot.
+    pub unreadable: Option<String>,
+    /// `creatable_vgpu_types` lines skipped (malformed, or id 0).
+    pub catalog_skipped: Vec<String>,
+    /// Its claim names another type than the VF holds now (a foreign write under a VM).
+    pub type_mismatch: Option<String>,
+}
+
+/// One managed GPU (PF) as observed.
+#[derive(Debug, Clone)]
+pub struct ObservedGpu {
+    pub address: String,
+    pub model: String,
+    pub framebuffer_mib: Option<u64>,
+    pub numa_node: Option<i32>,
+    pub claimed_framebuffer_mib: u64,
+    pub load_known: bool,
+    /// gpuvisor may touch its devices (`managed_gpus`).
+    pub managed: bool,
+    /// A GPU-level health mark (`health/<PF>.json`).
+    pub health: Option<HealthRecord>,
+    pub devices: Vec<ObservedDevice>,
+}
+
+/// A placeable device as the native side sees it (the legal-candidate check).
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub device: String,
+    pub gpu: String,
+    pub dirty: bool,
+    /// The type a dirty VF holds now (repaired before configure).
+    pub dirty_type: Option<u32>,
+    /// mdev: the type directory to create.
+    pub mdev_type: Option<String>,
+}
+
+/// The host and the store observed once.
+#[derive(Debug, Clone)]
+pub struct Observation {
+    /// The framework, or the probe error.
+    pub mode: Result<HostMode, String>,
+    pub gpus: Vec<ObservedGpu>,
+    /// Legal candidates for the requested profile (empty without one).
+    pub candidates: Vec<Candidate>,
+    /// Human notes on devices that are not candidates (e.g. a dirty VF in use).
+    pub notes: Vec<String>,
+    /// Devices whose state cannot be read (managed or not).
+    pub unreadable: Vec<UnreadableDevice>,
+    /// The claims read, and those that could not be.
+    pub claims: Listing<Claim>,
+    /// The health marks read, and those that could not be.
+    pub health: Listing<HealthRecord>,
+    /// The driver version (`sys/module/nvidia/version`).
+    pub driver_version: Option<String>,
+    /// Existing mdevs (mdev hosts).
+    pub mdevs: Vec<mdev::MdevDevice>,
+    /// The raw vendor-VFIO GPUs (for the sweep).
+    pub vendor: Vec<vendor_vfio::GpuInfo>,
+}
+
+impl Observation {
+    /// The GPU framework claims use, or why vGPU claims are refused now (`not_ready`).
+    pub fn framework(&self) -> Result<Framework, ApiError> {
+        Observation::framework_of(&self.mode)
+    }
+
+    fn framework_of(mode: &Result<HostMode, String>) -> Result<Framework, ApiError> {
+        match mode {
+            Ok(HostMode::VendorVfio) => Ok(Framework::VendorVfio),
+            Ok(HostMode::Mdev) => Ok(Framework::Mdev),
+            Ok(HostMode::Mixed) => Err(ApiError::not_ready(
+                "the host shows both vendor-VFIO VFs and mdev types (mixed); vGPU claims are refused",
+            )),
+            Ok(HostMode::WaitingForVfs) => Err(ApiError::not_ready(
+                "the host's GPUs have no SR-IOV VFs yet (waiting for sriov-manage); retry later",
+            )),
+            Ok(HostMode::None) => Err(ApiError::not_ready("this host has no vGPU-capable NVIDIA device")),
+            Err(e) => Err(ApiError::not_ready(format!("GPU framework probe failed: {e}"))),
+        }
+    }
+
+    /// The wire name of the mode (`probe_error` for a probe error).
+    pub fn mode_name(&self) -> &'static str {
+        match &self.mode {
+            Ok(m) => m.as_str(),
+            Err(_) => "probe_error",
+        }
+    }
+
+    /// The placement inventory the plugins see: managed GPUs only.
+    pub fn inventory(&self) -> Inventory {
+        let gpus = self
+            .gpus
+            .iter()
+            .filter(|g| g.managed)
+            .map(|g| GpuView {
+                address: g.address.clone(),
+                model: g.model.clone(),
+                framebuffer_mib: g.framebuffer_mib,
+                numa_node: g.numa_node,
+                claimed_framebuffer_mib: g.claimed_framebuffer_mib,
+                load_known: g.load_known,
+                devices: g
+                    .devices
+                    .iter()
+                    .map(|d| DeviceView {
+                        address: d.address.clone(),
+                        state: d.state,
+                        current_type: d.current_type.id().filter(|t| *t != 0),
+                        creatable: d.creatable.clone(),
+                        owner: d.claim.as_ref().map(|c| DeviceOwner {
+                            instance_id: c.instance_id.to_string(),
+                            profile: Some(c.profile.clone()),
+                            labels: d.owner_labels.clone().unwrap_or_default(),
+                        }),
+                    })
+                    .collect(),
+            })
+            .collect();
+        Inventory { gpus }
+    }
+
+    /// Every observed device of managed GPUs.
+    pub fn devices(&self) -> impl Iterator<Item = (&ObservedGpu, &ObservedDevice)> {
+        self.gpus.iter().filter(|g| g.managed).flat_map(|g| g.devices.iter().map(move |d| (g, d)))
+    }
+}
+
+/// What observations taught: profile names (persisted), type ids per GPU, GPU sizes; and
+/// the problems last reported (so each is logged once).
+pub struct ProfileBook {
+    path: PathBuf,
+    /// Canonical profile name (upper case) → (the catalog's spelling, framebuffer MiB), for
+    /// every name seen in a catalog or a claim (NVIDIA-HOST.md §3.5: tells `unknown_profile`
+    /// from `no_capacity`).
+    known: Mutex<BTreeMap<String, (String, Option<u64>)>>,
+    /// The driver version the names were learned under, and (PF, type id) → profile name:
+    /// a VF holding a type shows an empty catalog, so a dirty VF's size is looked up here
+    /// when no sibling lists its type any more. Reset when the driver version changes.
+    type_names: Mutex<(Option<String>, HashMap<(String, u32), String>)>,
+    /// PF → largest framebuffer seen in any of its catalogs (the GPU's size).
+    gpu_framebuffer: Mutex<HashMap<String, u64>>,
+    /// Problems reported by the last observation: `device: reason` lines.
+    reported: Mutex<BTreeSet<String>>,
+    /// The framework the last observation found (the capability gate's input; the claim
+    /// re-checks it under the allocation lock).
+    last_mode: Mutex<Option<Result<HostMode, String>>>,
+}
+
+impl ProfileBook {
+    /// Loads the persisted profile names (`<data-dir>/profiles.json`).
+    pub fn load(store: &Store) -> ProfileBook {
+        let path = store.root().join("profiles.json");
+        let known = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        ProfileBook {
+            path,
+            known: Mutex::new(known),
+            type_names: Mutex::new((None, HashMap::new())),
+            gpu_framebuffer: Mutex::new(HashMap::new()),
+            reported: Mutex::new(BTreeSet::new()),
+            last_mode: Mutex::new(None),
+        }
+    }
+
+    /// Remembers a profile name; new names are persisted so that a full GPU after a restart
+    /// still tells `no_capacity` from `unknown_profile`.
+    fn learn(&self, name: &str, fb: Option<u64>) {
+        let canon = gpuvisor_sdk::canonical_profile(name);
+        if canon.is_empty() {
+            return;
+        }
+        let mut known = lock(&self.known);
+        let key = canon.to_ascii_uppercase();
+        if known.contains_key(&key) {
+            return;
+        }
+        known.insert(key, (canon.to_string(), fb));
+        if let Err(e) = crate::store::write_json_atomic(&self.path, &*known) {
+            tracing::warn!(error = %e, "cannot persist the known profile names");
+        }
+    }
+
+    fn learn_type(&self, driver: &Option<String>, pf: &str, id: u32, name: &str) {
+        let mut names = lock(&self.type_names);
+        if names.0 != *driver {
+            *names = (driver.clone(), HashMap::new());
+        }
+        names.1.insert((pf.to_string(), id), name.to_string());
+    }
+
+    fn type_name(&self, pf: &str, id: u32) -> Option<String> {
+        lock(&self.type_names).1.get(&(pf.to_string(), id)).cloned()
+    }
+
+    fn learn_gpu_size(&self, pf: &str, fb: Option<u64>) {
+        if let Some(fb) = fb {
+            let mut m = lock(&self.gpu_framebuffer);
+            let e = m.entry(pf.to_string()).or_insert(0);
+            *e = (*e).max(fb);
+        }
+    }
+
+    fn gpu_size(&self, pf: &str, device_id: &str) -> Option<u64> {
+        devices::framebuffer_by_device_id(device_id).or_else(|| lock(&self.gpu_framebuffer).get(pf).copied())
+    }
+
+    /// The framebuffer of a profile: from the name, else from the mdev description or the
+    /// known table; `None` = unknown.
+    pub fn profile_fb(&self, profile: &str) -> Option<u64> {
+        profile_framebuffer_mib(profile).or_else(|| {
+            lock(&self.known).get(&gpuvisor_sdk::canonical_profile(profile).to_ascii_uppercase()).and_then(|(_, fb)| *fb)
+        })
+    }
+
+    /// True when a profile name was seen in any catalog or claim.
+    pub fn known(&self, profile: &str) -> bool {
+        lock(&self.known).contains_key(&gpuvisor_sdk::canonical_profile(profile).to_ascii_uppercase())
+    }
+
+    /// The catalog's spelling of a known profile (`l40s-2q` → `L40S-2Q`).
+    pub fn spelling(&self, profile: &str) -> String {
+        let canon = gpuvisor_sdk::canonical_profile(profile);
+        lock(&self.known)
+            .get(&canon.to_ascii_uppercase())
+            .map(|(n, _)| n.clone())
+            .unwrap_or_else(|| canon.to_string())
+    }
+
+    /// Every known profile: (spelling, framebuffer MiB).
+    pub fn all(&self) -> Vec<(String, Option<u64>)> {
+        lock(&self.known).values().cloned().collect()
+    }
+
+    /// Logs the problems that appeared since the last observation (WARN, once each, naming
+    /// the device) and those that went away (INFO).
+    fn report(&self, now: BTreeSet<String>) {
+        let mut last = lock(&self.reported);
+        for p in now.difference(&last) {
+            tracing::warn!(problem = %p, "device state cannot be used");
+        }
+        for p in last.difference(&now) {
+            tracing::info!(problem = %p, "device problem gone");
+        }
+        *last = now;
+    }
+}
+
+impl Manager {
+    /// Reads the host and the claim and health records once and builds the observation,
+    /// with the legal candidates for `profile` (None: inventory only). Errors: `not_ready`
+    /// when the claim or health directories cannot be listed at all (an unreadable record
+    /// only blocks what it names).
+    pub(crate) fn observe(&self, profile: Option<&str>) -> Result<Observation, ApiError> {
+        let scan = devices::scan(&self.host);
+        let claims =
+            self.store.scan_claims().map_err(|e| ApiError::not_ready(format!("claim records cannot be listed: {e}")))?;
+        let health =
+            self.store.scan_health().map_err(|e| ApiError::not_ready(format!("health records cannot be listed: {e}")))?;
+        let driver = scan.driver_version.clone();
+        for c in &claims.records {
+            if let (Some(id), true) = (c.type_id, c.driver_version == driver) {
+                self.book.learn_type(&driver, &c.gpu, id, &c.profile);
+            }
+            self.book.learn(&c.profile, profile_framebuffer_mib(&c.profile));
+        }
+        let mut obs = Observation {
+            mode: scan.mode.clone().map_err(|e| e.to_string()),
+            gpus: Vec::new(),
+            candidates: Vec::new(),
+            notes: Vec::new(),
+            unreadable: scan.unreadable.clone(),
+            driver_version: driver.clone(),
+            mdevs: scan.mdevs.clone(),
+            vendor: scan.vendor.clone(),
+            claims,
+            health,
+        };
+        match scan.mode {
+            Ok(HostMode::Mdev) => self.observe_mdev(&scan, profile, &mut obs),
+            // A probe error still shows every VF that was found (each unreadable one named).
+            _ => self.observe_vendor(&scan, profile, &mut obs),
+        }
+        if profile.is_some() {
+            let dirty: Vec<String> = obs
+                .devices()
+                .filter(|(_, d)| d.state == DeviceState::Dirty)
+                .map(|(_, d)| {
+                    format!(
+                        "{} is dirty (type {}, no claim)",
+                        d.address,
+                        d.current_type.id().map(|t| t.to_string()).unwrap_or_else(|| "unknown".into())
+                    )
+                })
+                .collect();
+            obs.notes.extend(dirty);
+        }
+        let mut problems: BTreeSet<String> = obs.unreadable.iter().map(|u| format!("{}: {}", u.address, u.reason)).collect();
+        for (_, d) in obs.devices() {
+            for line in &d.catalog_skipped {
+                problems.insert(format!("{}: creatable_vgpu_types line skipped: {line:?}", d.address));
+            }
+            if let Some(m) = &d.type_mismatch {
+                problems.insert(format!("{}: {m}", d.address));
+            }
+        }
+        for u in obs.claims.unreadable.iter().chain(&obs.health.unreadable) {
+            problems.insert(format!("{}: record unreadable: {}", u.path.display(), u.error));
+        }
+        self.book.report(problems);
+        *lock(&self.book.last_mode) = Some(obs.mode.clone());
+        Ok(obs)
+    }
+
+    /// The claim, claim-unreadable note, health mark and owner labels of `device`.
+    fn device_records(
+        &self,
+        obs: &Observation,
+        device: &str,
+    ) -> (Option<Claim>, Option<String>, Option<HealthRecord>, Option<crate::store::Labels>) {
+        let claim = obs.claims.records.iter().find(|c| c.device == device).cloned();
+        let claim_unreadable = obs
+            .claims
+            .unreadable
+            .iter()
+            .find(|u| u.key.eq_ignore_ascii_case(device))
+            .map(|u| format!("{}: {}", u.path.display(), u.error));
+        let health = obs.health.records.iter().find(|h| h.device == device).cloned().or_else(|| {
+            obs.health.unreadable.iter().find(|u| u.key.eq_ignore_ascii_case(device)).map(|u| HealthRecord {
+                device: device.to_string(),
+                reason: "record_unreadable".into(),
+                quarantined: true,
+                detail: format!("the health record {} cannot be read: {}", u.path.display(), u.error),
+                at: now_rfc3339(),
+                eio_in_a_row: 0,
+            })
+        });
+        let labels = claim.as_ref().and_then(|c| self.owner_labels(c));
+        (claim, claim_unreadable, health, labels)
+    }
+
+    /// What placement sees of a claim's owner: the labels the claim carries; for a claim
+    /// written before claims carried them, the owner's record (one read). `None` when
+    /// unknown (the owner's record cannot be read).
+    fn owner_labels(&self, c: &Claim) -> Option<crate::store::Labels> {
+        if let Some(l) = &c.owner_labels {
+            return Some(l.clone());
+        }
+        match self.store.read_instance(c.instance_id) {
+            Ok(Some(r)) => Some(r.labels),
+            Ok(None) => Some(Default::default()),
+            Err(_) => None,
+        }
+    }
+
+    fn observe_vendor(&self, scan: &devices::HostScan, profile: Option<&str>, obs: &mut Observation) {
+        let driver = &scan.driver_version;
+        let want_fb = profile.and_then(|p| self.book.profile_fb(p));
+        for g in &scan.vendor {
+            let managed = self.cfg.manages(&g.bdf);
+            for vf in &g.vfs {
+                if let Ok(cat) = &vf.catalog {
+                    for e in &cat.entries {
+                        let fb = profile_framebuffer_mib(&e.name);
+                        self.book.learn(&e.name, fb);
+                        self.book.learn_type(driver, &g.bdf, e.id, &e.name);
+                        self.book.learn_gpu_size(&g.bdf, fb);
+                    }
+                }
+            }
+            let mut devices = Vec::new();
+            for vf in &g.vfs {
+                let (claim, claim_unreadable, health, owner_labels) = self.device_records(obs, &vf.bdf);
+                let current_type = match &vf.current_type {
+                    Ok(t) => TypeReading::Id(*t),
+                    Err(e) => TypeReading::Unknown(e.clone()),
+                };
+                let unreadable = vf.unreadable_reason();
+                let state = if claim.is_some() || claim_unreadable.is_some() {
+                    DeviceState::Claimed
+                } else if health.as_ref().is_some_and(|h| h.quarantined) {
+                    DeviceState::Quarantined
+                } else if unreadable.is_some() {
+                    DeviceState::Unreadable
+                } else if current_type.id().is_some_and(|t| t != 0) {
+                    DeviceState::Dirty
+                } else {
+                    DeviceState::Free
+                };
+                let creatable = match (&vf.catalog, state) {
+                    (Ok(c), DeviceState::Free) => {
+                        c.entries.iter().map(|e| gpuvisor_sdk::canonical_profile(&e.name).to_string()).collect()
+                    }
+                    _ => vec![],
+                };
+                let type_mismatch = claim.as_ref().and_then(|c| match (c.state, c.type_id, current_type.id()) {
+                    (ClaimState::Configured, Some(want), Some(now)) if now != want => Some(format!(
+                        "reads type {now}, but its claim by instance {} recorded type {want}: another writer changed \
+                         it under the VM",
+                        c.instance_id
+                    )),
+                    _ => None,
+                });
+                devices.push(ObservedDevice {
+                    address: vf.bdf.clone(),
+                    state,
+                    current_type,
+                    creatable,
+                    claim,
+                    claim_unreadable,
+                    owner_labels,
+                    health,
+                    unreadable,
+                    catalog_skipped: vf.catalog.as_ref().map(|c| c.skipped.clone()).unwrap_or_default(),
+                    type_mismatch,
+                });
+            }
+            // Framebuffer of every active vGPU on the GPU (claimed or dirty).
+            let active: Vec<(&str, Option<u64>)> = devices
+                .iter()
+                .filter_map(|d| match (&d.claim, d.current_type.id()) {
+                    (Some(c), _) => Some((d.address.as_str(), self.book.profile_fb(&c.profile))),
+                    (None, _) if d.claim_unreadable.is_some() => Some((d.address.as_str(), None)),
+                    (None, Some(t)) if t != 0 => Some((d.address.as_str(), self.type_fb(g, t))),
+                    _ => None,
+                })
+                .collect();
+            if let (true, Some(p)) = (managed, profile) {
+                for d in &devices {
+                    let legal = match d.state {
+                        DeviceState::Free => d.creatable.iter().any(|c| gpuvisor_sdk::profile_matches(p, c)),
+                        // Repairable: once this VF is cleared, every other active vGPU on the
+                        // GPU has the requested size (equal-size rule).
+                        DeviceState::Dirty => {
+                            self.book.known(p)
+                                && active
+                                    .iter()
+                                    .filter(|(b, _)| *b != d.address)
+                                    .all(|(_, fb)| fb.is_some() && want_fb.is_some() && *fb == want_fb)
+                        }
+                        _ => false,
+                    };
+                    if legal {
+                        obs.candidates.push(Candidate {
+                            device: d.address.clone(),
+                            gpu: g.bdf.clone(),
+                            dirty: d.state == DeviceState::Dirty,
+                            dirty_type: d.current_type.id().filter(|t| *t != 0 && d.state == DeviceState::Dirty),
+                            mdev_type: None,
+                        });
+                    }
+                }
+            }
+            let (claimed_framebuffer_mib, load_known) = self.load_of(&devices);
+            obs.gpus.push(ObservedGpu {
+                model: self.gpu_model(g),
+                framebuffer_mib: self.book.gpu_size(&g.bdf, &g.device_id),
+                numa_node: g.numa_node,
+                claimed_framebuffer_mib,
+                load_known,
+                managed,
+                health: self.gpu_mark(obs, &g.bdf),
+                devices,
+                address: g.bdf.clone(),
+            });
+        }
+    }
+
+    fn observe_mdev(&self, scan: &devices::HostScan, profile: Option<&str>, obs: &mut Observation) {
+        let mut by_pf: BTreeMap<String, Vec<&mdev::MdevParent>> = BTreeMap::new();
+        for p in &scan.parents {
+            for t in p.types() {
+                self.book.learn(&t.name, t.framebuffer_mib);
+                self.book.learn_gpu_size(&p.pf, t.framebuffer_mib);
+            }
+            by_pf.entry(p.pf.clone()).or_default().push(p);
+        }
+        for (pf, parents) in by_pf {
+            let managed = self.cfg.manages(&pf);
+            let mut devices = Vec::new();
+            for p in parents {
+                let (claim, claim_unreadable, health, owner_labels) = self.device_records(obs, &p.bdf);
+                // An mdev on a parent without a claim is another tool's (or an orphan): the
+                // parent is occupied (shown dirty), and only the sweep may remove our own.
+                let occupied = scan.mdevs.iter().any(|d| d.parent == p.bdf);
+                let unreadable = p.types.as_ref().err().cloned();
+                let state = if claim.is_some() || claim_unreadable.is_some() {
+                    DeviceState::Claimed
+                } else if health.as_ref().is_some_and(|h| h.quarantined) {
+                    DeviceState::Quarantined
+                } else if unreadable.is_some() {
+                    DeviceState::Unreadable
+                } else if occupied {
+                    DeviceState::Dirty
+                } else {
+                    DeviceState::Free
+                };
+                let creatable: Vec<String> = if state == DeviceState::Free {
+                    p.types()
+                        .iter()
+                        .filter(|t| t.available > 0)
+                        .map(|t| gpuvisor_sdk::canonical_profile(&t.name).to_string())
+                        .collect()
+                } else {
+                    vec![]
+                };
+                if let (true, Some(want), DeviceState::Free) = (managed, profile, state) {
+                    if let Some(t) =
+                        p.types().iter().find(|t| t.available > 0 && gpuvisor_sdk::profile_matches(want, &t.name))
+                    {
+                        obs.candidates.push(Candidate {
+                            device: p.bdf.clone(),
+                            gpu: pf.clone(),
+                            dirty: false,
+                            dirty_type: None,
+                            mdev_type: Some(t.dir.clone()),
+                        });
+                    }
+                }
+                devices.push(ObservedDevice {
+                    address: p.bdf.clone(),
+                    state,
+                    current_type: TypeReading::Id(0),
+                    creatable,
+                    claim,
+                    claim_unreadable,
+                    owner_labels,
+                    health,
+                    unreadable,
+                    catalog_skipped: vec![],
+                    type_mismatch: None,
+                });
+            }
+            let device_id = devices::read_attr(&self.host.pci_device(&pf).join("device")).unwrap_or_default();
+            let (claimed_framebuffer_mib, load_known) = self.load_of(&devices);
+            obs.gpus.push(ObservedGpu {
+                model: devices::model_by_device_id(&device_id).unwrap_or("NVIDIA GPU").to_string(),
+                framebuffer_mib: self.book.gpu_size(&pf, &device_id),
+                numa_node: None,
+                claimed_framebuffer_mib,
+                load_known,
+                managed,
+                health: self.gpu_mark(obs, &pf),
+                devices,
+                address: pf,
+            });
+        }
+    }
+
+    /// The claimed framebuffer of a GPU's devices (from claims, not sysfs) and whether every
+    /// claimed size is known.
+    fn load_of(&self, devices: &[ObservedDevice]) -> (u64, bool) {
+        let sizes: Vec<Option<u64>> = devices
+            .iter()
+            .filter(|d| d.claim.is_some() || d.claim_unreadable.is_some())
+            .map(|d| d.claim.as_ref().and_then(|c| self.book.profile_fb(&c.profile)))
+            .collect();
+        (sizes.iter().flatten().sum(), sizes.iter().all(|s| s.is_some()))
+    }
+
+    fn gpu_mark(&self, obs: &Observation, pf: &str) -> Option<HealthRecord> {
+        obs.health.records.iter().find(|h| h.device.eq_ignore_ascii_case(pf)).cloned()
+    }
+
+    /// The framebuffer of a type id set on a VF of `g`, from any catalog of the GPU that
+    /// lists it; `None` when no catalog does (a VF holding a type shows an empty catalog).
+    fn type_fb(&self, g: &vendor_vfio::GpuInfo, type_id: u32) -> Option<u64> {
+        g.vfs
+            .iter()
+            .filter_map(|v| v.catalog.as_ref().ok())
+            .flat_map(|c| c.entries.iter())
+            .find(|e| e.id == type_id)
+            .map(|e| e.name.clone())
+            .or_else(|| self.book.type_name(&g.bdf, type_id))
+            .and_then(|name| profile_framebuffer_mib(&name))
+    }
+
+    fn gpu_model(&self, g: &vendor_vfio::GpuInfo) -> String {
+        if let Some(m) = devices::model_by_device_id(&g.device_id) {
+            return m.to_string();
+        }
+        g.vfs
+            .iter()
+            .filter_map(|v| v.catalog.as_ref().ok())
+            .flat_map(|c| c.entries.iter())
+            .next()
+            .and_then(|e| e.name.rsplit_once('-').map(|(a, _)| a.to_string()))
+            .unwrap_or_else(|| "NVIDIA GPU".into())
+    }
+
+    /// The type id a profile has now, from any catalog of the observation.
+    pub(crate) fn type_id_in(&self, obs: &Observation, profile: &str) -> Option<u32> {
+        obs.vendor.iter().flat_map(|g| g.vfs.iter()).filter_map(|v| v.catalog.as_ref().ok()).find_map(|c| c.find(profile).map(|e| e.id))
+    }
+
+    /// Makes sure the profile names are learned, then tells an unknown profile from a known
+    /// one (NVIDIA-HOST.md §3.5); returns the catalog's spelling. Observes only when the
+    /// profile is not known yet.
+    pub(crate) fn known_profile(&self, profile: &str) -> Result<String, ApiError> {
+        let canon = gpuvisor_sdk::canonical_profile(profile);
+        if canon.is_empty() {
+            return Err(ApiError::invalid_request("gpu profile is empty"));
+        }
+        if !self.book.known(canon) {
+            let _ = self.observe(None);
+            if !self.book.known(canon) {
+                return Err(ApiError::unknown_profile(canon));
+            }
+        }
+        Ok(self.book.spelling(canon))
+    }
+
+    /// The framework of the host as last observed (observing now when the last observation
+    /// found none usable).
+    pub(crate) fn current_framework(&self) -> Result<Framework, ApiError> {
+        let last = lock(&self.book.last_mode).clone();
+        let mode = match last {
+            // Only a usable mode is reused: anything else is looked at again now.
+            Some(m @ Ok(HostMode::VendorVfio | HostMode::Mdev)) => m,
+            _ => self.observe(None)?.mode,
+        };
+        Observation::framework_of(&mode)
+    }
+
+    /// Warns once at start for each `managed_gpus` entry the host does not show.
+    pub fn check_managed_gpus(&self) {
+        match self.observe(None) {
+            Ok(obs) => {
+                for g in self.cfg.managed_gpus.iter().flatten() {
+                    if !obs.gpus.iter().any(|v| v.address.eq_ignore_ascii_case(g)) {
+                        tracing::warn!(gpu = %g, "managed_gpus names a GPU with no vGPU device on this host");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e.message, "initial GPU inventory failed"),
+        }
+    }
+
+    /// The facts of the last observation that gauges show.
+    pub(crate) fn observed_problem_counts(obs: &Observation) -> (i64, i64, i64) {
+        let unreadable = obs.unreadable.len() as i64;
+        let skipped: usize = obs.devices().map(|(_, d)| d.catalog_skipped.len()).sum();
+        let mismatches = obs.devices().filter(|(_, d)| d.type_mismatch.is_some()).count() as i64;
+        (unreadable, skipped as i64, mismatches)
+    }
+}

@@ -1,0 +1,270 @@
+//! # instances — the lifecycle (LIFECYCLE.md is the contract)
+//!
+//! Create, start, stop and delete are ordered lists of steps, each durable before the next
+//! side effect. One file per concern:
+//!
+//! | file | what |
+//! |---|---|
+//! | [`request`] | the API's request types and their validation (names, labels, limits) |
+//! | [`inventory`] | observation of the host: framework, VFs/mdevs, what is known about profiles and GPU sizes |
+//! | [`policy_calls`] | every plugin call: record → time → call → count → validate |
+//! | [`claim`] | claim selection and creation, configure of a VF or an mdev |
+//! | [`release`] | **the** release path: every clear of every device kind |
+//! | [`health`] | suspect and quarantine marks, strike accounting, unquarantine |
+//! | [`vmm`] | VMM liveness, spawn, stop and the kill-path accounting |
+//! | [`create`], [`start`], [`stop`], [`delete`], [`fork`] | one operation each |
+//! | [`rollback`] | rollback and retention after a failed create or start |
+//! | [`view`] | the typed views the core returns (serialised only by `rpc`) |
+//! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
+//!
+//! Locks (in this order): one lock **per instance** (held for a whole operation, so the
+//! reconciler never acts on an instance mid-operation); the **allocation lock** (claim
+//! selection + claim creation, the release path's claim re-read + removal; never held across
+//! a sysfs write or a VM boot); the **configure lock** (the host-wide catalog read → type
+//! write → read-back of NVIDIA-HOST.md §9, so two creates cannot both take the last slot);
+//! one lock **per device** (the open-handle scan and the hardware write under the same
+//! lock).
+//!
+//! Invariants kept here:
+//! - **claim before use**: a device is configured, and a VMM referencing it spawned, only
+//!   after the claim naming the instance is durable;
+//! - **one owner**: claims are exclusive files (`store`);
+//! - **never cleared under a live VM**: [`release`] is the only code that clears a device;
+//!   it runs only once the owner is provably dead, re-reads the claim, and scans
+//!   `/proc/*/fd` under the device lock right before the write;
+//! - **never lose the only record**: a failed release keeps the claim (`release_pending`);
+//! - **unknown is never clear**: an unreadable record or device blocks what it may own.
+
+pub mod claim;
+pub mod create;
+pub mod delete;
+pub mod fork;
+pub mod health;
+pub mod inventory;
+pub mod policy_calls;
+pub mod reconcile;
+pub mod release;
+pub mod request;
+pub mod rollback;
+pub mod start;
+pub mod stop;
+pub mod view;
+pub mod vmm;
+
+use crate::config::Config;
+use crate::error::ApiError;
+use crate::host::HostRoot;
+use crate::metrics::Metrics;
+use crate::policies::Policies;
+use crate::store::{InstanceRecord, Store};
+use crate::sync::lock;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use uuid::Uuid;
+
+pub use request::CreateRequest;
+
+/// Wall time now, RFC 3339 (seconds).
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+/// The lifecycle manager. All methods block (sysfs, /proc, QMP); the rpc layer calls them
+/// from blocking threads.
+pub struct Manager {
+    cfg: Config,
+    host: HostRoot,
+    store: Store,
+    /// The loaded plugins with their params and limits; swapped whole by `plugin.reload`.
+    policies: RwLock<Arc<Policies>>,
+    /// The config file the agent was started with (re-read by `plugin.reload`).
+    config_path: Option<PathBuf>,
+    alloc: Mutex<()>,
+    configure: Mutex<()>,
+    instance_locks: Mutex<HashMap<Uuid, Arc<Mutex<()>>>>,
+    device_locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// What observations taught: profile names, type ids, GPU sizes; and what they found
+    /// unreadable.
+    book: inventory::ProfileBook,
+    health: health::HealthState,
+    reconciler: reconcile::ReconcileState,
+    /// The startup reconcile pass had a complete observation (INVARIANTS.md I13): until
+    /// then new claims answer `not_ready` and nothing is released.
+    ready: AtomicBool,
+    metrics: Metrics,
+}
+
+impl Manager {
+    /// Builds the manager: opens nothing on the host yet.
+    pub fn new(cfg: Config, store: Store, policies: Policies) -> Manager {
+        Manager::with_config_path(cfg, None, store, policies)
+    }
+
+    /// [`Manager::new`], remembering the config file for `plugin.reload`.
+    pub fn with_config_path(cfg: Config, config_path: Option<PathBuf>, store: Store, policies: Policies) -> Manager {
+        let host = HostRoot::new(&cfg.host_root);
+        let book = inventory::ProfileBook::load(&store);
+        let reconciler = reconcile::ReconcileState::load(&store, &host);
+        let metrics = Metrics::new();
+        policies.announce(&metrics);
+        Manager {
+            cfg,
+            host,
+            store,
+            policies: RwLock::new(Arc::new(policies)),
+            config_path,
+            alloc: Mutex::new(()),
+            configure: Mutex::new(()),
+            instance_locks: Mutex::new(HashMap::new()),
+            device_locks: Mutex::new(HashMap::new()),
+            book,
+            health: health::HealthState::default(),
+            reconciler,
+            ready: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The host root.
+    pub fn host(&self) -> &HostRoot {
+        &self.host
+    }
+
+    /// Every counter and histogram.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The loaded plugins.
+    pub fn policies(&self) -> Arc<Policies> {
+        self.policies.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// `plugin.reload`: re-reads the config file (when the agent was started with one) and
+    /// loads every slot again with its path, limits and params; all or nothing — any error
+    /// refuses the reload and keeps the old plugins and params. Calls in flight finish on
+    /// the old ones. Counters are keyed by plugin name and survive the reload.
+    pub fn reload_plugins(&self) -> Result<view::ReloadResult, ApiError> {
+        let mut cfg = self.cfg.clone();
+        if let Some(path) = &self.config_path {
+            let fresh = Config::load(path)
+                .map_err(|e| ApiError::invalid_request(format!("plugin.reload refused, old plugins kept: {e:#}")))?;
+            cfg.plugins = fresh.plugins;
+            cfg.plugin_dir = fresh.plugin_dir;
+        }
+        let new = Policies::load(&cfg, self.cfg.claim_grace_s)
+            .map_err(|e| ApiError::invalid_request(format!("plugin.reload refused, old plugins kept: {e:#}")))?;
+        new.announce(&self.metrics);
+        let result = view::ReloadResult { reloaded: true, plugins: new.names() };
+        *self.policies.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
+        tracing::info!(
+            placement = %result.plugins.placement,
+            hypervisor = %result.plugins.hypervisor,
+            grace = %result.plugins.grace.as_deref().unwrap_or("-"),
+            "plugins reloaded"
+        );
+        Ok(result)
+    }
+
+    fn instance_lock(&self, id: Uuid) -> Arc<Mutex<()>> {
+        lock(&self.instance_locks).entry(id).or_default().clone()
+    }
+
+    fn forget_instance_lock(&self, id: Uuid) {
+        lock(&self.instance_locks).remove(&id);
+    }
+
+    fn device_lock(&self, device: &str) -> Arc<Mutex<()>> {
+        lock(&self.device_locks).entry(device.to_string()).or_default().clone()
+    }
+
+    /// The allocation lock (claim selection + creation; the release path's re-read and
+    /// removal). Never held across a sysfs write or a VM boot.
+    fn alloc(&self) -> MutexGuard<'_, ()> {
+        lock(&self.alloc)
+    }
+
+    /// The host-wide configure lock: catalog read → type write / mdev create → read-back.
+    fn configure_lock(&self) -> MutexGuard<'_, ()> {
+        lock(&self.configure)
+    }
+
+    fn boot_id(&self) -> Result<String, ApiError> {
+        self.host.boot_id().map_err(|e| ApiError::not_ready(format!("cannot read the host boot id: {e}")))
+    }
+
+    /// Resolves an instance by id or name (O(1): the name index, then one record).
+    /// Errors: `not_found`; an unreadable record answers `internal` with its path.
+    pub fn find(&self, r: &str) -> Result<InstanceRecord, ApiError> {
+        let id = match Uuid::parse_str(r) {
+            Ok(id) => id,
+            Err(_) => self.store.name_owner(r)?.ok_or_else(|| ApiError::not_found(r))?,
+        };
+        match self.store.read_instance(id)? {
+            Some(rec) if Uuid::parse_str(r).is_ok() || rec.name == r => Ok(rec),
+            _ => Err(ApiError::not_found(r)),
+        }
+    }
+
+    /// True once a reconcile pass had a complete observation.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new claims until the startup pass is done (INVARIANTS.md I13).
+    fn require_ready(&self) -> Result<(), ApiError> {
+        if self.is_ready() {
+            Ok(())
+        } else {
+            Err(ApiError::not_ready("the agent has not finished its startup reconcile pass; retry shortly"))
+        }
+    }
+
+    /// Logs a failed operation once, at WARN (or ERROR for server-side failures), with the
+    /// instance's id and name when known, and passes the result on. Every public operation
+    /// ends here (LIFECYCLE.md "Logs are part of the interface").
+    fn logged<T>(&self, op: &str, who: Who<'_>, r: Result<T, ApiError>) -> Result<T, ApiError> {
+        if let Err(e) = &r {
+            let id = who.id.map(|i| i.to_string()).unwrap_or_else(|| "-".into());
+            let name = who.name.unwrap_or("-");
+            if e.code.class() >= 500 {
+                tracing::error!(op, instance.id = %id, instance.name = %name, code = e.code.as_str(), error = %e.message, "operation failed");
+            } else {
+                tracing::warn!(op, instance.id = %id, instance.name = %name, code = e.code.as_str(), error = %e.message, "operation failed");
+            }
+        }
+        r
+    }
+}
+
+/// Which instance an operation is about, for its log line.
+#[derive(Debug, Clone, Copy, Default)]
+struct Who<'a> {
+    id: Option<Uuid>,
+    name: Option<&'a str>,
+}
+
+impl<'a> Who<'a> {
+    fn of(rec: &'a InstanceRecord) -> Who<'a> {
+        Who { id: Some(rec.id), name: Some(&rec.name) }
+    }
+
+    fn named(r: &'a str) -> Who<'a> {
+        match Uuid::parse_str(r) {
+            Ok(id) => Who { id: Some(id), name: None },
+            Err(_) => Who { id: None, name: Some(r) },
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! # release — **the** release path: the only code that clears a device
+//!
+//! Every clear of every device kind comes here: a claimed VF or mdev (stop, delete,
+//! rollback, start's earlier claim, the reconciler's stale claims), an orphan VF or mdev
+//! (the sweep), and the repair of a dirty VF before configure. One sequence for all of them
+//! (LIFECYCLE.md "The release guard"):
+//!
+//! 1. the owner is provably dead — a [`Dead`] proof for claims; "no claim" for orphans;
+//! 2. under the allocation lock, the device is still ours to clear: the claim is still
+//!    exactly this claim / the orphan still has no claim;
+//! 3. under the device lock (the allocation lock released — a slow sysfs write never blocks
+//!    other placements): ownership checked again, then a fresh scan of every
+//!    `/proc/<pid>/fd` for the device's nodes; a holder → `in_use`, an incomplete scan →
+//!    `scan_incomplete`;
+//! 4. write (`0`, or the mdev `remove`) and read back; a type gpuvisor did not write →
+//!    quarantined (`foreign_write`), never cleared;
+//! 5. the write's outcome goes to the health accounting;
+//! 6. the claim is removed (re-read under the allocation lock first).
+//!
+//! Nothing is released until the startup pass had a complete observation (INVARIANTS.md
+//! I13). A failed release of a claim keeps the claim, `release_pending`, with the attempt
+//! count and the last error. Nothing else in the tree calls [`vendor_vfio::clear`] or
+//! [`mdev::remove`] (a test checks it).
+
+use super::health::WriteSite;
+use super::vmm::Dead;
+use super::Manager;
+use crate::devices::{self, mdev, vendor_vfio, WriteError};
+use crate::error::ReleaseFailure;
+use crate::host::proc::{self, HandleScan};
+use crate::store::{Claim, ClaimState, Framework, MdevRecord};
+use crate::sync::lock;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// What to release.
+#[derive(Debug, Clone, Copy)]
+pub enum Release<'a> {
+    /// A claim whose owner is provably dead (or absent).
+    Claim(&'a Claim, Dead),
+    /// A dirty VF with no claim that the sweep may clear (`type_id`: what it read).
+    OrphanVf { vf: &'a str, gpu: &'a str, type_id: u32 },
+    /// One of gpuvisor's own mdevs that no claim names.
+    OrphanMdev(&'a MdevRecord),
+    /// A dirty VF that `claim` (ours, durable) picked: cleared before its type is written.
+    Repair { claim: &'a Claim, type_id: u32 },
+}
+
+impl Release<'_> {
+    /// The device the lock and the reports name (the VF, or the mdev's parent).
+    fn device(&self) -> &str {
+        match self {
+            Release::Claim(c, _) | Release::Repair { claim: c, .. } => &c.device,
+            Release::OrphanVf { vf, .. } => vf,
+            Release::OrphanMdev(m) => &m.parent,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Release::Claim(..) => "claim",
+            Release::OrphanVf { .. } => "orphan_vf",
+            Release::OrphanMdev(_) => "orphan_mdev",
+            Release::Repair { .. } => "dirty_vf_repair",
+        }
+    }
+}
+
+/// What a successful release did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Released {
+    /// The device was cleared (or found clear) and its claim removed.
+    Cleared,
+    /// Nothing was done: the device was no longer ours to clear (another instance claimed
+    /// it meanwhile, the claim changed, or it is gone). Counted as nothing.
+    NotOurs,
+}
+
+/// Why a release did not complete.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ReleaseError {
+    /// A process holds the device open.
+    #[error("in_use: held open by pid {0:?}")]
+    InUse(Vec<i32>),
+    /// The open-handle scan could not be completed.
+    #[error("scan_incomplete: {0}")]
+    ScanIncomplete(String),
+    /// The clear/remove write failed.
+    #[error("failed: {0}")]
+    Failed(WriteError),
+    /// The device reads a type gpuvisor did not write; quarantined, never cleared.
+    #[error("foreign_write: {0}")]
+    Foreign(String),
+    /// The store could not be read or updated.
+    #[error("store: {0}")]
+    Store(String),
+    /// The startup reconcile pass has not observed the host completely yet.
+    #[error("not_ready: nothing is released before the startup reconcile pass has a complete observation")]
+    NotReady,
+}
+
+impl ReleaseError {
+    fn retryable(&self) -> bool {
+        matches!(self, ReleaseError::InUse(_) | ReleaseError::ScanIncomplete(_) | ReleaseError::Failed(_))
+    }
+
+    /// The stable code (`in_use`, `scan_incomplete`, `failed`, `foreign_write`, `store`,
+    /// `not_ready`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            ReleaseError::InUse(_) => "in_use",
+            ReleaseError::ScanIncomplete(_) => "scan_incomplete",
+            ReleaseError::Failed(_) => "failed",
+            ReleaseError::Foreign(_) => "foreign_write",
+            ReleaseError::Store(_) => "store",
+            ReleaseError::NotReady => "not_ready",
+        }
+    }
+
+    /// For error details.
+    pub fn failure(&self) -> ReleaseFailure {
+        ReleaseFailure { code: self.code().to_string(), message: self.to_string() }
+    }
+}
+
+/// A fresh open-handle scan of a device's nodes; targets that could not be read make the
+/// result unknown (fail closed, NVIDIA-HOST.md §5).
+pub(crate) fn scan(targets: Result<Vec<PathBuf>, String>) -> HandleScan {
+    match targets {
+        Ok(t) => proc::scan_open_handles(&t),
+        Err(reason) => HandleScan::Unknown { reason },
+    }
+}
+
+impl Manager {
+    /// Releases through the one sequence, retrying transient failures (EBUSY during kernel
+    /// teardown, a holder going away) with backoff 250 ms → 2 s within `budget`, never
+    /// holding a lock across a sleep (zero: one attempt — the reconciler's next pass is its
+    /// retry). On failure a claim stays, `release_pending`, with the attempt count and the
+    /// last error; the failure is logged once, here.
+    pub(crate) fn release(&self, r: Release<'_>, budget: Duration) -> Result<Released, ReleaseError> {
+        let deadline = Instant::now() + budget;
+        let mut backoff = Duration::from_millis(250);
+        loop {
+            match self.release_once(&r) {
+                Ok(done) => {
+                    if done == Released::Cleared {
+                        self.metrics.release(true);
+                        match r {
+                            Release::Claim(c, _) => tracing::info!(gpu.device = %c.device, instance.id = %c.instance_id,
+                                instance.name = %c.owner_name.as_deref().unwrap_or("-"), "device released"),
+                            _ => tracing::info!(gpu.device = %r.device(), kind = r.kind(), "device cleared"),
+                        }
+                    }
+                    return Ok(done);
+                }
+                Err(e) if e.retryable() && Instant::now() + backoff < deadline => {
+                    tracing::debug!(gpu.device = %r.device(), error = %e, "release will be retried");
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => {
+                    self.metrics.release(false);
+                    if let Release::Claim(c, _) = r {
+                        tracing::warn!(gpu.device = %c.device, instance.id = %c.instance_id,
+                            instance.name = %c.owner_name.as_deref().unwrap_or("-"), error = %e, "release failed; claim kept release_pending");
+                        self.mark_release_pending(c, &e);
+                    } else {
+                        tracing::warn!(gpu.device = %r.device(), kind = r.kind(), error = %e, "device not cleared");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn mark_release_pending(&self, claim: &Claim, e: &ReleaseError) {
+        let _a = self.alloc();
+        if let Ok(Some(mut cur)) = self.store.read_claim(&claim.device) {
+            if cur.same_claim(claim) {
+                cur.state = ClaimState::ReleasePending;
+                cur.release_attempts += 1;
+                cur.last_error = Some(e.to_string());
+                if let Err(se) = self.store.update_claim(&cur) {
+                    tracing::error!(gpu.device = %claim.device, error = %se, "cannot mark the claim release_pending");
+                }
+            }
+        }
+    }
+
+    /// Step 2 (and the re-check of step 3): the device is still ours to clear.
+    fn still_ours(&self, r: &Release<'_>) -> Result<bool, ReleaseError> {
+        let store_err = |e: crate::store::StoreError| ReleaseError::Store(e.to_string());
+        match r {
+            Release::Claim(c, _) | Release::Repair { claim: c, .. } => match self.store.read_claim(&c.device) {
+                Ok(Some(cur)) if cur.same_claim(c) => Ok(true),
+                Ok(Some(_)) => {
+                    tracing::warn!(gpu.device = %c.device, "the claim changed since it was read; touching nothing");
+                    Ok(false)
+                }
+                Ok(None) => Ok(false),
+                Err(e) => Err(store_err(e)),
+            },
+            Release::OrphanVf { vf, .. } => {
+                if self.store.read_claim(vf).map_err(store_err)?.is_some() {
+                    return Ok(false);
+                }
+                // The sweep never clears a quarantined device.
+                Ok(!self.store.read_health(vf).map_err(store_err)?.is_some_and(|h| h.quarantined))
+            }
+            Release::OrphanMdev(m) => {
+                let claimed = self.store.read_claim(&m.parent).map_err(store_err)?.is_some_and(|c| c.mdev_uuid == Some(m.uuid));
+                let recorded = self.store.scan_mdevs().map_err(store_err)?.records.iter().any(|x| x.uuid == m.uuid);
+                Ok(!claimed && recorded)
+            }
+        }
+    }
+
+    /// The device nodes whose holders block the release.
+    fn release_targets(&self, r: &Release<'_>) -> Result<Vec<PathBuf>, String> {
+        let vf = |bdf: &str, gpu: &str| {
+            let info = vendor_vfio::read_vf(&self.host, bdf, gpu.to_string());
+            vendor_vfio::vf_targets(&self.host, &info)
+        };
+        match r {
+            Release::Claim(c, _) => match (c.framework, c.mdev_uuid) {
+                (Framework::Mdev, Some(u)) => mdev::targets(&self.host, &u.to_string()),
+                _ => vf(&c.device, &c.gpu),
+            },
+            Release::Repair { claim, .. } => vf(&claim.device, &claim.gpu),
+            Release::OrphanVf { vf: bdf, gpu, .. } => vf(bdf, gpu),
+            Release::OrphanMdev(m) => mdev::targets(&self.host, &m.uuid.to_string()),
+        }
+    }
+
+    /// Steps 4 and 5: the write, its read-back, and its health accounting.
+    fn clear_device(&self, r: &Release<'_>) -> Result<(), ReleaseError> {
+        let mdev_remove = |uuid: uuid::Uuid, parent: &str, gpu: &str| {
+            let res = mdev::remove(&self.host, &uuid.to_string());
+            self.write_outcome(parent, gpu, WriteSite::MdevRemove, &res);
+            res.map_err(ReleaseError::Failed)?;
+            if let Err(e) = self.store.remove_mdev(uuid) {
+                // The sweep forgets a record whose mdev is gone.
+                tracing::warn!(mdev = %uuid, error = %e, "cannot remove the mdev record");
+            }
+            Ok(())
+        };
+        let (vf, gpu, expected) = match r {
+            Release::Claim(c, _) => match (c.framework, c.mdev_uuid) {
+                (Framework::Mdev, Some(u)) => return mdev_remove(u, &c.device, &c.gpu),
+                _ => (c.device.as_str(), c.gpu.as_str(), c.type_id),
+            },
+            Release::OrphanMdev(m) => return mdev_remove(m.uuid, &m.parent, &pf_of(self, &m.parent)),
+            Release::OrphanVf { vf, gpu, type_id } => (*vf, *gpu, Some(*type_id)),
+            Release::Repair { claim, type_id } => (claim.device.as_str(), claim.gpu.as_str(), Some(*type_id)),
+        };
+        match vendor_vfio::clear(&self.host, vf, expected) {
+            Ok(()) => {
+                self.write_outcome(vf, gpu, WriteSite::ClearType, &Ok(()));
+                Ok(())
+            }
+            Err(vendor_vfio::ClearError::Foreign { value }) => {
+                let detail = format!(
+                    "reads type {value}, but gpuvisor {} {}",
+                    if matches!(r, Release::Claim(..)) { "recorded" } else { "saw" },
+                    expected.map(|t| t.to_string()).unwrap_or_else(|| "no type".into())
+                );
+                self.quarantine(vf, "foreign_write", &detail);
+                Err(ReleaseError::Foreign(detail))
+            }
+            Err(vendor_vfio::ClearError::Failed(w)) => {
+                self.write_outcome(vf, gpu, WriteSite::ClearType, &Err(w.clone()));
+                Err(ReleaseError::Failed(w))
+            }
+        }
+    }
+
+    /// One attempt of the sequence (see the module docs).
+    fn release_once(&self, r: &Release<'_>) -> Result<Released, ReleaseError> {
+        if !self.startup_observed() {
+            return Err(ReleaseError::NotReady);
+        }
+        {
+            let _a = self.alloc();
+            if !self.still_ours(r)? {
+                return Ok(Released::NotOurs);
+            }
+        }
+        {
+            let dev_lock = self.device_lock(r.device());
+            let _d = lock(&dev_lock);
+            // A concurrent release or claim may have changed things meanwhile.
+            if !self.still_ours(r)? {
+                return Ok(Released::NotOurs);
+            }
+            match scan(self.release_targets(r)) {
+                HandleScan::Clean => {}
+                HandleScan::Held { pids } => return Err(ReleaseError::InUse(pids)),
+                HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
+            }
+            crate::crash_point!("release_before_write");
+            self.clear_device(r)?;
+        }
+        crate::crash_point!("release_after_write");
+        if let Release::Claim(c, _) = r {
+            let _a = self.alloc();
+            if self.still_ours(r)? {
+                self.store.remove_claim(&c.device).map_err(|e| ReleaseError::Store(e.to_string()))?;
+            }
+            crate::crash_point!("release_after_claim_remove");
+        }
+        Ok(Released::Cleared)
+    }
+}
+
+/// The PF of an mdev parent (basename of `physfn`, or the parent itself).
+pub(crate) fn pf_of(m: &Manager, parent: &str) -> String {
+    devices::link_basename(&m.host.pci_device(parent).join("physfn")).unwrap_or_else(|_| parent.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Nothing outside this module clears a device: the two clearing primitives are called
+    /// here only (their definitions live in `devices`).
+    #[test]
+    fn only_the_release_module_clears_devices() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut offenders = Vec::new();
+        let mut stack = vec![root.clone()];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                    continue;
+                }
+                if p.extension().and_then(|x| x.to_str()) != Some("rs") || p.ends_with("instances/release.rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&p).unwrap();
+                for (i, line) in text.lines().enumerate() {
+                    let code = line.split("//").next().unwrap_or("");
+                    if code.contains("vendor_vfio::clear(") || code.contains("mdev::remove(") {
+                        offenders.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
+                    }
+                    // The only write of "0" to a type file is in vendor_vfio::clear.
+                    if code.contains("current_vgpu_type") && code.contains("\"0") && !p.ends_with("devices/vendor_vfio.rs") {
+                        offenders.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
+                    }
+                }
+            }
+        }
+        assert!(offenders.is_empty(), "devices cleared outside instances/release.rs:\n{}", offenders.join("\n"));
+    }
+}

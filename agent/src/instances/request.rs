@@ -1,0 +1,332 @@
+//! The API's request types — the parameters of every JSON-RPC method that takes some — and
+//! their validation. The rpc layer decodes them, the CLI builds them, and the OpenRPC
+//! document's parameter schemas are generated from them (`schemars`), with every limit the
+//! agent enforces stated from the constants below, so a client validating against
+//! `rpc.discover` and the agent agree.
+
+use crate::error::ApiError;
+use crate::store::Labels;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use uuid::Uuid;
+
+/// Instance names: the pattern, as JSON Schema states it.
+pub const NAME_PATTERN: &str = "^[a-z0-9][a-z0-9-]{0,62}$";
+/// At most this many labels per instance: every policy input carries them, and plugins run
+/// under a fuel budget (PLUGINS.md), so an unbounded map would surface as `policy_failed`.
+pub const MAX_LABELS: usize = 64;
+/// Label keys: 1–63 bytes of `[A-Za-z0-9._/-]`, starting with a letter or digit.
+pub const LABEL_KEY_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$";
+/// Label values: 0–255 bytes of printable ASCII (so bytes and characters agree).
+pub const LABEL_VALUE_PATTERN: &str = "^[ -~]{0,255}$";
+/// The longest label key, bytes.
+pub const LABEL_KEY_MAX: usize = 63;
+/// The longest label value, bytes.
+pub const LABEL_VALUE_MAX: usize = 255;
+/// vCPUs of an instance.
+pub const VCPUS_MIN: u32 = 1;
+pub const VCPUS_MAX: u32 = 64;
+/// Guest memory, MiB.
+pub const MEMORY_MIB_MIN: u64 = 64;
+pub const MEMORY_MIB_MAX: u64 = 1_048_576;
+/// Defaults when a create omits them.
+pub const DEFAULT_VCPUS: u32 = 1;
+pub const DEFAULT_MEMORY_MIB: u64 = 256;
+
+fn labels_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "description": format!(
+            "free-form key/values that policy plugins see (e.g. a tenant): at most {MAX_LABELS}; keys 1-{LABEL_KEY_MAX} \
+             bytes of [A-Za-z0-9._/-], values 0-{LABEL_VALUE_MAX} bytes of printable ASCII"
+        ),
+        "maxProperties": MAX_LABELS,
+        "propertyNames": { "pattern": LABEL_KEY_PATTERN },
+        "additionalProperties": { "type": "string", "pattern": LABEL_VALUE_PATTERN },
+    })
+}
+
+fn name_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "description": "instance name: lower-case letters, digits and '-', 1-63 bytes, not UUID-shaped",
+        "pattern": NAME_PATTERN,
+    })
+}
+
+/// `instance.create` parameters.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRequest {
+    /// Unique instance name.
+    #[schemars(schema_with = "name_schema")]
+    pub name: String,
+    /// An image under `<data-dir>/images/`.
+    pub image: String,
+    /// vGPU profile, e.g. `L40S-2Q` (with or without the `NVIDIA ` prefix).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
+    #[serde(default, skip_serializing_if = "Labels::is_empty")]
+    #[schemars(schema_with = "labels_schema")]
+    pub labels: Labels,
+    /// vCPUs, default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = VCPUS_MIN, max = VCPUS_MAX))]
+    pub vcpus: Option<u32>,
+    /// Guest memory in MiB, default 256.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = MEMORY_MIB_MIN, max = MEMORY_MIB_MAX))]
+    pub memory_mib: Option<u64>,
+    /// `qemu` or `cloud-hypervisor`; the `hypervisor` plugin decides when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "hypervisor_schema")]
+    pub hypervisor: Option<String>,
+}
+
+fn hypervisor_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "type": "string", "enum": ["qemu", "cloud-hypervisor"] })
+}
+
+impl CreateRequest {
+    /// Checks every limit; errors are `invalid_request` naming the field.
+    pub fn validate(&self) -> Result<(u32, u64), ApiError> {
+        check_instance_name(&self.name)?;
+        check_labels(&self.labels)?;
+        let vcpus = self.vcpus.unwrap_or(DEFAULT_VCPUS);
+        let memory_mib = self.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
+        if !(VCPUS_MIN..=VCPUS_MAX).contains(&vcpus) {
+            return Err(ApiError::invalid_request(format!("vcpus must be {VCPUS_MIN}..={VCPUS_MAX}, not {vcpus}")));
+        }
+        if !(MEMORY_MIB_MIN..=MEMORY_MIB_MAX).contains(&memory_mib) {
+            return Err(ApiError::invalid_request(format!(
+                "memory_mib must be {MEMORY_MIB_MIN}..={MEMORY_MIB_MAX}, not {memory_mib}"
+            )));
+        }
+        if let Some(h) = &self.hypervisor {
+            if crate::hypervisor::HypervisorKind::from_name(h).is_none() {
+                return Err(ApiError::invalid_request(format!(
+                    "hypervisor {h:?} is not one of \"qemu\", \"cloud-hypervisor\""
+                )));
+            }
+        }
+        if self.gpu.as_deref().is_some_and(|g| gpuvisor_sdk::canonical_profile(g).is_empty()) {
+            return Err(ApiError::invalid_request("gpu profile is empty"));
+        }
+        Ok((vcpus, memory_mib))
+    }
+}
+
+/// Instance names: [`NAME_PATTERN`], and never UUID-shaped — a `ref` is first looked up as
+/// an instance id, so a name equal to another instance's id would make `delete <name>` act
+/// on that other instance. Errors: `invalid_request`.
+pub fn check_instance_name(name: &str) -> Result<(), ApiError> {
+    let b = name.as_bytes();
+    let ok = !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && Uuid::parse_str(name).is_err();
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_request(format!(
+            "instance name {name:?} is not valid (use [a-z0-9][a-z0-9-]{{0,62}}, not a UUID)"
+        )))
+    }
+}
+
+fn label_key_ok(k: &str) -> bool {
+    let b = k.as_bytes();
+    !b.is_empty()
+        && b.len() <= LABEL_KEY_MAX
+        && b[0].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'/' | b'-'))
+}
+
+fn label_value_ok(v: &str) -> bool {
+    v.len() <= LABEL_VALUE_MAX && v.bytes().all(|c| (b' '..=b'~').contains(&c))
+}
+
+/// Labels: at most [`MAX_LABELS`], keys [`LABEL_KEY_PATTERN`], values
+/// [`LABEL_VALUE_PATTERN`]. Errors: `invalid_request` naming the label.
+pub fn check_labels(labels: &Labels) -> Result<(), ApiError> {
+    if labels.len() > MAX_LABELS {
+        return Err(ApiError::invalid_request(format!("{} labels; at most {MAX_LABELS} are allowed", labels.len())));
+    }
+    if let Some(k) = labels.keys().find(|k| !label_key_ok(k)) {
+        return Err(ApiError::invalid_request(format!(
+            "label key {k:?} is not valid (1-{LABEL_KEY_MAX} bytes of [A-Za-z0-9._/-], starting with a letter or digit)"
+        )));
+    }
+    if let Some((k, _)) = labels.iter().find(|(_, v)| !label_value_ok(v)) {
+        return Err(ApiError::invalid_request(format!(
+            "the value of label {k:?} is not valid (0-{LABEL_VALUE_MAX} bytes of printable ASCII)"
+        )));
+    }
+    Ok(())
+}
+
+/// `{"ref": "<id or name>"}`: `instance.get`, `instance.start`, `instance.delete`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RefParams {
+    /// Instance id or name.
+    #[serde(alias = "id", alias = "name", rename = "ref")]
+    pub reference: String,
+}
+
+/// `instance.stop` parameters.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StopParams {
+    /// Instance id or name.
+    #[serde(alias = "id", alias = "name", rename = "ref")]
+    pub reference: String,
+    /// Skip the guest power-off: SIGTERM first, then the kill path.
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// `instance.fork` parameters.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkParams {
+    /// The source instance's id or name.
+    #[serde(alias = "id", rename = "ref")]
+    pub reference: String,
+    /// The new instance's name.
+    #[schemars(schema_with = "name_schema")]
+    pub name: String,
+}
+
+/// `instance.standby` / `instance.snapshot` / `instance.restore` parameters.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SaveStateParams {
+    /// Instance id or name.
+    #[serde(alias = "id", alias = "name", rename = "ref")]
+    pub reference: String,
+    /// The snapshot to restore (`instance.restore`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+}
+
+/// `placement.dry_run` parameters.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DryRunParams {
+    /// vGPU profile, e.g. `L40S-2Q`.
+    pub profile: String,
+    /// The instance name the plugin sees (default `dry-run`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "optional_name_schema")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Labels::is_empty")]
+    #[schemars(schema_with = "labels_schema")]
+    pub labels: Labels,
+}
+
+fn optional_name_schema(g: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    name_schema(g)
+}
+
+/// `image.import` parameters.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ImportParams {
+    /// Image name, `[a-z0-9][a-z0-9._-]{0,62}`.
+    #[schemars(regex(pattern = "^[a-z0-9][a-z0-9._-]{0,62}$"))]
+    pub name: String,
+    /// Absolute path of the kernel on the agent's host.
+    pub kernel: PathBuf,
+    /// Absolute path of the initrd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line (the agent's `default_cmdline` when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+}
+
+/// `image.delete` parameters.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NameParams {
+    /// Image name.
+    pub name: String,
+}
+
+/// `gpu.unquarantine` parameters: one device, several, or every mark of a GPU.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UnquarantineParams {
+    /// One device (VF or mdev parent address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Several devices.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<String>,
+    /// A GPU (PF address): its own mark and the marks of all its devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
+}
+
+/// `debug.failpoint` parameters (failpoint builds only).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FailpointParams {
+    /// A point of `agent/src/failpoints.rs`.
+    pub name: String,
+    /// `pause` arms the point, `release` lets waiting threads go on and disarms it.
+    pub action: FailpointAction,
+}
+
+/// What `debug.failpoint` does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FailpointAction {
+    Pause,
+    Release,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_pattern_and_are_never_uuids() {
+        for ok in ["a", "vm-1", "0abc", &"a".repeat(63)] {
+            assert!(check_instance_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "-a", "A", "a_b", &"a".repeat(64), "6f1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d", "vm.1"] {
+            assert!(check_instance_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn label_limits_are_bytes_of_ascii() {
+        let l = |k: &str, v: &str| Labels::from([(k.to_string(), v.to_string())]);
+        assert!(check_labels(&l("tenant", "a")).is_ok());
+        assert!(check_labels(&l("example.com/team-a_1", "")).is_ok());
+        assert!(check_labels(&l(&"k".repeat(63), &"v".repeat(255))).is_ok());
+        assert!(check_labels(&l(&"k".repeat(64), "v")).is_err());
+        assert!(check_labels(&l("k", &"v".repeat(256))).is_err());
+        assert!(check_labels(&l("", "v")).is_err());
+        assert!(check_labels(&l("-k", "v")).is_err());
+        assert!(check_labels(&l("k", "é")).is_err(), "non-ASCII values are refused");
+        assert!(check_labels(&l("k", "a\nb")).is_err(), "control characters are refused");
+        let many: Labels = (0..65).map(|i| (format!("k{i}"), String::new())).collect();
+        assert!(check_labels(&many).is_err());
+    }
+
+    #[test]
+    fn ref_params_take_ref_id_or_name_and_nothing_else() {
+        let p: RefParams = serde_json::from_str(r#"{"ref":"a"}"#).unwrap();
+        assert_eq!(p.reference, "a");
+        let p: RefParams = serde_json::from_str(r#"{"name":"a"}"#).unwrap();
+        assert_eq!(p.reference, "a");
+        assert!(serde_json::from_str::<RefParams>(r#"{"ref":"a","force":true}"#).is_err());
+        let s: StopParams = serde_json::from_str(r#"{"ref":"a","force":true}"#).unwrap();
+        assert!(s.force);
+    }
+}

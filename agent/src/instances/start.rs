@@ -1,0 +1,78 @@
+//! `instance.start` (LIFECYCLE.md Start): release a claim left from an earlier failed
+//! release first (persisted), clear the previous VMM identity (persisted) before the new
+//! claim is written, then claim, configure and spawn as create does.
+
+use super::rollback::Rollback;
+use super::view::InstanceView;
+use super::vmm::OwnedClaim;
+use super::{Manager, Who};
+use crate::error::{ApiError, ReleaseFailure};
+use crate::host::proc::Liveness;
+use crate::store::InstanceState;
+use crate::sync::lock;
+use std::time::Duration;
+
+impl Manager {
+    /// `instance.start`.
+    pub fn start(&self, r: &str) -> Result<InstanceView, ApiError> {
+        let rec = self.logged("start", Who::named(r), self.find(r))?;
+        let res = self.start_found(rec.id, r);
+        self.logged("start", Who::of(&rec), res)
+    }
+
+    fn start_found(&self, id: uuid::Uuid, r: &str) -> Result<InstanceView, ApiError> {
+        let ilock = self.instance_lock(id);
+        let _i = lock(&ilock);
+        let mut rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
+        match rec.state() {
+            InstanceState::CleanupPending => return Err(ApiError::instance_cleanup_pending(rec.id, &rec.name)),
+            InstanceState::Stopped => {}
+            // A VMM that exited behind the agent's back (the next reconcile pass would record
+            // it): with its recorded identity provably dead and the instance lock ours, the
+            // record is stale — record it stopped and start.
+            InstanceState::Running if rec.vmm.is_some() && matches!(self.liveness(&rec)?, Liveness::Dead) => {
+                rec.transition(InstanceState::Stopped)?;
+                rec.vmm = None;
+                rec.last_error = Some("the VMM exited".into());
+                self.store.write_instance(&rec)?;
+                self.metrics.vm_died();
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, "the recorded VMM had exited; starting again");
+            }
+            s => {
+                return Err(ApiError::invalid_state(
+                    format!("instance {} is {}, not stopped", rec.name, s.as_str()),
+                    s.as_str(),
+                ))
+            }
+        }
+        // A claim left from an earlier failed release goes first, persisted.
+        match self.claim_of(&rec)? {
+            OwnedClaim::Claim(old) => {
+                let boot_id = self.boot_id()?;
+                let dead = self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
+                    ApiError::vmm_liveness_unknown(&rec.name, &format!("its VMM is not provably dead ({l})"))
+                })?;
+                self.release(super::release::Release::Claim(&old, dead), Duration::from_secs(self.cfg.release_retry_s))
+                    .map_err(|e| ApiError::gpu_release_pending(&rec.name, &old.device, &e.failure()))?;
+            }
+            OwnedClaim::Unreadable(u) => {
+                return Err(ApiError::gpu_release_pending(
+                    &rec.name,
+                    &u.key,
+                    &ReleaseFailure {
+                        code: "store".into(),
+                        message: format!("the claim record {} cannot be read: {}", u.path.display(), u.error),
+                    },
+                ))
+            }
+            OwnedClaim::None => {}
+        }
+        rec.vmm = None;
+        rec.transition(InstanceState::Starting)?;
+        rec.last_error = None;
+        self.store.write_instance(&rec)?;
+        crate::crash_point!("start_after_clear_identity");
+        let rec = self.boot(rec, Rollback::Stopped)?;
+        Ok(self.view_after(&rec))
+    }
+}

@@ -1,0 +1,81 @@
+//! `instance.stop` (LIFECYCLE.md Stop): decide liveness first (unknown → change nothing),
+//! mark `stopping`, guest power-off or the kill path until the VMM is provably dead, release
+//! the device (a failed release keeps the claim `release_pending`; the stop still
+//! succeeds and says so), then `stopped`. Stopping a stopped instance retries a pending
+//! release.
+
+use super::release::Release;
+use super::view::InstanceView;
+use super::vmm::OwnedClaim;
+use super::{Manager, Who};
+use crate::error::ApiError;
+use crate::host::proc::Liveness;
+use crate::store::InstanceState;
+use crate::sync::lock;
+use std::time::Duration;
+
+impl Manager {
+    /// `instance.stop`. `force` skips the guest power-off.
+    pub fn stop(&self, r: &str, force: bool) -> Result<InstanceView, ApiError> {
+        let rec = self.logged("stop", Who::named(r), self.find(r))?;
+        let res = self.stop_found(rec.id, r, force);
+        self.logged("stop", Who::of(&rec), res)
+    }
+
+    fn stop_found(&self, id: uuid::Uuid, r: &str, force: bool) -> Result<InstanceView, ApiError> {
+        let ilock = self.instance_lock(id);
+        let _i = lock(&ilock);
+        let mut rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
+        let dead = match rec.state() {
+            InstanceState::CleanupPending => return Err(ApiError::instance_cleanup_pending(rec.id, &rec.name)),
+            InstanceState::Deleting => {
+                return Err(ApiError::invalid_state(
+                    format!("instance {} is being deleted; retry the delete", rec.name),
+                    "deleting",
+                ))
+            }
+            InstanceState::Stopped => {
+                let boot_id = self.boot_id()?;
+                self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
+                    ApiError::vmm_liveness_unknown(&rec.name, &format!("a stopped instance's VMM is not provably dead ({l})"))
+                })?
+            }
+            _ => {
+                if let Liveness::MaybeAlive { reason } = self.liveness(&rec)? {
+                    return Err(ApiError::vmm_liveness_unknown(&rec.name, &reason));
+                }
+                rec.transition(InstanceState::Stopping)?;
+                self.store.write_instance(&rec)?;
+                crate::crash_point!("stop_after_stopping_mark");
+                let dead = self.stop_vmm(&rec, !force)?;
+                crate::crash_point!("stop_after_vmm_dead");
+                dead
+            }
+        };
+        // The VMM is provably dead: release (a failed release keeps the claim). A claim that
+        // cannot be read is left alone (fail closed); the stop itself is done.
+        match self.claim_of(&rec) {
+            Ok(OwnedClaim::Claim(c)) => {
+                if let Err(e) = self.release(Release::Claim(&c, dead), Duration::from_secs(self.cfg.release_retry_s)) {
+                    rec.last_error = Some(format!("vGPU release pending: {e}"));
+                }
+            }
+            Ok(OwnedClaim::None) => {}
+            Ok(OwnedClaim::Unreadable(u)) => {
+                rec.last_error = Some(format!(
+                    "vGPU release pending: the claim record {} cannot be read: {}",
+                    u.path.display(),
+                    u.error
+                ));
+            }
+            Err(e) => {
+                rec.last_error = Some(format!("vGPU release pending: the claim records cannot be read: {}", e.message));
+            }
+        }
+        rec.vmm = None;
+        rec.transition(InstanceState::Stopped)?;
+        self.store.write_instance(&rec)?;
+        crate::crash_point!("stop_after_stopped");
+        Ok(self.view_after(&rec))
+    }
+}

@@ -1,0 +1,855 @@
+//! The typed views the core returns: instances, GPUs, resources, dry runs, reconcile
+//! reports, health, and the small results of the other methods. `rpc` serialises them; the
+//! CLI decodes the same types; the OpenRPC result schemas are generated from them.
+//!
+//! Rule: a view never shows unknown as clear — a type that cannot be read is `"unknown"`
+//! (never `0`), an unreadable record is listed as unreadable with its path and error, and
+//! a VMM whose liveness cannot be decided is shown with `liveness: "unknown"` and why.
+
+use super::inventory::{Observation, TypeReading};
+use super::Manager;
+use crate::devices::{vendor_vfio, HostMode};
+use crate::error::ApiError;
+use crate::host::proc::Liveness;
+use crate::store::{Claim, ClaimState, Framework, HealthRecord, InstanceRecord, InstanceState, Labels, Listing};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+
+/// A type id as read now, or `"unknown"` when it cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum TypeValue {
+    /// The id (`0`: no vGPU).
+    Id(u32),
+    /// Always the string `"unknown"`.
+    Unknown(String),
+}
+
+impl TypeValue {
+    fn of(r: &TypeReading) -> TypeValue {
+        match r {
+            TypeReading::Id(i) => TypeValue::Id(*i),
+            TypeReading::Unknown(_) => TypeValue::Unknown("unknown".into()),
+        }
+    }
+}
+
+impl std::fmt::Display for TypeValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TypeValue::Id(i) => write!(f, "{i}"),
+            TypeValue::Unknown(_) => f.write_str("unknown"),
+        }
+    }
+}
+
+/// The VMM of an instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct VmmView {
+    pub pid: i32,
+    pub start_time: u64,
+    pub boot_id: String,
+    /// The PID namespace the pid was recorded in.
+    pub pid_namespace: Option<u64>,
+    pub control_socket: String,
+    /// `alive`, or `unknown` when it cannot be decided from here.
+    pub liveness: String,
+    /// Why the liveness is unknown.
+    pub reason: Option<String>,
+}
+
+/// The GPU of an instance: its profile, and what its claim says.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuAssignment {
+    pub profile: Option<String>,
+    pub framework: Option<Framework>,
+    /// The claimed device (VF / mdev parent).
+    pub device: Option<String>,
+    /// Its GPU (PF).
+    pub gpu: Option<String>,
+    /// The sysfs path of the device (VF, or the mdev).
+    pub device_path: Option<String>,
+    pub mdev_uuid: Option<String>,
+    /// The type id configured at claim time.
+    pub type_id: Option<u32>,
+    /// The VF's type now (vendor VFIO; `"unknown"` when unreadable).
+    pub current_type: Option<TypeValue>,
+    pub claimed_at: Option<String>,
+    pub claim_state: Option<ClaimState>,
+    pub release_pending: bool,
+    pub last_error: Option<String>,
+    /// The VF holds another type than the claim's (a foreign write under the VM).
+    pub type_mismatch: Option<String>,
+    /// A claim file that may be this instance's cannot be read (`path: error`).
+    pub claim_unreadable: Option<String>,
+}
+
+/// One instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct InstanceView {
+    pub id: String,
+    pub name: String,
+    pub image: String,
+    pub hypervisor: String,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub labels: Labels,
+    pub state: InstanceState,
+    pub created_at: String,
+    pub last_error: Option<String>,
+    /// The VMM, when one is recorded and not provably dead.
+    pub vmm: Option<VmmView>,
+    pub serial_log: String,
+    pub gpu: Option<GpuAssignment>,
+    /// Things the answer could not check (e.g. unreadable claim records).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+}
+
+/// A record that exists but cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct UnreadableRecord {
+    pub path: String,
+    /// What the file name says it is about (an instance id, a device).
+    pub key: String,
+    pub error: String,
+}
+
+impl From<&crate::store::Unreadable> for UnreadableRecord {
+    fn from(u: &crate::store::Unreadable) -> Self {
+        UnreadableRecord { path: u.path.display().to_string(), key: u.key.clone(), error: u.error.clone() }
+    }
+}
+
+/// `instance.list`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct InstanceList {
+    pub instances: Vec<InstanceView>,
+    /// Instance records that cannot be read (listed, never hidden).
+    pub unreadable: Vec<UnreadableRecord>,
+}
+
+/// A health mark.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct HealthMark {
+    pub reason: String,
+    pub detail: String,
+    pub at: String,
+    /// `false`: suspect only.
+    pub quarantined: bool,
+}
+
+impl From<&HealthRecord> for HealthMark {
+    fn from(h: &HealthRecord) -> Self {
+        HealthMark { reason: h.reason.clone(), detail: h.detail.clone(), at: h.at.clone(), quarantined: h.quarantined }
+    }
+}
+
+/// The claim of a device, as `gpu.list` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ClaimView {
+    pub instance_id: Option<String>,
+    pub instance_name: Option<String>,
+    pub profile: Option<String>,
+    pub type_id: Option<u32>,
+    pub mdev_uuid: Option<String>,
+    pub state: Option<ClaimState>,
+    pub last_error: Option<String>,
+    /// The claim file cannot be read (`path: error`): the device is blocked.
+    pub unreadable: Option<String>,
+}
+
+/// The state of a device in `gpu.list` (the plugins' `DeviceState`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceStateView {
+    Free,
+    Claimed,
+    Dirty,
+    Quarantined,
+    Unreadable,
+}
+
+impl From<gpuvisor_sdk::DeviceState> for DeviceStateView {
+    fn from(s: gpuvisor_sdk::DeviceState) -> Self {
+        use gpuvisor_sdk::DeviceState::*;
+        match s {
+            Free => DeviceStateView::Free,
+            Claimed => DeviceStateView::Claimed,
+            Dirty => DeviceStateView::Dirty,
+            Quarantined => DeviceStateView::Quarantined,
+            Unreadable => DeviceStateView::Unreadable,
+        }
+    }
+}
+
+/// One VF or mdev parent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DeviceEntry {
+    pub address: String,
+    pub state: DeviceStateView,
+    /// `current_vgpu_type` now (`"unknown"` when it cannot be read).
+    pub current_type: TypeValue,
+    pub creatable: Vec<String>,
+    pub claim: Option<ClaimView>,
+    /// Its health mark (`suspect` or quarantined).
+    pub quarantine: Option<HealthMark>,
+    /// The grace plugin keeps this eligible item past `claim_grace` (its reason).
+    pub held_by_policy: Option<String>,
+    /// Why its state cannot be read.
+    pub unreadable: Option<String>,
+    /// The claim names another type than the VF holds now.
+    pub type_mismatch: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub catalog_skipped_lines: Vec<String>,
+}
+
+/// One GPU (PF).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuEntry {
+    pub address: String,
+    pub model: String,
+    pub framebuffer_mib: Option<u64>,
+    pub claimed_framebuffer_mib: u64,
+    /// gpuvisor may touch its devices (`managed_gpus`); unmanaged ones are only reported.
+    pub managed: bool,
+    /// A GPU-level mark (`gpu_fault`).
+    pub health: Option<HealthMark>,
+    /// The framework probe failed: this GPU is not usable now.
+    pub probe_error: Option<String>,
+    pub devices: Vec<DeviceEntry>,
+}
+
+/// `gpu.list`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GpuList {
+    /// `vendor_vfio`, `mdev`, `mixed`, `waiting_for_vfs`, `none`, or `probe_error`.
+    pub mode: String,
+    pub probe_error: Option<String>,
+    pub gpus: Vec<GpuEntry>,
+    /// Claim and health records that cannot be read.
+    pub unreadable_records: Vec<UnreadableRecord>,
+}
+
+/// Device counts of `resources.get` (managed GPUs).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct DeviceCounts {
+    pub total: u64,
+    pub claimed: u64,
+    pub allocatable: u64,
+    pub quarantined: u64,
+    pub dirty: u64,
+    /// Devices whose type (or catalog) cannot be read, claimed or not.
+    pub unreadable: u64,
+    /// `creatable_vgpu_types` lines skipped (malformed, or id 0).
+    pub catalog_skipped_lines: u64,
+}
+
+/// How many more instances of a profile can be placed now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ProfileCapacity {
+    pub profile: String,
+    pub type_id: Option<u32>,
+    pub framebuffer_mib: Option<u64>,
+    pub placeable: u64,
+}
+
+/// `resources.get`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Resources {
+    pub mode: String,
+    /// vGPU claims can be made now.
+    pub ready: bool,
+    pub error: Option<String>,
+    pub devices: DeviceCounts,
+    pub profiles: Vec<ProfileCapacity>,
+}
+
+/// One device a dry run would try.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RankedDevice {
+    pub device: String,
+    pub gpu: String,
+    pub dirty: bool,
+}
+
+/// `placement.dry_run`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DryRun {
+    pub profile: String,
+    pub plugin: String,
+    pub ranked: Vec<RankedDevice>,
+    pub notes: Vec<String>,
+}
+
+/// `agent.health`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct HealthView {
+    pub live: bool,
+    /// New claims are accepted.
+    pub ready: bool,
+    pub startup_reconcile_done: bool,
+    /// Every store directory can be listed.
+    pub store_readable: bool,
+    pub gpu_mode: String,
+    pub plugins_loaded: bool,
+    /// Something is wrong that does not stop the agent (unreadable records, a probe
+    /// error, another PID namespace): see `problems`.
+    pub degraded: bool,
+    pub problems: Vec<String>,
+    /// The PID namespace the agent runs in, and whether it is the host's.
+    pub pid_namespace: Option<u64>,
+    pub host_pid_namespace: bool,
+    /// `production` or `failpoint build (not for production)`.
+    pub build: String,
+}
+
+/// `instance.delete`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct DeleteResult {
+    pub id: String,
+    pub deleted: bool,
+}
+
+/// `plugin.reload`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ReloadResult {
+    pub reloaded: bool,
+    pub plugins: crate::policies::PluginNames,
+}
+
+/// `gpu.unquarantine`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct UnquarantineResult {
+    /// The device, when exactly one mark was cleared.
+    pub device: Option<String>,
+    /// Every device whose mark was cleared.
+    pub devices: Vec<String>,
+    pub quarantined: bool,
+}
+
+/// One loaded plugin.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PluginView {
+    pub slot: String,
+    pub name: String,
+    pub version: String,
+    pub kinds: Vec<String>,
+    pub path: String,
+    /// Calls of this plugin in this slot since the agent started (kept across reloads).
+    pub calls_ok: u64,
+    pub calls_failed: u64,
+}
+
+/// `plugin.list`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PluginList {
+    pub plugins: Vec<PluginView>,
+}
+
+/// `image.list`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ImageList {
+    pub images: Vec<crate::images::Image>,
+}
+
+/// `image.delete`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ImageDeleted {
+    pub name: String,
+    pub deleted: bool,
+}
+
+/// `debug.failpoints` (failpoint builds).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FailpointList {
+    pub build: String,
+    pub failpoints: Vec<crate::failpoints::PauseStatus>,
+}
+
+/// A claim or orphan the pass kept, or an instance it left alone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct KeptItem {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recheck_after_ms: Option<u64>,
+}
+
+/// A device the pass released (something was written, or a claim removed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ReleasedItem {
+    pub device: String,
+    /// `stale_claim`, `orphan_vf`, `orphan_mdev`.
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+}
+
+/// A release the pass attempted that failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct FailedItem {
+    pub device: String,
+    pub error: String,
+}
+
+/// A record the pass changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RecordChange {
+    pub instance: String,
+    pub name: String,
+    pub from: InstanceState,
+    pub to: InstanceState,
+    pub reason: String,
+}
+
+/// What one reconcile pass observed, kept, released and failed (`reconcile.run`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PassReport {
+    /// Every store directory could be listed (unreadable records are in `errors`).
+    pub inventory_complete: bool,
+    /// The host's devices were observed completely (no probe error).
+    pub host_complete: bool,
+    pub duration_ms: u64,
+    pub kept: Vec<KeptItem>,
+    pub released: Vec<ReleasedItem>,
+    pub failed: Vec<FailedItem>,
+    pub records: Vec<RecordChange>,
+    /// Problems that did not stop the pass.
+    pub errors: Vec<String>,
+}
+
+impl PassReport {
+    pub(crate) fn keep_device(&mut self, device: &str, reason: impl Into<String>) {
+        self.kept.push(KeptItem { device: Some(device.to_string()), instance: None, reason: reason.into(), recheck_after_ms: None });
+    }
+
+    pub(crate) fn keep_instance(&mut self, id: uuid::Uuid, reason: impl Into<String>) {
+        self.kept.push(KeptItem { device: None, instance: Some(id.to_string()), reason: reason.into(), recheck_after_ms: None });
+    }
+}
+
+impl Manager {
+    /// The sysfs path of a claimed device: the VF, or the mdev.
+    pub(crate) fn device_path(&self, c: &Claim) -> String {
+        match c.mdev_uuid {
+            Some(u) => self.host.mdev_device(&u.to_string()),
+            None => self.host.pci_device(&c.device),
+        }
+        .display()
+        .to_string()
+    }
+
+    fn vmm_view(&self, rec: &InstanceRecord) -> Option<VmmView> {
+        let v = rec.vmm.as_ref()?;
+        let (liveness, reason) = match self.identity_liveness(v) {
+            Liveness::Alive { .. } => ("alive", None),
+            // Only a recorded identity that matches a live process now is shown: a recycled
+            // pid is never reported as the VMM (INVARIANTS.md I7).
+            Liveness::Dead => return None,
+            Liveness::MaybeAlive { reason } => ("unknown", Some(reason)),
+        };
+        Some(VmmView {
+            pid: v.identity.pid,
+            start_time: v.identity.start_time,
+            boot_id: v.identity.boot_id.clone(),
+            pid_namespace: v.identity.pid_ns,
+            control_socket: v.control_socket.display().to_string(),
+            liveness: liveness.into(),
+            reason,
+        })
+    }
+
+    /// The API view of an instance: the record plus `gpu` derived from its claim (and the
+    /// VF's type now).
+    pub(crate) fn view(&self, rec: &InstanceRecord, claims: &Listing<Claim>) -> InstanceView {
+        let claim = claims.records.iter().find(|c| c.instance_id == rec.id);
+        let unreadable = claims
+            .unreadable
+            .iter()
+            .find(|u| u.owner == Some(rec.id) || (claim.is_none() && u.owner.is_none() && rec.wants_gpu()))
+            .map(|u| format!("{}: {}", u.path.display(), u.error));
+        let gpu = match (&rec.gpu_profile, claim, &unreadable) {
+            (None, None, None) => None,
+            _ => {
+                let current = claim.filter(|c| c.framework == Framework::VendorVfio).map(|c| {
+                    match vendor_vfio::read_current_type(&self.host, &c.device) {
+                        Ok(t) => TypeReading::Id(t),
+                        Err(e) => TypeReading::Unknown(e.to_string()),
+                    }
+                });
+                let type_mismatch = match (claim, current.as_ref().and_then(|t| t.id())) {
+                    (Some(c), Some(now)) if c.state == ClaimState::Configured && c.type_id.is_some_and(|t| t != now) => {
+                        Some(format!(
+                            "the VF reads type {now}, not the claimed {}: another writer changed it under the VM",
+                            c.type_id.unwrap_or(0)
+                        ))
+                    }
+                    _ => None,
+                };
+                Some(GpuAssignment {
+                    profile: rec.gpu_profile.clone().or_else(|| claim.map(|c| c.profile.clone())),
+                    framework: rec.gpu_framework.or(claim.map(|c| c.framework)),
+                    device: claim.map(|c| c.device.clone()),
+                    gpu: claim.map(|c| c.gpu.clone()),
+                    device_path: claim.map(|c| self.device_path(c)),
+                    mdev_uuid: claim.and_then(|c| c.mdev_uuid).map(|u| u.to_string()),
+                    type_id: claim.and_then(|c| c.type_id),
+                    current_type: current.as_ref().map(TypeValue::of),
+                    claimed_at: claim.map(|c| c.claimed_at.clone()),
+                    claim_state: claim.map(|c| c.state),
+                    release_pending: claim.is_some_and(|c| c.state == ClaimState::ReleasePending)
+                        || unreadable.is_some(),
+                    last_error: claim.and_then(|c| c.last_error.clone()),
+                    type_mismatch,
+                    claim_unreadable: unreadable,
+                })
+            }
+        };
+        InstanceView {
+            id: rec.id.to_string(),
+            name: rec.name.clone(),
+            image: rec.image.clone(),
+            hypervisor: rec.hypervisor.clone(),
+            vcpus: rec.vcpus,
+            memory_mib: rec.memory_mib,
+            labels: rec.labels.clone(),
+            state: rec.state(),
+            created_at: rec.created_at.clone(),
+            last_error: rec.last_error.clone(),
+            vmm: self.vmm_view(rec),
+            serial_log: self.store.instance_dir(rec.id).join("serial.log").display().to_string(),
+            gpu,
+            warnings: vec![],
+        }
+    }
+
+    /// The view of an instance after an operation that succeeded: claim records that cannot
+    /// be listed must not turn the success into an error (the work is done); the view then
+    /// carries `warnings`.
+    pub(crate) fn view_after(&self, rec: &InstanceRecord) -> InstanceView {
+        match self.store.scan_claims() {
+            Ok(claims) => {
+                let mut v = self.view(rec, &claims);
+                for u in &claims.unreadable {
+                    v.warnings.push(format!("the claim record {} cannot be read ({})", u.path.display(), u.error));
+                }
+                v
+            }
+            Err(e) => {
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, error = %e, "claim records cannot be listed; answering without them");
+                let mut v = self.view(rec, &Listing::default());
+                v.warnings.push(format!("the claim records cannot be listed ({e}); gpu fields are incomplete"));
+                v
+            }
+        }
+    }
+
+    /// `instance.get`.
+    pub fn get(&self, r: &str) -> Result<InstanceView, ApiError> {
+        let rec = self.find(r)?;
+        Ok(self.view_after(&rec))
+    }
+
+    /// `instance.list`: every readable instance, and every record that cannot be read.
+    pub fn list(&self) -> Result<InstanceList, ApiError> {
+        let instances = self.store.scan_instances()?;
+        let claims = self.store.scan_claims()?;
+        Ok(InstanceList {
+            instances: instances.records.iter().map(|r| self.view(r, &claims)).collect(),
+            unreadable: instances.unreadable.iter().map(UnreadableRecord::from).collect(),
+        })
+    }
+
+    /// `gpu.list`: every GPU (managed or not) and device with its current type, claim
+    /// owner, health mark and what could not be read.
+    pub fn gpus(&self) -> Result<GpuList, ApiError> {
+        let obs = self.observe(None)?;
+        let names: HashMap<uuid::Uuid, String> = obs
+            .claims
+            .records
+            .iter()
+            .filter_map(|c| c.owner_name.clone().map(|n| (c.instance_id, n)))
+            .collect();
+        let held = self.held_by_policy();
+        let probe_error = obs.mode.as_ref().err().cloned();
+        let gpus = obs
+            .gpus
+            .iter()
+            .map(|g| GpuEntry {
+                address: g.address.clone(),
+                model: g.model.clone(),
+                framebuffer_mib: g.framebuffer_mib,
+                claimed_framebuffer_mib: g.claimed_framebuffer_mib,
+                managed: g.managed,
+                health: g.health.as_ref().map(HealthMark::from),
+                probe_error: probe_error.clone(),
+                devices: g
+                    .devices
+                    .iter()
+                    .map(|d| DeviceEntry {
+                        address: d.address.clone(),
+                        state: d.state.into(),
+                        current_type: TypeValue::of(&d.current_type),
+                        creatable: d.creatable.clone(),
+                        claim: match (&d.claim, &d.claim_unreadable) {
+                            (Some(c), _) => Some(ClaimView {
+                                instance_id: Some(c.instance_id.to_string()),
+                                instance_name: c.owner_name.clone().or_else(|| names.get(&c.instance_id).cloned()).or_else(|| {
+                                    self.store.read_instance(c.instance_id).ok().flatten().map(|r| r.name)
+                                }),
+                                profile: Some(c.profile.clone()),
+                                type_id: c.type_id,
+                                mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
+                                state: Some(c.state),
+                                last_error: c.last_error.clone(),
+                                unreadable: None,
+                            }),
+                            (None, Some(u)) => Some(ClaimView {
+                                instance_id: None,
+                                instance_name: None,
+                                profile: None,
+                                type_id: None,
+                                mdev_uuid: None,
+                                state: None,
+                                last_error: None,
+                                unreadable: Some(u.clone()),
+                            }),
+                            (None, None) => None,
+                        },
+                        quarantine: d.health.as_ref().map(HealthMark::from),
+                        held_by_policy: held.get(&d.address).cloned(),
+                        unreadable: d.unreadable.clone(),
+                        type_mismatch: d.type_mismatch.clone(),
+                        catalog_skipped_lines: d.catalog_skipped.clone(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let unreadable_records =
+            obs.claims.unreadable.iter().chain(&obs.health.unreadable).map(UnreadableRecord::from).collect();
+        Ok(GpuList { mode: obs.mode_name().to_string(), probe_error, gpus, unreadable_records })
+    }
+
+    /// `resources.get`: GPU mode, device counts and per-profile placeable counts (honest
+    /// under the equal-size rule), every profile from one observation.
+    pub fn resources(&self) -> Result<Resources, ApiError> {
+        let obs = match self.observe(None) {
+            Ok(o) => o,
+            Err(e) => {
+                return Ok(Resources {
+                    mode: "probe_error".into(),
+                    ready: false,
+                    error: Some(e.message),
+                    devices: DeviceCounts::default(),
+                    profiles: vec![],
+                })
+            }
+        };
+        Ok(self.resources_of(&obs))
+    }
+
+    pub(crate) fn resources_of(&self, obs: &Observation) -> Resources {
+        use gpuvisor_sdk::DeviceState as S;
+        let mut c = DeviceCounts::default();
+        for (_, d) in obs.devices() {
+            c.total += 1;
+            // A device can be claimed and quarantined, or claimed and unreadable, at once:
+            // those counts come from the facts, not from the one state shown.
+            if d.health.as_ref().is_some_and(|h| h.quarantined) {
+                c.quarantined += 1;
+            }
+            if d.unreadable.is_some() {
+                c.unreadable += 1;
+            }
+            c.catalog_skipped_lines += d.catalog_skipped.len() as u64;
+            match d.state {
+                S::Claimed => c.claimed += 1,
+                S::Free => c.allocatable += 1,
+                S::Dirty => c.dirty += 1,
+                S::Quarantined | S::Unreadable => {}
+            }
+        }
+        // Profiles: every name seen; placeable per GPU = free VFs listing it, capped by the
+        // slots left under the equal-size rule (GPU framebuffer / profile framebuffer).
+        let mut profiles = Vec::new();
+        for (name, fb) in self.book.all() {
+            let mut placeable = 0u64;
+            for g in obs.gpus.iter().filter(|g| g.managed) {
+                let listing = g
+                    .devices
+                    .iter()
+                    .filter(|d| d.state == S::Free && d.creatable.iter().any(|c| c.eq_ignore_ascii_case(&name)))
+                    .count() as u64;
+                if listing == 0 {
+                    continue;
+                }
+                let active = g.devices.iter().filter(|d| matches!(d.state, S::Claimed | S::Dirty)).count() as u64;
+                let cap = match (g.framebuffer_mib, fb) {
+                    (Some(gfb), Some(pfb)) if pfb > 0 => (gfb / pfb).saturating_sub(active),
+                    _ => listing,
+                };
+                placeable += listing.min(cap);
+            }
+            let type_id = if obs.mode == Ok(HostMode::VendorVfio) { self.type_id_in(obs, &name) } else { None };
+            profiles.push(ProfileCapacity { profile: name, type_id, framebuffer_mib: fb, placeable });
+        }
+        Resources {
+            mode: obs.mode_name().to_string(),
+            ready: matches!(obs.mode, Ok(HostMode::VendorVfio | HostMode::Mdev)),
+            error: obs.mode.as_ref().err().cloned(),
+            devices: c,
+            profiles,
+        }
+    }
+
+    /// `placement.dry_run`: what the placement plugin would pick for a profile now, after
+    /// native validation. Claims nothing.
+    pub fn dry_run(&self, p: super::request::DryRunParams) -> Result<DryRun, ApiError> {
+        if let Some(n) = p.name.as_deref() {
+            super::request::check_instance_name(n)?;
+        }
+        super::request::check_labels(&p.labels)?;
+        let profile = self.known_profile(&p.profile)?;
+        let name = p.name.unwrap_or_else(|| "dry-run".into());
+        let ask = super::policy_calls::PlacementAsk {
+            instance_id: uuid::Uuid::nil(),
+            name: &name,
+            labels: &p.labels,
+            profile: &profile,
+        };
+        let _a = self.alloc();
+        let obs = self.observe(Some(&profile))?;
+        let framework = obs.framework()?;
+        let ranked = self.rank(&ask, framework, &obs)?;
+        Ok(DryRun {
+            profile,
+            plugin: self.policies().placement.name().to_string(),
+            ranked: ranked.iter().map(|c| RankedDevice { device: c.device.clone(), gpu: c.gpu.clone(), dirty: c.dirty }).collect(),
+            notes: obs.notes,
+        })
+    }
+
+    /// `agent.health`: liveness and readiness, and what is degraded.
+    pub fn health(&self) -> HealthView {
+        let mut problems = Vec::new();
+        let mut store_readable = true;
+        for (what, listing) in [
+            ("instance", self.store.scan_instances().map(|l| l.unreadable)),
+            ("claim", self.store.scan_claims().map(|l| l.unreadable)),
+        ] {
+            match listing {
+                Ok(u) => problems.extend(u.iter().map(|u| format!("{what} record {} cannot be read: {}", u.path.display(), u.error))),
+                Err(e) => {
+                    store_readable = false;
+                    problems.push(format!("{what} records cannot be listed: {e}"));
+                }
+            }
+        }
+        let mode = crate::devices::scan(&self.host).mode;
+        if let Err(e) = &mode {
+            problems.push(format!("GPU framework probe failed: {e}"));
+        }
+        let ns = crate::host::proc::own_pid_namespace();
+        let host_ns = ns == Some(crate::host::proc::INITIAL_PID_NS);
+        if !host_ns {
+            problems.push(format!(
+                "the agent runs in PID namespace {}, not the host's: processes outside it are invisible to its scans",
+                ns.map(|n| n.to_string()).unwrap_or_else(|| "unknown".into())
+            ));
+        }
+        problems.extend(self.reconciler_problems());
+        HealthView {
+            live: true,
+            ready: store_readable && mode.is_ok() && self.is_ready(),
+            startup_reconcile_done: self.is_ready(),
+            store_readable,
+            gpu_mode: mode.map(|m| m.as_str().to_string()).unwrap_or_else(|_| "probe_error".into()),
+            plugins_loaded: true,
+            degraded: !problems.is_empty(),
+            problems,
+            pid_namespace: ns,
+            host_pid_namespace: host_ns,
+            build: crate::failpoints::BUILD.to_string(),
+        }
+    }
+
+    /// `plugin.list`.
+    pub fn plugin_list(&self) -> PluginList {
+        let p = self.policies();
+        let mut plugins = Vec::new();
+        for (slot, kind) in [("placement", gpuvisor_sdk::PolicyKind::Placement), ("hypervisor", gpuvisor_sdk::PolicyKind::Hypervisor), ("grace", gpuvisor_sdk::PolicyKind::Grace)] {
+            if let Some(s) = p.slot(kind) {
+                let (calls_ok, calls_failed) = self.metrics.policy_call_counts(s.name(), kind.as_str());
+                let m = s.plugin.manifest();
+                plugins.push(PluginView {
+                    slot: slot.into(),
+                    name: m.name.clone(),
+                    version: m.version.clone(),
+                    kinds: m.kinds.iter().map(|k| k.as_str().to_string()).collect(),
+                    path: s.plugin.path().display().to_string(),
+                    calls_ok,
+                    calls_failed,
+                });
+            }
+        }
+        PluginList { plugins }
+    }
+
+    /// Scrape-time gauges.
+    pub fn gauges(&self) -> crate::metrics::Gauges {
+        let mut g = crate::metrics::Gauges::default();
+        let mut unreadable_records = 0;
+        if let Ok(list) = self.store.scan_instances() {
+            unreadable_records += list.unreadable.len() as i64;
+            let mut by: BTreeMap<&'static str, i64> = InstanceState::ALL.iter().map(|s| (s.as_str(), 0)).collect();
+            for i in &list.records {
+                *by.entry(i.state().as_str()).or_default() += 1;
+            }
+            g.instances = by.into_iter().collect();
+        }
+        if let Ok(list) = self.store.scan_claims() {
+            unreadable_records += list.unreadable.len() as i64;
+            let mut by: BTreeMap<(&'static str, &'static str), i64> = BTreeMap::new();
+            for fw in [Framework::VendorVfio, Framework::Mdev] {
+                for st in ClaimState::ALL {
+                    by.insert((fw.as_str(), st.as_str()), 0);
+                }
+            }
+            for c in &list.records {
+                *by.entry((c.framework.as_str(), c.state.as_str())).or_default() += 1;
+                if c.state == ClaimState::ReleasePending {
+                    g.retained += 1;
+                }
+            }
+            g.claims = by.into_iter().map(|((f, s), n)| (f, s, n)).collect();
+        }
+        if let Ok(h) = self.store.scan_health() {
+            unreadable_records += h.unreadable.len() as i64;
+            g.quarantined = h.records.iter().filter(|r| r.quarantined).count() as i64 + h.unreadable.len() as i64;
+        }
+        g.unreadable_records = unreadable_records;
+        g.held_by_policy = self.held_by_policy().len() as i64;
+        if let Ok(obs) = self.observe(None) {
+            let (u, s, m) = Manager::observed_problem_counts(&obs);
+            g.unreadable_devices = u;
+            g.catalog_skipped_lines = s;
+            g.type_mismatches = m;
+        }
+        g
+    }
+
+    /// `agent.metrics`: the Prometheus text exposition.
+    pub fn metrics_text(&self) -> String {
+        self.metrics.render(&self.gauges())
+    }
+
+    /// `debug.failpoints`.
+    pub fn failpoints(&self) -> FailpointList {
+        FailpointList { build: crate::failpoints::BUILD.to_string(), failpoints: crate::failpoints::pause_status() }
+    }
+}

@@ -1,0 +1,224 @@
+//! The VMM of an instance: liveness (with the proof the release path needs), spawn, and
+//! stop through the kill path with its accounting (escalations are counted and mark the
+//! device `suspect`).
+//!
+//! "Provably dead" (LIFECYCLE.md Words) is decided here and nowhere else: a [`Dead`] can
+//! only be made by this module, and the release path takes one for every claim it clears.
+//! An identity recorded in another PID namespace is *maybe alive*: never signalled, never
+//! released on its behalf.
+
+use super::Manager;
+use crate::config::VfioAttach;
+use crate::devices::{mdev, vendor_vfio};
+use crate::error::{ApiError, ErrorCode};
+use crate::host::proc::{self, Liveness};
+use crate::hypervisor;
+use crate::images;
+use crate::store::{Claim, InstanceRecord, InstanceState, VmmRecord};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Proof that an instance's VMM is provably dead (or that no VMM of it can exist). Only
+/// this module makes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dead(());
+
+impl Manager {
+    /// The VMM control socket of an instance: the recorded one, else where QEMU would put it.
+    pub(crate) fn control_socket(&self, id: uuid::Uuid, vmm: Option<&VmmRecord>) -> PathBuf {
+        vmm.map(|v| v.control_socket.clone()).unwrap_or_else(|| self.store.instance_dir(id).join("qmp.sock"))
+    }
+
+    /// Liveness of an instance's VMM (recorded identity and control-socket owner).
+    pub(crate) fn liveness_at(&self, rec: &InstanceRecord, boot_id: &str) -> Liveness {
+        proc::vmm_liveness(rec.vmm.as_ref().map(|v| &v.identity), Some(&self.control_socket(rec.id, rec.vmm.as_ref())), boot_id)
+    }
+
+    pub(crate) fn liveness(&self, rec: &InstanceRecord) -> Result<Liveness, ApiError> {
+        Ok(self.liveness_at(rec, &self.boot_id()?))
+    }
+
+    /// A [`Dead`] when the VMM of `owner` (or, with no record, of instance `id`) is provably
+    /// dead; otherwise the liveness found.
+    pub(crate) fn prove_dead(
+        &self,
+        id: uuid::Uuid,
+        owner: Option<&InstanceRecord>,
+        boot_id: &str,
+    ) -> Result<Dead, Liveness> {
+        let l = match owner {
+            Some(rec) => self.liveness_at(rec, boot_id),
+            None => proc::vmm_liveness(None, Some(&self.control_socket(id, None)), boot_id),
+        };
+        match l {
+            Liveness::Dead => Ok(Dead(())),
+            other => Err(other),
+        }
+    }
+
+    /// The recorded identity is a live process now, by the cheap identity check (no scan of
+    /// `/proc`): `Alive`, `Dead`, or `MaybeAlive` with the reason (another PID namespace, an
+    /// unreadable `/proc/<pid>`).
+    pub(crate) fn identity_liveness(&self, vmm: &VmmRecord) -> Liveness {
+        match self.host.boot_id() {
+            Ok(boot) => proc::identity_liveness(&vmm.identity, &boot),
+            Err(e) => Liveness::MaybeAlive { reason: format!("the host boot id cannot be read: {e}") },
+        }
+    }
+
+    fn vm_spec(&self, rec: &InstanceRecord, claim: Option<&Claim>) -> Result<hypervisor::VmSpec, ApiError> {
+        let image = images::load(&self.store.images_dir(), &rec.image).map_err(|e| {
+            if e.code == ErrorCode::NotFound {
+                ApiError::invalid_request(format!("image {} of instance {} no longer exists", rec.image, rec.name))
+            } else {
+                e
+            }
+        })?;
+        let vfio = match claim {
+            None => None,
+            Some(c) => {
+                let (sysfsdev, group) = match c.mdev_uuid {
+                    Some(u) => {
+                        let d = mdev::read_device(&self.host, &u.to_string()).ok().flatten();
+                        (self.host.mdev_device(&u.to_string()), d.and_then(|d| d.iommu_group))
+                    }
+                    None => {
+                        let info = vendor_vfio::read_vf(&self.host, &c.device, c.gpu.clone());
+                        (self.host.pci_device(&c.device), info.iommu_group)
+                    }
+                };
+                Some(match self.cfg.vfio_attach {
+                    VfioAttach::Device => hypervisor::VfioAttach::Device { sysfsdev },
+                    VfioAttach::HoldFd => {
+                        let g = group.ok_or_else(|| {
+                            ApiError::vmm_start_failed(format!("{} has no IOMMU group", c.device))
+                        })?;
+                        hypervisor::VfioAttach::HoldFd { node: self.host.vfio_group_node(g) }
+                    }
+                })
+            }
+        };
+        Ok(hypervisor::VmSpec {
+            id: rec.id,
+            name: rec.name.clone(),
+            vcpus: rec.vcpus,
+            memory_mib: rec.memory_mib,
+            kernel: Some(image.kernel),
+            initrd: image.initrd,
+            paused: false,
+            cmdline: image.cmdline.unwrap_or_else(|| self.cfg.default_cmdline.clone()),
+            accel: self.cfg.accel.clone(),
+            qemu_binary: self.cfg.qemu_binary.clone(),
+            run_dir: self.store.instance_dir(rec.id),
+            vfio,
+        })
+    }
+
+    /// Spawns the VMM, records its identity and the `running` state (durable before the
+    /// answer).
+    pub(crate) fn spawn(&self, rec: &mut InstanceRecord, claim: Option<&Claim>) -> Result<(), ApiError> {
+        let spec = self.vm_spec(rec, claim)?;
+        let boot_id = self.boot_id()?;
+        let timeout = Duration::from_secs(self.cfg.qmp_ready_timeout_s);
+        let vmm = hypervisor::qemu::spawn_with_timeout(&spec, &boot_id, timeout).map_err(|e| match e {
+            hypervisor::HypervisorError::KillFailed { pid } => ApiError::vmm_kill_failed(pid),
+            hypervisor::HypervisorError::LivenessUnknown { reason } => ApiError::vmm_liveness_unknown(&rec.name, &reason),
+            e => ApiError::vmm_start_failed(format!("the VMM did not start: {e}")),
+        })?;
+        crate::crash_point!("after_spawn");
+        rec.vmm = Some(VmmRecord { identity: vmm.identity.clone(), control_socket: vmm.qmp_socket.clone() });
+        rec.transition(InstanceState::Running)?;
+        rec.last_error = None;
+        self.store.write_instance(rec)?;
+        crate::crash_point!("after_running");
+        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, pid = vmm.identity.pid, "VMM running");
+        Ok(())
+    }
+
+    fn stop_options(&self, graceful: bool) -> hypervisor::StopOptions {
+        hypervisor::StopOptions {
+            graceful,
+            stop_timeout: Duration::from_secs(self.cfg.stop_timeout_s),
+            term_grace: Duration::from_secs(self.cfg.vfio_term_grace_s),
+        }
+    }
+
+    /// Stops the VMM of `rec` (graceful, or the kill path) until it is provably dead.
+    /// Errors: `vmm_liveness_unknown`, `vmm_kill_failed` (nothing may be torn down).
+    pub(crate) fn stop_vmm(&self, rec: &InstanceRecord, graceful: bool) -> Result<Dead, ApiError> {
+        let boot_id = self.boot_id()?;
+        let Some(vmm) = &rec.vmm else {
+            return match self.prove_dead(rec.id, Some(rec), &boot_id) {
+                Ok(dead) => Ok(dead),
+                Err(Liveness::Alive { pid }) => Err(ApiError::vmm_liveness_unknown(
+                    &rec.name,
+                    &format!("pid {pid} owns the instance's control socket but no VMM identity is recorded"),
+                )),
+                Err(Liveness::MaybeAlive { reason }) => Err(ApiError::vmm_liveness_unknown(&rec.name, &reason)),
+                Err(Liveness::Dead) => Err(ApiError::internal("liveness changed while proving it")),
+            };
+        };
+        match hypervisor::stop(&vmm.identity, &vmm.control_socket, self.stop_options(graceful), &boot_id) {
+            Ok(report) => {
+                if !report.escalations.is_empty() {
+                    for sig in &report.escalations {
+                        self.metrics.kill_escalation(sig);
+                    }
+                    // A SIGKILL during vGPU setup can wedge the VF (NVIDIA-HOST.md §9): name
+                    // the device and mark it suspect.
+                    if let Some(c) = self.claim_of(rec).ok().as_ref().and_then(|o| o.claim()) {
+                        tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %c.device,
+                            pid = vmm.identity.pid, escalations = %report.escalations.join(","),
+                            "the VMM needed SIGKILL; its device may be wedged");
+                        self.mark_suspect(
+                            &c.device,
+                            "kill_escalation",
+                            &format!("VMM {} needed {}", vmm.identity.pid, report.escalations.join(", ")),
+                        );
+                    }
+                }
+                Ok(Dead(()))
+            }
+            Err(hypervisor::HypervisorError::KillFailed { pid }) => Err(ApiError::vmm_kill_failed(pid)),
+            Err(hypervisor::HypervisorError::LivenessUnknown { reason }) => {
+                Err(ApiError::vmm_liveness_unknown(&rec.name, &reason))
+            }
+            Err(e) => Err(ApiError::internal(format!("stopping the VMM failed: {e}"))),
+        }
+    }
+
+    /// The claim of an instance (claims are the only record of ownership): its readable
+    /// claim, or a claim file that cannot be read but may be its own (one that names it, or
+    /// — for an instance that wants a GPU — one whose owner cannot be told).
+    pub(crate) fn claim_of(&self, rec: &InstanceRecord) -> Result<OwnedClaim, ApiError> {
+        let claims = self.store.scan_claims()?;
+        if let Some(c) = claims.records.into_iter().find(|c| c.instance_id == rec.id) {
+            return Ok(OwnedClaim::Claim(c));
+        }
+        let mine = claims.unreadable.iter().find(|u| u.owner == Some(rec.id));
+        let unknown = claims.unreadable.iter().find(|u| u.owner.is_none() && rec.wants_gpu());
+        Ok(match mine.or(unknown) {
+            Some(u) => OwnedClaim::Unreadable(u.clone()),
+            None => OwnedClaim::None,
+        })
+    }
+}
+
+/// What [`Manager::claim_of`] found.
+#[derive(Debug, Clone)]
+pub(crate) enum OwnedClaim {
+    None,
+    Claim(Claim),
+    /// A claim file that cannot be read and may be this instance's: fail closed for it.
+    Unreadable(crate::store::Unreadable),
+}
+
+impl OwnedClaim {
+    /// The readable claim, if any.
+    pub(crate) fn claim(&self) -> Option<&Claim> {
+        match self {
+            OwnedClaim::Claim(c) => Some(c),
+            _ => None,
+        }
+    }
+}

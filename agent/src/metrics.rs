@@ -1,0 +1,358 @@
+//! # metrics — every metric of the agent, registered once
+//!
+//! Counters and histograms live in one [`Metrics`] for the agent's lifetime (a plugin
+//! reload keeps every series: they are keyed by plugin name, not owned by the plugin).
+//! Gauges are computed at scrape time from the store and the last observation
+//! ([`Gauges`]). Every known label set is exported at 0 until it happens, so dashboards see
+//! the series. [`Metrics::render`] is the only encoder; the names are those of
+//! LIFECYCLE.md "Metrics" and PLUGINS.md.
+//!
+//! The exposition is the Prometheus text format 0.0.4 (the `prometheus` crate's
+//! `TextEncoder`), served with [`CONTENT_TYPE`]; `promtool check metrics` accepts it.
+
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Latency buckets for policy calls and claims, seconds.
+const LATENCY_BUCKETS: [f64; 10] = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
+
+/// Latency buckets for RPC calls, seconds (operations include VM boots and stops).
+const RPC_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0];
+
+/// What a stale-claim release attempt of the reconciler ended in
+/// (`gpuvisor_vgpu_stale_releases_total{result}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StaleResult {
+    Released,
+    InUse,
+    ScanIncomplete,
+    Failed,
+}
+
+impl StaleResult {
+    const ALL: [StaleResult; 4] = [StaleResult::Released, StaleResult::InUse, StaleResult::ScanIncomplete, StaleResult::Failed];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            StaleResult::Released => "released",
+            StaleResult::InUse => "in_use",
+            StaleResult::ScanIncomplete => "scan_incomplete",
+            StaleResult::Failed => "failed",
+        }
+    }
+}
+
+/// The stages a reconcile pass can fail at (`gpuvisor_vgpu_reconcile_failures_total{stage}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassStage {
+    /// The instance or claim records could not all be read.
+    Inventory,
+    /// The host's devices could not be observed completely.
+    Host,
+    /// The grace plugin failed.
+    Grace,
+}
+
+impl PassStage {
+    const ALL: [PassStage; 3] = [PassStage::Inventory, PassStage::Host, PassStage::Grace];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            PassStage::Inventory => "inventory",
+            PassStage::Host => "host",
+            PassStage::Grace => "grace",
+        }
+    }
+}
+
+/// Values read at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    /// `(state, count)` for every instance state.
+    pub instances: Vec<(&'static str, i64)>,
+    /// `(framework, state, count)` for every claim.
+    pub claims: Vec<(&'static str, &'static str, i64)>,
+    pub retained: i64,
+    pub quarantined: i64,
+    pub held_by_policy: i64,
+    /// Devices whose state could not be read in the last observation.
+    pub unreadable_devices: i64,
+    /// Catalog lines skipped in the last observation.
+    pub catalog_skipped_lines: i64,
+    /// Claimed VFs whose type differs from their claim (a foreign write under a VM).
+    pub type_mismatches: i64,
+    /// Store records that cannot be read.
+    pub unreadable_records: i64,
+}
+
+/// Every counter and histogram of the agent.
+pub struct Metrics {
+    registry: Registry,
+    reconcile_runs: IntCounterVec,
+    reconcile_failures: IntCounterVec,
+    stale_releases: IntCounterVec,
+    orphans_released: IntCounterVec,
+    releases: IntCounterVec,
+    claim_duration: Histogram,
+    kill_escalations: IntCounterVec,
+    vm_deaths: IntCounter,
+    policy_calls: IntCounterVec,
+    policy_failures: IntCounterVec,
+    policy_duration: HistogramVec,
+    policy_rejected: IntCounterVec,
+    rpc_calls: IntCounterVec,
+    rpc_duration: HistogramVec,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+// The names, label names and buckets below are constants: registering them cannot fail.
+const VALID: &str = "metric definitions are static and valid";
+
+fn counter_vec(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect(VALID);
+    reg.register(Box::new(c.clone())).expect(VALID);
+    c
+}
+
+fn histogram_vec(reg: &Registry, name: &str, help: &str, labels: &[&str], buckets: &[f64]) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels).expect(VALID);
+    reg.register(Box::new(h.clone())).expect(VALID);
+    h
+}
+
+fn gauge(reg: &Registry, name: &str, help: &str, v: i64) {
+    let g = IntGauge::new(name, help).expect(VALID);
+    g.set(v);
+    reg.register(Box::new(g)).expect(VALID);
+}
+
+impl Metrics {
+    /// Registers every family once, with every known label set at 0.
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let claim_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "gpuvisor_vgpu_claim_duration_seconds",
+                "Claim selection, creation and configure, seconds",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )
+        .expect(VALID);
+        r.register(Box::new(claim_duration.clone())).expect(VALID);
+        let vm_deaths = IntCounter::new("gpuvisor_vm_deaths_total", "VMMs found dead that no operation stopped").expect(VALID);
+        r.register(Box::new(vm_deaths.clone())).expect(VALID);
+        let m = Metrics {
+            reconcile_runs: counter_vec(&r, "gpuvisor_vgpu_reconcile_runs_total", "Reconcile passes by result", &["result"]),
+            reconcile_failures: counter_vec(
+                &r,
+                "gpuvisor_vgpu_reconcile_failures_total",
+                "Reconcile passes that could not do a stage, by stage",
+                &["stage"],
+            ),
+            stale_releases: counter_vec(
+                &r,
+                "gpuvisor_vgpu_stale_releases_total",
+                "Stale-claim release attempts of the reconciler by result",
+                &["result"],
+            ),
+            orphans_released: counter_vec(
+                &r,
+                "gpuvisor_vgpu_orphans_released_total",
+                "Orphan devices the sweep released, by framework",
+                &["framework"],
+            ),
+            releases: counter_vec(&r, "gpuvisor_vgpu_releases_total", "Release path outcomes (every caller)", &["result"]),
+            claim_duration,
+            kill_escalations: counter_vec(
+                &r,
+                "gpuvisor_vmm_kill_escalations_total",
+                "Escalations past SIGTERM on the kill path, by signal",
+                &["signal"],
+            ),
+            vm_deaths,
+            policy_calls: counter_vec(
+                &r,
+                "gpuvisor_policy_calls_total",
+                "Policy plugin calls by plugin, kind and result",
+                &["plugin", "kind", "result"],
+            ),
+            policy_failures: counter_vec(
+                &r,
+                "gpuvisor_policy_call_failures_total",
+                "Failed policy plugin calls by plugin, kind and reason",
+                &["plugin", "kind", "reason"],
+            ),
+            policy_duration: histogram_vec(
+                &r,
+                "gpuvisor_policy_call_duration_seconds",
+                "Policy plugin call latency by plugin and kind, seconds",
+                &["plugin", "kind"],
+                &LATENCY_BUCKETS,
+            ),
+            policy_rejected: counter_vec(
+                &r,
+                "gpuvisor_policy_rejected_answers_total",
+                "Plugin answers the agent rejected, by plugin, kind and reason",
+                &["plugin", "kind", "reason"],
+            ),
+            rpc_calls: counter_vec(&r, "gpuvisor_rpc_calls_total", "JSON-RPC calls by method and result", &["method", "result"]),
+            rpc_duration: histogram_vec(
+                &r,
+                "gpuvisor_rpc_call_duration_seconds",
+                "JSON-RPC call latency by method, seconds",
+                &["method"],
+                &RPC_BUCKETS,
+            ),
+            registry: r,
+        };
+        for v in ["complete", "incomplete"] {
+            m.reconcile_runs.with_label_values(&[v]);
+        }
+        for s in PassStage::ALL {
+            m.reconcile_failures.with_label_values(&[s.as_str()]);
+        }
+        for v in StaleResult::ALL {
+            m.stale_releases.with_label_values(&[v.as_str()]);
+        }
+        for f in ["vendor_vfio", "mdev"] {
+            m.orphans_released.with_label_values(&[f]);
+        }
+        for v in ["released", "failed"] {
+            m.releases.with_label_values(&[v]);
+        }
+        for s in ["SIGKILL", "SIGKILL_GROUP"] {
+            m.kill_escalations.with_label_values(&[s]);
+        }
+        m
+    }
+
+    /// Announces a plugin's series at 0 (on load and reload), so they exist before a call.
+    pub fn announce_plugin(&self, plugin: &str, kind: &str, rejection_reasons: &[&str]) {
+        for result in ["ok", "failed"] {
+            self.policy_calls.with_label_values(&[plugin, kind, result]);
+        }
+        for reason in rejection_reasons {
+            self.policy_rejected.with_label_values(&[plugin, kind, reason]);
+        }
+    }
+
+    /// One reconcile pass ended.
+    pub fn reconcile_run(&self, complete: bool) {
+        self.reconcile_runs.with_label_values(&[if complete { "complete" } else { "incomplete" }]).inc();
+    }
+
+    /// A reconcile pass could not do a stage.
+    pub fn reconcile_failure(&self, stage: PassStage) {
+        self.reconcile_failures.with_label_values(&[stage.as_str()]).inc();
+    }
+
+    /// A stale-claim release attempt of the reconciler.
+    pub fn stale_release(&self, result: StaleResult) {
+        self.stale_releases.with_label_values(&[result.as_str()]).inc();
+    }
+
+    /// The sweep released an orphan.
+    pub fn orphan_released(&self, framework: &str) {
+        self.orphans_released.with_label_values(&[framework]).inc();
+    }
+
+    /// The release path ended (every caller).
+    pub fn release(&self, ok: bool) {
+        self.releases.with_label_values(&[if ok { "released" } else { "failed" }]).inc();
+    }
+
+    /// A claim (selection + creation + configure) took `secs`.
+    pub fn claim_duration(&self, secs: f64) {
+        self.claim_duration.observe(secs);
+    }
+
+    /// The kill path escalated to `signal` (`SIGKILL`, `SIGKILL_GROUP`).
+    pub fn kill_escalation(&self, signal: &str) {
+        self.kill_escalations.with_label_values(&[signal]).inc();
+    }
+
+    /// A VMM was found dead that no operation stopped.
+    pub fn vm_died(&self) {
+        self.vm_deaths.inc();
+    }
+
+    /// One policy call: `failure` is the failure reason (`None`: ok).
+    pub fn policy_call(&self, plugin: &str, kind: &str, failure: Option<&str>, secs: f64) {
+        let result = if failure.is_some() { "failed" } else { "ok" };
+        self.policy_calls.with_label_values(&[plugin, kind, result]).inc();
+        if let Some(reason) = failure {
+            self.policy_failures.with_label_values(&[plugin, kind, reason]).inc();
+        }
+        self.policy_duration.with_label_values(&[plugin, kind]).observe(secs);
+    }
+
+    /// `(ok, failed)` calls of a plugin in a slot since the agent started.
+    pub fn policy_call_counts(&self, plugin: &str, kind: &str) -> (u64, u64) {
+        let get = |result: &str| self.policy_calls.with_label_values(&[plugin, kind, result]).get();
+        (get("ok"), get("failed"))
+    }
+
+    /// The agent rejected (part of) a plugin's answer.
+    pub fn policy_rejected(&self, plugin: &str, kind: &str, reason: &str) {
+        self.policy_rejected.with_label_values(&[plugin, kind, reason]).inc();
+    }
+
+    /// One JSON-RPC call.
+    pub fn rpc_call(&self, method: &str, ok: bool, secs: f64) {
+        self.rpc_calls.with_label_values(&[method, if ok { "ok" } else { "error" }]).inc();
+        self.rpc_duration.with_label_values(&[method]).observe(secs);
+    }
+
+    /// The exposition: every counter and histogram, then the gauges of this scrape.
+    pub fn render(&self, g: &Gauges) -> String {
+        let reg = Registry::new();
+        let instances = IntGaugeVec::new(Opts::new("gpuvisor_instances", "Instances by state"), &["state"]).expect(VALID);
+        for (state, n) in &g.instances {
+            instances.with_label_values(&[state]).set(*n);
+        }
+        reg.register(Box::new(instances)).expect(VALID);
+        let claims =
+            IntGaugeVec::new(Opts::new("gpuvisor_vgpu_claims", "Claims by framework and state"), &["framework", "state"])
+                .expect(VALID);
+        for (fw, state, n) in &g.claims {
+            claims.with_label_values(&[fw, state]).set(*n);
+        }
+        reg.register(Box::new(claims)).expect(VALID);
+        gauge(&reg, "gpuvisor_vgpu_retained_assignments", "Claims kept release_pending", g.retained);
+        gauge(&reg, "gpuvisor_vgpu_quarantined_devices", "Quarantined devices", g.quarantined);
+        gauge(&reg, "gpuvisor_vgpu_held_by_policy", "Eligible devices the grace plugin keeps past claim_grace", g.held_by_policy);
+        gauge(
+            &reg,
+            "gpuvisor_vgpu_unreadable_devices",
+            "Devices whose state could not be read in the last observation",
+            g.unreadable_devices,
+        );
+        gauge(
+            &reg,
+            "gpuvisor_vgpu_catalog_skipped_lines",
+            "creatable_vgpu_types lines skipped in the last observation (malformed, or id 0)",
+            g.catalog_skipped_lines,
+        );
+        gauge(
+            &reg,
+            "gpuvisor_vgpu_claim_type_mismatches",
+            "Claimed VFs whose current type differs from their claim",
+            g.type_mismatches,
+        );
+        gauge(&reg, "gpuvisor_store_unreadable_records", "Store records that cannot be read", g.unreadable_records);
+        let mut families = self.registry.gather();
+        families.extend(reg.gather());
+        let mut out = String::new();
+        match prometheus::TextEncoder::new().encode_utf8(&families, &mut out) {
+            Ok(()) => out,
+            Err(e) => format!("# metrics encoding failed: {e}\n"),
+        }
+    }
+}
