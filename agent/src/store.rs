@@ -598,12 +598,21 @@ impl Store {
         self.root.join("names").join(name)
     }
 
+    /// A name that can be a file of the index (callers validate instance names; this keeps
+    /// the index inside its directory whatever they pass).
+    fn indexable(name: &str) -> bool {
+        !name.is_empty() && name.len() <= 255 && name != "." && name != ".." && !name.contains(['/', '\0'])
+    }
+
     /// The instance id the name index gives for `name` (`Ok(None)`: no entry). The entry
     /// may be stale (its instance gone); callers read the record.
     pub fn name_owner(&self, name: &str) -> Result<Option<Uuid>> {
         #[derive(Deserialize)]
         struct Entry {
             id: Uuid,
+        }
+        if !Store::indexable(name) {
+            return Ok(None);
         }
         Ok(read_json_opt::<Entry>(&self.name_path(name))?.map(|e| e.id))
     }
@@ -613,6 +622,10 @@ impl Store {
     /// allocation lock (two callers could otherwise both replace one stale entry). Errors:
     /// [`StoreError::NameTaken`] when a live (or unreadable) instance owns the name.
     pub fn claim_name(&self, name: &str, id: Uuid) -> Result<()> {
+        if !Store::indexable(name) {
+            let e = io::Error::new(io::ErrorKind::InvalidInput, "not a valid instance name");
+            return Err(StoreError::io(&self.root.join("names"), e));
+        }
         let path = self.name_path(name);
         let entry = serde_json::json!({ "id": id });
         match create_exclusive(&path, &entry) {

@@ -152,6 +152,9 @@ pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Result<Vec<PathBuf>, String> 
 /// Why a configure step did not set the type.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ConfigureError {
+    /// The VF's fresh catalog does not list the profile (the GPU filled up or changed size
+    /// since the observation): nothing was written.
+    NotListed(String),
     /// The driver refused the type here now (EINVAL/EIO/not in the fresh catalog): try the
     /// next candidate. Never branch on which errno came back for placement (NVIDIA-HOST.md
     /// §4); the errno only feeds the device's health accounting.
@@ -165,6 +168,7 @@ pub enum ConfigureError {
 impl std::fmt::Display for ConfigureError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            ConfigureError::NotListed(m) => write!(f, "{m}"),
             ConfigureError::NotCreatable(w) => write!(f, "not creatable here now: {w}"),
             ConfigureError::Foreign { value } => write!(f, "another writer set type {value} on the VF"),
             ConfigureError::Io(m) => write!(f, "{m}"),
@@ -178,9 +182,7 @@ impl std::fmt::Display for ConfigureError {
 pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, ConfigureError> {
     let catalog = read_catalog(host, vf).map_err(|e| ConfigureError::Io(format!("catalog: {}", errno_name(&e))))?;
     let Some(entry) = catalog.find(profile) else {
-        return Err(ConfigureError::NotCreatable(WriteError::other(format!(
-            "{profile} is not in the catalog of {vf}"
-        ))));
+        return Err(ConfigureError::NotListed(format!("{profile} is not in the catalog of {vf}")));
     };
     // The parser never yields id 0 (NVIDIA-HOST.md §3.1: 0 is "no vGPU").
     let Some(id) = NonZeroU32::new(entry.id) else {

@@ -324,7 +324,7 @@ pub fn spawn_with_timeout(
     if let Some(VfioAttach::HoldFd { node }) = &spec.vfio {
         add_hold_fd(&mut cmd, node)?;
     }
-    tracing::info!(instance.id = %spec.id, binary = %spec.qemu_binary.display(), args = ?args, "starting QEMU");
+    tracing::info!(instance.id = %spec.id, binary = %spec.qemu_binary.display(), args = %args.join(" "), "starting QEMU");
     let child = cmd.spawn().map_err(|e| match &spec.vfio {
         // The pre_exec open's errno comes back as the spawn error.
         Some(VfioAttach::HoldFd { node }) => start_failed(format!(
@@ -372,7 +372,7 @@ pub fn spawn_with_timeout(
                     super::stop::DEFAULT_TERM_GRACE,
                     host_boot_id,
                 ) {
-                    tracing::error!(pid, start_error = %reason, "a VMM that failed to start could not be stopped");
+                    tracing::debug!(pid, start_error = %reason, "a VMM that failed to start could not be stopped");
                     return Err(e);
                 }
             }

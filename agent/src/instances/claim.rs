@@ -10,7 +10,7 @@
 use super::health::{Verdict, WriteSite};
 use super::inventory::Candidate;
 use super::policy_calls::PlacementAsk;
-use super::release::{Release, Released};
+use super::release::{Release, ReleaseError, Released};
 use super::{now_rfc3339, Manager};
 use crate::devices::{mdev, vendor_vfio};
 use crate::error::ApiError;
@@ -20,8 +20,9 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-/// A create (or start) tries at most this many candidates whose configure failed before it
-/// answers `no_capacity`.
+/// A create (or start) gives up after this many candidates whose configure *write* failed
+/// (a refusal that wrote nothing — the fresh catalog no longer lists the type, a dirty VF
+/// in use — does not count) and answers `no_capacity`.
 pub const MAX_CONFIGURE_FAILURES: usize = 4;
 
 /// Why a claim and configure did not end with a configured device.
@@ -41,11 +42,19 @@ struct Refusal {
     /// The device was left as it was found (or reads 0): the claim can simply be dropped.
     /// `false`: its state is unknown and the claim must go through the release path.
     untouched: bool,
+    /// A sysfs write was attempted (counts against [`MAX_CONFIGURE_FAILURES`]).
+    wrote: bool,
 }
 
 impl Refusal {
+    /// Refused before any write.
     fn untouched(why: impl Into<String>) -> Refusal {
-        Refusal { why: why.into(), verdict: Verdict::None, untouched: true }
+        Refusal { why: why.into(), verdict: Verdict::None, untouched: true, wrote: false }
+    }
+
+    /// A write was refused.
+    fn write_failed(why: impl Into<String>, verdict: Verdict, untouched: bool) -> Refusal {
+        Refusal { why: why.into(), verdict, untouched, wrote: true }
     }
 }
 
@@ -130,7 +139,7 @@ impl Manager {
                     return Ok(claim);
                 }
                 Err(r) => {
-                    failures += 1;
+                    failures += usize::from(r.wrote);
                     tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %cand.device,
                         reason = %r.why, "candidate refused");
                     notes.push(format!("{}: {}", cand.device, r.why));
@@ -190,6 +199,15 @@ impl Manager {
             match self.release(Release::Repair { claim, type_id: cur }, Duration::ZERO) {
                 Ok(Released::Cleared) => tracing::info!(gpu.device = %vf, old_type = cur, "dirty VF repaired"),
                 Ok(Released::NotOurs) => return Err(Refusal::untouched("the claim changed during the repair")),
+                Err(ReleaseError::InUse(pids)) => {
+                    return Err(Refusal::untouched(format!("dirty (type {cur}) and in use by pid {pids:?}")))
+                }
+                Err(ReleaseError::ScanIncomplete(reason)) => {
+                    return Err(Refusal::untouched(format!("dirty (type {cur}) and its holders cannot be verified: {reason}")))
+                }
+                Err(e @ (ReleaseError::Failed(_) | ReleaseError::Foreign(_))) => {
+                    return Err(Refusal::write_failed(format!("dirty (type {cur}) and not repaired: {e}"), Verdict::None, true))
+                }
                 Err(e) => return Err(Refusal::untouched(format!("dirty (type {cur}) and not repaired: {e}"))),
             }
             crate::crash_point!("configure_after_repair");
@@ -202,17 +220,19 @@ impl Manager {
                 self.write_outcome(&vf, &claim.gpu, WriteSite::SetType, &Ok(()));
                 Ok(())
             }
+            // Not in the fresh catalog: nothing was written.
+            Err(vendor_vfio::ConfigureError::NotListed(m)) => Err(Refusal::untouched(m)),
             Err(vendor_vfio::ConfigureError::NotCreatable(w)) => {
                 let verdict = self.write_outcome(&vf, &claim.gpu, WriteSite::SetType, &Err(w.clone()));
-                Err(Refusal { why: w.message, verdict, untouched: true })
+                Err(Refusal::write_failed(w.message, verdict, true))
             }
             Err(vendor_vfio::ConfigureError::Foreign { value }) => {
                 self.quarantine(&vf, "foreign_write", &format!("read back type {value} that gpuvisor did not write"));
-                Err(Refusal::untouched(format!("foreign write: reads {value}")))
+                Err(Refusal::write_failed(format!("foreign write: reads {value}"), Verdict::None, true))
             }
             Err(vendor_vfio::ConfigureError::Io(m)) => {
                 let zero = vendor_vfio::read_current_type(&self.host, &vf).ok() == Some(0);
-                Err(Refusal { why: m, verdict: Verdict::None, untouched: zero })
+                Err(Refusal::write_failed(m, Verdict::None, zero))
             }
         }
     }
@@ -242,10 +262,10 @@ impl Manager {
             Err(w) => match mdev::read_device(&self.host, &uuid.to_string()) {
                 Ok(None) => {
                     let _ = self.store.remove_mdev(uuid);
-                    Err(Refusal { why: w.message, verdict, untouched: true })
+                    Err(Refusal::write_failed(w.message, verdict, true))
                 }
                 // The mdev exists (or cannot be read): its state is unknown.
-                _ => Err(Refusal { why: w.message, verdict, untouched: false }),
+                _ => Err(Refusal::write_failed(w.message, verdict, false)),
             },
         }
     }

@@ -210,6 +210,8 @@ impl Manager {
     pub fn find(&self, r: &str) -> Result<InstanceRecord, ApiError> {
         let id = match Uuid::parse_str(r) {
             Ok(id) => id,
+            // Only a valid name can name a file of the name index.
+            Err(_) if request::check_instance_name(r).is_err() => return Err(ApiError::not_found(r)),
             Err(_) => self.store.name_owner(r)?.ok_or_else(|| ApiError::not_found(r))?,
         };
         match self.store.read_instance(id)? {

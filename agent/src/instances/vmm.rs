@@ -166,10 +166,12 @@ impl Manager {
                     }
                     // A SIGKILL during vGPU setup can wedge the VF (NVIDIA-HOST.md §9): name
                     // the device and mark it suspect.
-                    if let Some(c) = self.claim_of(rec).ok().as_ref().and_then(|o| o.claim()) {
-                        tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %c.device,
-                            pid = vmm.identity.pid, escalations = %report.escalations.join(","),
-                            "the VMM needed SIGKILL; its device may be wedged");
+                    let claim = self.claim_of(rec).ok().and_then(|o| o.claim().cloned());
+                    tracing::warn!(instance.id = %rec.id, instance.name = %rec.name,
+                        gpu.device = %claim.as_ref().map(|c| c.device.as_str()).unwrap_or("-"),
+                        pid = vmm.identity.pid, escalations = %report.escalations.join(","),
+                        "the VMM outlived SIGTERM and needed SIGKILL; its device may be wedged");
+                    if let Some(c) = claim {
                         self.mark_suspect(
                             &c.device,
                             "kill_escalation",

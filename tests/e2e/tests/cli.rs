@@ -253,14 +253,15 @@ fn serve_refuses_out_of_range_durations_and_a_missing_host_root_naming_the_key()
 #[test]
 fn the_gpus_table_shows_suspect_and_quarantine_marks() {
     let a = Agent::start(HOST_V).unwrap();
-    let vf0 = "0000:41:00.4";
-    a.sim.ctl(&["fail-write", &type_path(vf0), "EIO", "--times", "1"]).unwrap();
     let inst = a.create_gpu("x", "L40S-1Q").unwrap();
-    assert_ne!(inst["gpu"]["device"], vf0, "the refused VF is skipped");
+    let vf0 = inst["gpu"]["device"].as_str().unwrap().to_string();
+    // One EIO on the release's clear (retried inline, then clear): a release-time strike.
+    a.sim.ctl(&["fail-write", &type_path(&vf0), "EIO", "--times", "1"]).unwrap();
+    a.ok("instance.stop", serde_json::json!({"ref": "x", "force": true}));
     let gpus = ok(a.cli(&["gpus"]));
     assert!(gpus.contains("HEALTH"), "{gpus}");
-    let r = row(&gpus, vf0).unwrap_or_else(|| panic!("no row: {gpus}"));
-    assert!(r.contains(&"suspect:eio"), "one EIO makes vf0 suspect: {gpus}");
+    let r = row(&gpus, &vf0).unwrap_or_else(|| panic!("no row: {gpus}"));
+    assert!(r.contains(&"suspect:eio"), "one EIO on a release makes the VF suspect: {gpus}");
     let other = row(&gpus, "0000:41:00.7").unwrap();
     assert_eq!(other.last(), Some(&"-"), "{gpus}");
 }

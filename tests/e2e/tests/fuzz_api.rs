@@ -19,7 +19,7 @@ fn base_value(name: &str, schema: &Value) -> Value {
         "gpu" | "profile" => json!("L40S-1Q"),
         "device" => json!("0000:41:00.5"),
         "kernel" | "initrd" | "disk" => json!("/nonexistent/fuzz"),
-        _ => match schema["type"].as_str() {
+        _ => match schema["type"].as_str().or_else(|| schema["type"][0].as_str()) {
             Some("integer") => json!(1),
             Some("boolean") => json!(false),
             Some("object") => json!({}),
@@ -83,7 +83,13 @@ fn cases(methods: &[Value]) -> Vec<Case> {
         for prm in &params {
             let name = prm["name"].as_str().unwrap();
             let required = prm["required"] == true;
-            let ty = prm["schema"]["type"].as_str().unwrap_or("");
+            // An optional parameter's schema may say `["integer", "null"]`: its type is the
+            // non-null one (null is accepted, as the schema says).
+            let ty = match &prm["schema"]["type"] {
+                Value::String(s) => s.as_str(),
+                Value::Array(a) => a.iter().filter_map(|t| t.as_str()).find(|t| *t != "null").unwrap_or(""),
+                _ => "",
+            };
             if required {
                 let mut p = base.clone();
                 p.remove(name);

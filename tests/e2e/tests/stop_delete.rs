@@ -156,8 +156,8 @@ fn s022_stop_refuses_when_the_vmm_cannot_be_identified() {
     let claim = a.claim(&vf).unwrap();
     let seq = last_seq(&a.state());
 
-    for method in ["instance.stop", "instance.delete"] {
-        let e = a.err(method, json!({"ref": "a", "force": true}));
+    for (method, params) in [("instance.stop", json!({"ref": "a", "force": true})), ("instance.delete", json!({"ref": "a"}))] {
+        let e = a.err(method, params);
         assert_eq!((e.code, e.data_code.as_str()), (503, "vmm_liveness_unknown"), "{method}: {e}");
     }
     std::thread::sleep(Duration::from_millis(300)); // let any stray signal land
@@ -429,16 +429,17 @@ fn a_full_disk_after_configure_rolls_the_create_back_through_the_release_guard()
 
 /// Regression: one undecodable claim file made successful calls answer `internal` after
 /// their work was done (a plain create whose VM then ran; a stop that had killed the VMM
-/// and left the record `stopping`). Now the calls succeed with a `warnings` entry, the stop
-/// leaves the unreadable store alone (nothing is released on its behalf) and a later stop
-/// retries the release once the store reads again.
+/// and left the record `stopping`). Now the calls succeed with a `warnings` entry, and the
+/// bad file blocks only the device it names: another instance's stop releases its own VF,
+/// and no create is placed on the blocked one.
 #[test]
 fn an_undecodable_claim_file_never_turns_a_done_operation_into_an_error() {
     let w = QemuWrapper::new();
     let a = Agent::start_with(AgentOptions { model: HOST_V, extra: &w.extra(), ..Default::default() }).unwrap();
     let g = a.create_gpu("g", "L40S-2Q").unwrap();
     let vf = g["gpu"]["device"].as_str().unwrap().to_string();
-    let bad = a.data_dir.join("claims/0000:41:00.7.json");
+    let blocked = "0000:41:00.7";
+    let bad = a.data_dir.join(format!("claims/{blocked}.json"));
     std::fs::write(&bad, "{").unwrap();
 
     let c = a.ok("instance.create", json!({"name": "c", "image": "demo"}));
@@ -448,12 +449,19 @@ fn an_undecodable_claim_file_never_turns_a_done_operation_into_an_error() {
     let s = a.ok("instance.stop", json!({"ref": "g", "force": true}));
     assert_eq!(s["state"], "stopped", "{s}");
     assert!(qemu_of(g["id"].as_str().unwrap()).is_empty(), "g's QEMU is gone");
-    assert_eq!(a.vf_type(&vf), 1148, "nothing released while the claims cannot be read");
-    assert!(a.claim(&vf).is_some(), "g's claim is kept");
-
-    std::fs::remove_file(&bad).unwrap();
-    let s = a.ok("instance.stop", json!({"ref": "g"}));
-    assert_eq!(s["state"], "stopped", "{s}");
-    assert_eq!(a.vf_type(&vf), 0, "the retried release clears the VF");
+    assert_eq!(a.vf_type(&vf), 0, "g's own readable claim is released");
     assert!(a.claim(&vf).is_none());
+    // Three more vGPUs fit on the four VFs; the blocked one is never placed on.
+    for n in ["d", "e", "f"] {
+        let i = a.create_gpu(n, "L40S-2Q").unwrap();
+        assert_ne!(i["gpu"]["device"], blocked, "{i}");
+    }
+    let e = a.create_gpu("h", "L40S-2Q").unwrap_err();
+    assert_eq!(e.data_code, "no_capacity", "{e}");
+    let gpus = a.ok("gpu.list", json!({}));
+    let dev = gpus["gpus"][0]["devices"].as_array().unwrap().iter().find(|d| d["address"] == blocked).unwrap().clone();
+    assert_eq!(dev["state"], "claimed", "{dev}");
+    assert!(dev["claim"]["unreadable"].as_str().unwrap().contains(bad.to_str().unwrap()), "{dev}");
+    std::fs::remove_file(&bad).unwrap();
+    a.create_gpu("h", "L40S-2Q").unwrap();
 }
