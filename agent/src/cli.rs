@@ -311,7 +311,10 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 eprintln!("error: name the devices to unquarantine, or --gpu <PF>");
                 return exit::USAGE;
             }
-            ("gpu.unquarantine", to_params(&UnquarantineParams { device: None, devices: devices.clone(), gpu: gpu.clone() }))
+            (
+                "gpu.unquarantine",
+                to_params(&UnquarantineParams { device: None, devices: devices.clone(), gpu: gpu.clone() }),
+            )
         }
         Command::Profiles | Command::Resources => ("resources.get", json!({})),
         Command::DryRun { profile, labels } => (
@@ -353,11 +356,15 @@ pub async fn run_client(cli: &Cli) -> i32 {
         }
     };
     let announce = match &cli.command {
-        Command::Stop { name, .. } => Some(format!("stopping {name} (guest power-off, then the kill path; then its vGPU is released)...")),
+        Command::Stop { name, .. } => {
+            Some(format!("stopping {name} (guest power-off, then the kill path; then its vGPU is released)..."))
+        }
         Command::Rm { name } => Some(format!("deleting {name} (the kill path, then its vGPU is released)...")),
         _ => None,
     };
-    if let Some(a) = announce.filter(|_| cli.output == Output::Table && std::io::IsTerminal::is_terminal(&std::io::stderr())) {
+    if let Some(a) =
+        announce.filter(|_| cli.output == Output::Table && std::io::IsTerminal::is_terminal(&std::io::stderr()))
+    {
         eprintln!("{a}");
     }
     match client::call(&cli.socket, method, params).await {
@@ -502,7 +509,10 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                     let gpu = i.gpu.as_ref();
                     vec![
                         i.name.clone(),
-                        serde_json::to_value(i.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                        serde_json::to_value(i.state)
+                            .ok()
+                            .and_then(|v| v.as_str().map(String::from))
+                            .unwrap_or_default(),
                         opt(&gpu.and_then(|g| g.profile.clone())),
                         opt(&gpu.and_then(|g| g.device.clone())),
                         opt(&i.vmm.as_ref().map(|m| m.pid)),
@@ -530,7 +540,10 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                     opt(&g.framebuffer_mib),
                     g.claimed_framebuffer_mib,
                     if g.managed { "" } else { "  (not managed)" },
-                    g.health.as_ref().map(|h| format!("  health {}: {}", health_cell(Some(h)), h.detail)).unwrap_or_default()
+                    g.health
+                        .as_ref()
+                        .map(|h| format!("  health {}: {}", health_cell(Some(h)), h.detail))
+                        .unwrap_or_default()
                 );
                 let rows = g
                     .devices
@@ -539,7 +552,10 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                         let c = d.claim.as_ref();
                         vec![
                             d.address.clone(),
-                            serde_json::to_value(d.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                            serde_json::to_value(d.state)
+                                .ok()
+                                .and_then(|v| v.as_str().map(String::from))
+                                .unwrap_or_default(),
                             d.current_type.to_string(),
                             match c {
                                 Some(c) if c.unreadable.is_some() => "unreadable".into(),
@@ -547,7 +563,10 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                                 None => "-".into(),
                             },
                             opt(&c.and_then(|c| c.profile.clone())),
-                            opt(&c.and_then(|c| c.state).and_then(|s| serde_json::to_value(s).ok()).and_then(|v| v.as_str().map(String::from))),
+                            opt(&c
+                                .and_then(|c| c.state)
+                                .and_then(|s| serde_json::to_value(s).ok())
+                                .and_then(|v| v.as_str().map(String::from))),
                             health_cell(d.quarantine.as_ref()),
                         ]
                     })
@@ -607,7 +626,14 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                 .plugins
                 .iter()
                 .map(|p| {
-                    vec![p.slot.clone(), p.name.clone(), p.version.clone(), p.calls_ok.to_string(), p.calls_failed.to_string(), p.path.clone()]
+                    vec![
+                        p.slot.clone(),
+                        p.name.clone(),
+                        p.version.clone(),
+                        p.calls_ok.to_string(),
+                        p.calls_failed.to_string(),
+                        p.path.clone(),
+                    ]
                 })
                 .collect();
             table(&["SLOT", "NAME", "VERSION", "OK", "FAILED", "PATH"], rows);

@@ -208,7 +208,12 @@ impl ApiError {
 
     /// `no_capacity`: no legal candidate could take the profile now; `notes` say why for
     /// each device tried or skipped (bounded), `policy_reason` is the plugin's reject.
-    pub fn no_capacity(msg: impl Into<String>, profile: &str, notes: Vec<String>, policy_reason: Option<&str>) -> ApiError {
+    pub fn no_capacity(
+        msg: impl Into<String>,
+        profile: &str,
+        notes: Vec<String>,
+        policy_reason: Option<&str>,
+    ) -> ApiError {
         let mut e = ApiError::new(ErrorCode::NoCapacity, msg).with("profile", profile).with("notes", notes);
         if let Some(r) = policy_reason {
             e = e.with("policy_reason", r);
@@ -310,8 +315,11 @@ impl ApiError {
 
     /// `vmm_liveness_unknown`: whether the VMM lives cannot be decided; nothing changed.
     pub fn vmm_liveness_unknown(name: &str, reason: &str) -> ApiError {
-        ApiError::new(ErrorCode::VmmLivenessUnknown, format!("cannot tell whether the VMM of {name} is alive: {reason}"))
-            .with("reason", reason)
+        ApiError::new(
+            ErrorCode::VmmLivenessUnknown,
+            format!("cannot tell whether the VMM of {name} is alive: {reason}"),
+        )
+        .with("reason", reason)
     }
 
     /// The details (`data` minus `code`).

@@ -66,7 +66,8 @@ pub const ALL: &[&str] = &[
 pub const RACE: &[&str] = &["claim_before_create", "configure_after_repair", "rollback_before_release"];
 
 /// Which build this is: `"production"`, or `"failpoint build (not for production)"`.
-pub const BUILD: &str = if cfg!(feature = "failpoints") { "failpoint build (not for production)" } else { "production" };
+pub const BUILD: &str =
+    if cfg!(feature = "failpoints") { "failpoint build (not for production)" } else { "production" };
 
 /// A crash (and pause) point: configured `return`, the agent aborts here; armed `pause`,
 /// the calling thread waits here until released.

@@ -98,7 +98,9 @@ pub fn import(
     cmdline: Option<String>,
 ) -> Result<Image, ApiError> {
     if !valid_name(name) {
-        return Err(ApiError::invalid_request(format!("image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})")));
+        return Err(ApiError::invalid_request(format!(
+            "image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})"
+        )));
     }
     // Relative paths would resolve against the agent's working directory, not the caller's.
     for (what, path) in [("kernel", Some(kernel)), ("initrd", initrd)] {

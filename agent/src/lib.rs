@@ -5,6 +5,9 @@
 //! calls up): `rpc`/`cli` → `instances` → `policy glue` → `devices` / `hypervisor` →
 //! `store` / `host`. Only [`host`] spells `/sys`, `/dev` and `/proc`.
 
+// No unwrap() outside tests (STYLE.md): a panic is a crash.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod cli;
 pub mod config;
 pub mod devices;

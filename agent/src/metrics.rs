@@ -10,7 +10,9 @@
 //! The exposition is the Prometheus text format 0.0.4 (the `prometheus` crate's
 //! `TextEncoder`), served with [`CONTENT_TYPE`]; `promtool check metrics` accepts it.
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 /// The content type of [`Metrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -32,7 +34,8 @@ pub enum StaleResult {
 }
 
 impl StaleResult {
-    const ALL: [StaleResult; 4] = [StaleResult::Released, StaleResult::InUse, StaleResult::ScanIncomplete, StaleResult::Failed];
+    const ALL: [StaleResult; 4] =
+        [StaleResult::Released, StaleResult::InUse, StaleResult::ScanIncomplete, StaleResult::Failed];
 
     fn as_str(self) -> &'static str {
         match self {
@@ -146,10 +149,16 @@ impl Metrics {
         )
         .expect(VALID);
         r.register(Box::new(claim_duration.clone())).expect(VALID);
-        let vm_deaths = IntCounter::new("gpuvisor_vm_deaths_total", "VMMs found dead that no operation stopped").expect(VALID);
+        let vm_deaths =
+            IntCounter::new("gpuvisor_vm_deaths_total", "VMMs found dead that no operation stopped").expect(VALID);
         r.register(Box::new(vm_deaths.clone())).expect(VALID);
         let m = Metrics {
-            reconcile_runs: counter_vec(&r, "gpuvisor_vgpu_reconcile_runs_total", "Reconcile passes by result", &["result"]),
+            reconcile_runs: counter_vec(
+                &r,
+                "gpuvisor_vgpu_reconcile_runs_total",
+                "Reconcile passes by result",
+                &["result"],
+            ),
             reconcile_failures: counter_vec(
                 &r,
                 "gpuvisor_vgpu_reconcile_failures_total",
@@ -168,7 +177,12 @@ impl Metrics {
                 "Orphan devices the sweep released, by framework",
                 &["framework"],
             ),
-            releases: counter_vec(&r, "gpuvisor_vgpu_releases_total", "Release path outcomes (every caller)", &["result"]),
+            releases: counter_vec(
+                &r,
+                "gpuvisor_vgpu_releases_total",
+                "Release path outcomes (every caller)",
+                &["result"],
+            ),
             claim_duration,
             kill_escalations: counter_vec(
                 &r,
@@ -202,7 +216,12 @@ impl Metrics {
                 "Plugin answers the agent rejected, by plugin, kind and reason",
                 &["plugin", "kind", "reason"],
             ),
-            rpc_calls: counter_vec(&r, "gpuvisor_rpc_calls_total", "JSON-RPC calls by method and result", &["method", "result"]),
+            rpc_calls: counter_vec(
+                &r,
+                "gpuvisor_rpc_calls_total",
+                "JSON-RPC calls by method and result",
+                &["method", "result"],
+            ),
             rpc_duration: histogram_vec(
                 &r,
                 "gpuvisor_rpc_call_duration_seconds",
@@ -313,21 +332,29 @@ impl Metrics {
     /// The exposition: every counter and histogram, then the gauges of this scrape.
     pub fn render(&self, g: &Gauges) -> String {
         let reg = Registry::new();
-        let instances = IntGaugeVec::new(Opts::new("gpuvisor_instances", "Instances by state"), &["state"]).expect(VALID);
+        let instances =
+            IntGaugeVec::new(Opts::new("gpuvisor_instances", "Instances by state"), &["state"]).expect(VALID);
         for (state, n) in &g.instances {
             instances.with_label_values(&[state]).set(*n);
         }
         reg.register(Box::new(instances)).expect(VALID);
-        let claims =
-            IntGaugeVec::new(Opts::new("gpuvisor_vgpu_claims", "Claims by framework and state"), &["framework", "state"])
-                .expect(VALID);
+        let claims = IntGaugeVec::new(
+            Opts::new("gpuvisor_vgpu_claims", "Claims by framework and state"),
+            &["framework", "state"],
+        )
+        .expect(VALID);
         for (fw, state, n) in &g.claims {
             claims.with_label_values(&[fw, state]).set(*n);
         }
         reg.register(Box::new(claims)).expect(VALID);
         gauge(&reg, "gpuvisor_vgpu_retained_assignments", "Claims kept release_pending", g.retained);
         gauge(&reg, "gpuvisor_vgpu_quarantined_devices", "Quarantined devices", g.quarantined);
-        gauge(&reg, "gpuvisor_vgpu_held_by_policy", "Eligible devices the grace plugin keeps past claim_grace", g.held_by_policy);
+        gauge(
+            &reg,
+            "gpuvisor_vgpu_held_by_policy",
+            "Eligible devices the grace plugin keeps past claim_grace",
+            g.held_by_policy,
+        );
         gauge(
             &reg,
             "gpuvisor_vgpu_unreadable_devices",

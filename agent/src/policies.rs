@@ -74,8 +74,9 @@ impl Policies {
     pub fn load(cfg: &Config, claim_grace_s: u64) -> anyhow::Result<Policies> {
         let load = |kind: PolicyKind| -> anyhow::Result<Slot> {
             let path = cfg.plugin_path(kind);
+            // The load error names the plugin and the problem; the slot is the context.
             let plugin = Plugin::load(&path, kind, limits_for(cfg, kind))
-                .map_err(|e| anyhow::anyhow!("{} plugin {}: {e}", kind.as_str(), path.display()))?;
+                .map_err(|e| anyhow::Error::new(e).context(format!("the {} slot", kind.as_str())))?;
             Ok(Slot { plugin: Arc::new(plugin), params: cfg.plugin_params(kind) })
         };
         let placement = load(PolicyKind::Placement)?;

@@ -201,10 +201,10 @@ pub struct VmmRecord {
 /// Labels as a sorted map (records, claims, requests).
 pub type Labels = BTreeMap<String, String>;
 
-/// `instances/<id>/instance.json`. Never stores a device path: GPU ownership lives in
-/// claims only. The state is private: it changes only through [`InstanceRecord::transition`].
+/// What defines an instance (fixed at create or fork): identity, image, hypervisor, size,
+/// labels and GPU profile.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct InstanceRecord {
+pub struct InstanceDefinition {
     pub id: Uuid,
     pub name: String,
     pub image: String,
@@ -218,46 +218,35 @@ pub struct InstanceRecord {
     pub gpu_profile: Option<String>,
     /// The GPU framework the profile was placed with, if any.
     pub gpu_framework: Option<Framework>,
-    state: InstanceState,
-    pub vmm: Option<VmmRecord>,
     /// Wall time, RFC 3339.
     pub created_at: String,
+}
+
+/// `instances/<id>/instance.json`: the definition (flattened: the file is one JSON object)
+/// plus the runtime fields. Never stores a device path: GPU ownership lives in claims only.
+/// The state is private: it changes only through [`InstanceRecord::transition`]. The
+/// definition's fields read through `Deref` (`rec.name`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceRecord {
+    #[serde(flatten)]
+    def: InstanceDefinition,
+    state: InstanceState,
+    pub vmm: Option<VmmRecord>,
     pub last_error: Option<String>,
 }
 
-/// The definition of a new instance (everything but its state and runtime fields).
-#[derive(Debug, Clone, PartialEq)]
-pub struct InstanceDefinition {
-    pub id: Uuid,
-    pub name: String,
-    pub image: String,
-    pub hypervisor: String,
-    pub vcpus: u32,
-    pub memory_mib: u64,
-    pub labels: Labels,
-    pub gpu_profile: Option<String>,
-    pub gpu_framework: Option<Framework>,
-    pub created_at: String,
+impl std::ops::Deref for InstanceRecord {
+    type Target = InstanceDefinition;
+
+    fn deref(&self) -> &InstanceDefinition {
+        &self.def
+    }
 }
 
 impl InstanceRecord {
     /// A new record in `state` (`starting` for a create, `stopped` for a fork), with no VMM.
-    pub fn new(d: InstanceDefinition, state: InstanceState) -> InstanceRecord {
-        InstanceRecord {
-            id: d.id,
-            name: d.name,
-            image: d.image,
-            hypervisor: d.hypervisor,
-            vcpus: d.vcpus,
-            memory_mib: d.memory_mib,
-            labels: d.labels,
-            gpu_profile: d.gpu_profile,
-            gpu_framework: d.gpu_framework,
-            state,
-            vmm: None,
-            created_at: d.created_at,
-            last_error: None,
-        }
+    pub fn new(def: InstanceDefinition, state: InstanceState) -> InstanceRecord {
+        InstanceRecord { def, state, vmm: None, last_error: None }
     }
 
     /// The lifecycle state.
@@ -550,7 +539,7 @@ impl Store {
     /// a record.
     pub fn remove_instance(&self, id: Uuid) -> Result<()> {
         let dir = self.instance_dir(id);
-        let name = self.read_instance(id).ok().flatten().map(|r| r.name);
+        let name = self.read_instance(id).ok().flatten().map(|r| r.name.clone());
         let rd = match fs::read_dir(&dir) {
             Ok(rd) => Some(rd),
             Err(e) if e.kind() == io::ErrorKind::NotFound => None,

@@ -23,6 +23,9 @@
 //! let stats = plugin.stats();                           // for the metrics
 //! ```
 
+// No unwrap() outside tests (STYLE.md): a panic is a crash.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 mod engine;
 mod error;
 mod plugin;

@@ -54,9 +54,7 @@ pub fn parse_creatable_vgpu_types(text: &str) -> Catalog {
         };
         let digits_only = !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit());
         match (id.parse::<u32>(), name.is_empty()) {
-            (Ok(n), false) if digits_only && n != 0 => {
-                cat.entries.push(CatalogEntry { id: n, name: name.to_string() })
-            }
+            (Ok(n), false) if digits_only && n != 0 => cat.entries.push(CatalogEntry { id: n, name: name.to_string() }),
             _ => cat.skipped.push(line.chars().take(200).collect()),
         }
     }
@@ -108,7 +106,9 @@ mod tests {
 
     #[test]
     fn id_zero_is_never_a_type() {
-        let c = parse_creatable_vgpu_types("ID : vGPU Name\n0 : NVIDIA L40S-2Q\n0000 : NVIDIA L40S-4Q\n1148 : NVIDIA L40S-2Q\n");
+        let c = parse_creatable_vgpu_types(
+            "ID : vGPU Name\n0 : NVIDIA L40S-2Q\n0000 : NVIDIA L40S-4Q\n1148 : NVIDIA L40S-2Q\n",
+        );
         assert_eq!(ids(&c), vec![(1148, "NVIDIA L40S-2Q")]);
         assert_eq!(c.skipped, vec!["0 : NVIDIA L40S-2Q".to_string(), "0000 : NVIDIA L40S-4Q".to_string()]);
     }

@@ -96,7 +96,8 @@ fn read_types(dir: &Path) -> Result<Vec<MdevType>, String> {
         let e = e.map_err(|e| format!("mdev_supported_types cannot be listed: {}", errno_name(&e)))?;
         let d = e.path();
         let dir_name = e.file_name().to_string_lossy().into_owned();
-        let name = read_attr(&d.join("name")).map_err(|e| format!("{dir_name}/name cannot be read: {}", errno_name(&e)))?;
+        let name =
+            read_attr(&d.join("name")).map_err(|e| format!("{dir_name}/name cannot be read: {}", errno_name(&e)))?;
         types.push(MdevType {
             dir: dir_name,
             framebuffer_mib: read_attr(&d.join("description")).ok().and_then(|s| framebuffer_from_description(&s)),

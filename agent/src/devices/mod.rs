@@ -123,7 +123,11 @@ pub fn scan(host: &HostRoot) -> HostScan {
     };
     for p in &parents {
         if let Err(reason) = &p.types {
-            unreadable.push(UnreadableDevice { address: p.bdf.clone(), gpu: Some(p.pf.clone()), reason: reason.clone() });
+            unreadable.push(UnreadableDevice {
+                address: p.bdf.clone(),
+                gpu: Some(p.pf.clone()),
+                reason: reason.clone(),
+            });
         }
     }
     let mdev_found = mdev::probe(&parents);

@@ -32,7 +32,7 @@ pub(crate) enum ClaimFailure {
     Nothing(ApiError),
     /// A claim of this instance exists (configured, or in an unknown state) and must be
     /// released through the rollback.
-    Held(Claim, ApiError),
+    Held(Box<Claim>, ApiError),
 }
 
 /// A candidate the configure step refused.
@@ -59,7 +59,14 @@ impl Refusal {
 }
 
 impl Manager {
-    fn new_claim(&self, rec: &InstanceRecord, c: &Candidate, framework: Framework, boot_id: &str, driver: &Option<String>) -> Claim {
+    fn new_claim(
+        &self,
+        rec: &InstanceRecord,
+        c: &Candidate,
+        framework: Framework,
+        boot_id: &str,
+        driver: &Option<String>,
+    ) -> Claim {
         Claim {
             device: c.device.clone(),
             framework,
@@ -129,7 +136,7 @@ impl Manager {
                     claim.state = ClaimState::Configured;
                     if let Err(e) = self.store.update_claim(&claim) {
                         claim.state = ClaimState::Claimed;
-                        return Err(ClaimFailure::Held(claim, e.into()));
+                        return Err(ClaimFailure::Held(Box::new(claim), e.into()));
                     }
                     crate::crash_point!("after_configure");
                     self.metrics.claim_duration(started.elapsed().as_secs_f64());
@@ -159,29 +166,30 @@ impl Manager {
     /// Forgets the claim of a refused candidate: dropped when the device was left as found,
     /// released through the release path when its state is unknown. Errors: the release
     /// failed — the claim stays (`release_pending`) and the caller must roll back.
-    fn drop_refused_claim(&self, rec: &InstanceRecord, claim: Claim, r: Refusal) -> Result<(), (Claim, ApiError)> {
+    fn drop_refused_claim(&self, rec: &InstanceRecord, claim: Claim, r: Refusal) -> Result<(), (Box<Claim>, ApiError)> {
+        let held = |c: &Claim, e: ApiError| (Box::new(c.clone()), e);
         if r.untouched {
             let _a = self.alloc();
             match self.store.read_claim(&claim.device) {
                 Ok(Some(cur)) if cur.same_claim(&claim) => {
-                    self.store.remove_claim(&claim.device).map_err(|e| (claim.clone(), e.into()))?
+                    self.store.remove_claim(&claim.device).map_err(|e| held(&claim, e.into()))?
                 }
                 Ok(_) => {}
-                Err(e) => return Err((claim, e.into())),
+                Err(e) => return Err(held(&claim, e.into())),
             }
             if let Some(u) = claim.mdev_uuid {
                 let _ = self.store.remove_mdev(u);
             }
             return Ok(());
         }
-        let boot_id = self.boot_id().map_err(|e| (claim.clone(), e))?;
+        let boot_id = self.boot_id().map_err(|e| held(&claim, e))?;
         let dead = match self.prove_dead(rec.id, Some(rec), &boot_id) {
             Ok(d) => d,
-            Err(l) => return Err((claim, ApiError::internal(format!("the VMM of a starting instance is {l}")))),
+            Err(l) => return Err(held(&claim, ApiError::internal(format!("the VMM of a starting instance is {l}")))),
         };
         match self.release(Release::Claim(&claim, dead), Duration::ZERO) {
             Ok(_) => Ok(()),
-            Err(e) => Err((claim, ApiError::internal(format!("a refused candidate could not be released: {e}")))),
+            Err(e) => Err(held(&claim, ApiError::internal(format!("a refused candidate could not be released: {e}")))),
         }
     }
 
@@ -203,10 +211,16 @@ impl Manager {
                     return Err(Refusal::untouched(format!("dirty (type {cur}) and in use by pid {pids:?}")))
                 }
                 Err(ReleaseError::ScanIncomplete(reason)) => {
-                    return Err(Refusal::untouched(format!("dirty (type {cur}) and its holders cannot be verified: {reason}")))
+                    return Err(Refusal::untouched(format!(
+                        "dirty (type {cur}) and its holders cannot be verified: {reason}"
+                    )))
                 }
                 Err(e @ (ReleaseError::Failed(_) | ReleaseError::Foreign(_))) => {
-                    return Err(Refusal::write_failed(format!("dirty (type {cur}) and not repaired: {e}"), Verdict::None, true))
+                    return Err(Refusal::write_failed(
+                        format!("dirty (type {cur}) and not repaired: {e}"),
+                        Verdict::None,
+                        true,
+                    ))
                 }
                 Err(e) => return Err(Refusal::untouched(format!("dirty (type {cur}) and not repaired: {e}"))),
             }

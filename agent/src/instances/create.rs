@@ -89,7 +89,7 @@ impl Manager {
                 Ok(c) => Some(c),
                 // A claim of this instance exists (configured, or its state unknown): roll
                 // back through the release path, retaining on failure.
-                Err(ClaimFailure::Held(c, e)) => return Err(self.rollback(rec, Some(c), mode, e)),
+                Err(ClaimFailure::Held(c, e)) => return Err(self.rollback(rec, Some(*c), mode, e)),
                 Err(ClaimFailure::Nothing(e)) => {
                     self.undo_record(&mut rec, mode, &e);
                     return Err(e);

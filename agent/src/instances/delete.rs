@@ -6,7 +6,7 @@
 use super::release::Release;
 use super::view::DeleteResult;
 use super::vmm::OwnedClaim;
-use super::{Manager, Who};
+use super::Manager;
 use crate::error::{ApiError, CleanupPending, ReleaseFailure};
 use crate::host::proc::Liveness;
 use crate::store::{Claim, InstanceRecord, InstanceState};
@@ -16,9 +16,7 @@ use std::time::Duration;
 impl Manager {
     /// `instance.delete`.
     pub fn delete(&self, r: &str) -> Result<DeleteResult, ApiError> {
-        let rec = self.logged("delete", Who::named(r), self.find(r))?;
-        let res = self.delete_found(rec.id, r);
-        self.logged("delete", Who::of(&rec), res)
+        self.on_instance("delete", r, |rec| self.delete_found(rec.id, r))
     }
 
     fn delete_found(&self, id: uuid::Uuid, r: &str) -> Result<DeleteResult, ApiError> {

@@ -6,7 +6,7 @@
 use super::request::check_instance_name;
 use super::view::InstanceView;
 use super::vmm::OwnedClaim;
-use super::{now_rfc3339, Manager, Who};
+use super::{now_rfc3339, Manager};
 use crate::error::ApiError;
 use crate::store::{InstanceDefinition, InstanceRecord, InstanceState, Listing, StoreError};
 use uuid::Uuid;
@@ -34,9 +34,7 @@ impl Manager {
     /// `instance.fork`: a new stopped instance with the source's definition (image, vCPUs,
     /// memory, labels, hypervisor and GPU *profile*).
     pub fn fork(&self, r: &str, name: &str) -> Result<InstanceView, ApiError> {
-        let src = self.logged("fork", Who::named(r), self.find(r))?;
-        let res = self.fork_of(&src, name);
-        self.logged("fork", Who::of(&src), res)
+        self.on_instance("fork", r, |src| self.fork_of(src, name))
     }
 
     fn fork_of(&self, src: &InstanceRecord, name: &str) -> Result<InstanceView, ApiError> {
@@ -80,9 +78,7 @@ impl Manager {
     /// snapshot, for running instances with a VFIO device (`unsupported_with_gpu`: device
     /// state cannot be saved). Plain instances: not implemented in this version.
     pub fn save_state_op(&self, r: &str, op: SaveStateOp) -> Result<InstanceView, ApiError> {
-        let rec = self.logged(op.as_str(), Who::named(r), self.find(r))?;
-        let res = self.save_state_of(&rec, op);
-        self.logged(op.as_str(), Who::of(&rec), res)
+        self.on_instance(op.as_str(), r, |rec| self.save_state_of(rec, op))
     }
 
     fn save_state_of(&self, rec: &InstanceRecord, op: SaveStateOp) -> Result<InstanceView, ApiError> {

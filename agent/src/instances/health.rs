@@ -117,12 +117,20 @@ impl Manager {
                     eio_in_a_row: 0,
                 });
             }
-            Err(e) => tracing::error!(gpu.device = %device, error = %e, "cannot read the health record; strike not counted"),
+            Err(e) => {
+                tracing::error!(gpu.device = %device, error = %e, "cannot read the health record; strike not counted")
+            }
         }
     }
 
     /// Reports the outcome of a write on `device` (of GPU `gpu`) to the health accounting.
-    pub(crate) fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, r: &Result<(), WriteError>) -> Verdict {
+    pub(crate) fn write_outcome(
+        &self,
+        device: &str,
+        gpu: &str,
+        site: WriteSite,
+        r: &Result<(), WriteError>,
+    ) -> Verdict {
         match r {
             Ok(()) => {
                 self.write_succeeded(device, gpu);
@@ -144,7 +152,9 @@ impl Manager {
         if let Ok(Some(g)) = self.store.read_health(gpu) {
             if g.reason == GPU_FAULT {
                 match self.store.remove_health(gpu) {
-                    Ok(()) => tracing::info!(gpu = %gpu, gpu.device = %device, "GPU-level fault cleared: a write on the GPU succeeded"),
+                    Ok(()) => {
+                        tracing::info!(gpu = %gpu, gpu.device = %device, "GPU-level fault cleared: a write on the GPU succeeded")
+                    }
                     Err(e) => tracing::error!(gpu = %gpu, error = %e, "cannot clear the GPU-level fault mark"),
                 }
             }
@@ -239,7 +249,9 @@ impl Manager {
                     eio_in_a_row: 1,
                 });
             }
-            Err(e) => tracing::error!(gpu.device = %device, error = %e, "cannot read the health record; EIO strike not counted"),
+            Err(e) => {
+                tracing::error!(gpu.device = %device, error = %e, "cannot read the health record; EIO strike not counted")
+            }
         }
         Verdict::Strike
     }

@@ -185,6 +185,9 @@ impl Observation {
     }
 }
 
+/// The driver version type names were learned under, and (PF, type id) → profile name.
+type TypeNames = (Option<String>, HashMap<(String, u32), String>);
+
 /// What observations taught: profile names (persisted), type ids per GPU, GPU sizes; and
 /// the problems last reported (so each is logged once).
 pub struct ProfileBook {
@@ -196,7 +199,7 @@ pub struct ProfileBook {
     /// The driver version the names were learned under, and (PF, type id) → profile name:
     /// a VF holding a type shows an empty catalog, so a dirty VF's size is looked up here
     /// when no sibling lists its type any more. Reset when the driver version changes.
-    type_names: Mutex<(Option<String>, HashMap<(String, u32), String>)>,
+    type_names: Mutex<TypeNames>,
     /// PF → largest framebuffer seen in any of its catalogs (the GPU's size).
     gpu_framebuffer: Mutex<HashMap<String, u64>>,
     /// Problems reported by the last observation: `device: reason` lines.
@@ -267,7 +270,9 @@ impl ProfileBook {
     /// known table; `None` = unknown.
     pub fn profile_fb(&self, profile: &str) -> Option<u64> {
         profile_framebuffer_mib(profile).or_else(|| {
-            lock(&self.known).get(&gpuvisor_sdk::canonical_profile(profile).to_ascii_uppercase()).and_then(|(_, fb)| *fb)
+            lock(&self.known)
+                .get(&gpuvisor_sdk::canonical_profile(profile).to_ascii_uppercase())
+                .and_then(|(_, fb)| *fb)
         })
     }
 
@@ -279,10 +284,7 @@ impl ProfileBook {
     /// The catalog's spelling of a known profile (`l40s-2q` → `L40S-2Q`).
     pub fn spelling(&self, profile: &str) -> String {
         let canon = gpuvisor_sdk::canonical_profile(profile);
-        lock(&self.known)
-            .get(&canon.to_ascii_uppercase())
-            .map(|(n, _)| n.clone())
-            .unwrap_or_else(|| canon.to_string())
+        lock(&self.known).get(&canon.to_ascii_uppercase()).map(|(n, _)| n.clone()).unwrap_or_else(|| canon.to_string())
     }
 
     /// Every known profile: (spelling, framebuffer MiB).
@@ -311,10 +313,14 @@ impl Manager {
     /// only blocks what it names).
     pub(crate) fn observe(&self, profile: Option<&str>) -> Result<Observation, ApiError> {
         let scan = devices::scan(&self.host);
-        let claims =
-            self.store.scan_claims().map_err(|e| ApiError::not_ready(format!("claim records cannot be listed: {e}")))?;
-        let health =
-            self.store.scan_health().map_err(|e| ApiError::not_ready(format!("health records cannot be listed: {e}")))?;
+        let claims = self
+            .store
+            .scan_claims()
+            .map_err(|e| ApiError::not_ready(format!("claim records cannot be listed: {e}")))?;
+        let health = self
+            .store
+            .scan_health()
+            .map_err(|e| ApiError::not_ready(format!("health records cannot be listed: {e}")))?;
         let driver = scan.driver_version.clone();
         for c in &claims.records {
             if let (Some(id), true) = (c.type_id, c.driver_version == driver) {
@@ -353,7 +359,8 @@ impl Manager {
                 .collect();
             obs.notes.extend(dirty);
         }
-        let mut problems: BTreeSet<String> = obs.unreadable.iter().map(|u| format!("{}: {}", u.address, u.reason)).collect();
+        let mut problems: BTreeSet<String> =
+            obs.unreadable.iter().map(|u| format!("{}: {}", u.address, u.reason)).collect();
         for (_, d) in obs.devices() {
             for line in &d.catalog_skipped {
                 problems.insert(format!("{}: creatable_vgpu_types line skipped: {line:?}", d.address));
@@ -405,7 +412,7 @@ impl Manager {
             return Some(l.clone());
         }
         match self.store.read_instance(c.instance_id) {
-            Ok(Some(r)) => Some(r.labels),
+            Ok(Some(r)) => Some(r.labels.clone()),
             Ok(None) => Some(Default::default()),
             Err(_) => None,
         }
@@ -648,7 +655,11 @@ impl Manager {
 
     /// The type id a profile has now, from any catalog of the observation.
     pub(crate) fn type_id_in(&self, obs: &Observation, profile: &str) -> Option<u32> {
-        obs.vendor.iter().flat_map(|g| g.vfs.iter()).filter_map(|v| v.catalog.as_ref().ok()).find_map(|c| c.find(profile).map(|e| e.id))
+        obs.vendor
+            .iter()
+            .flat_map(|g| g.vfs.iter())
+            .filter_map(|v| v.catalog.as_ref().ok())
+            .find_map(|c| c.find(profile).map(|e| e.id))
     }
 
     /// Makes sure the profile names are learned, then tells an unknown profile from a known

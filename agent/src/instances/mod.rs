@@ -225,6 +225,13 @@ impl Manager {
         self.ready.load(Ordering::SeqCst)
     }
 
+    /// A reconcile pass had a complete observation: new claims are accepted from now on.
+    fn mark_ready(&self) {
+        if !self.ready.swap(true, Ordering::SeqCst) {
+            tracing::info!("startup reconcile pass complete: accepting new claims");
+        }
+    }
+
     /// Refuses new claims until the startup pass is done (INVARIANTS.md I13).
     fn require_ready(&self) -> Result<(), ApiError> {
         if self.is_ready() {
@@ -232,6 +239,19 @@ impl Manager {
         } else {
             Err(ApiError::not_ready("the agent has not finished its startup reconcile pass; retry shortly"))
         }
+    }
+
+    /// Runs an operation on the instance `r` names (id or name): finds it, runs `f`, and
+    /// logs a failure once with the instance's id and name.
+    fn on_instance<T>(
+        &self,
+        op: &str,
+        r: &str,
+        f: impl FnOnce(&InstanceRecord) -> Result<T, ApiError>,
+    ) -> Result<T, ApiError> {
+        let rec = self.logged(op, Who::named(r), self.find(r))?;
+        let res = f(&rec);
+        self.logged(op, Who::of(&rec), res)
     }
 
     /// Logs a failed operation once, at WARN (or ERROR for server-side failures), with the

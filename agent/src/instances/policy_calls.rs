@@ -86,7 +86,12 @@ impl Manager {
     /// Asks the `placement` plugin and validates its answer: unknown, illegal and duplicate
     /// devices are dropped (and counted). A reject answers `no_capacity` with the policy's
     /// reason; a failed call `policy_failed`.
-    pub(crate) fn rank(&self, ask: &PlacementAsk<'_>, framework: Framework, obs: &Observation) -> Result<Vec<Candidate>, ApiError> {
+    pub(crate) fn rank(
+        &self,
+        ask: &PlacementAsk<'_>,
+        framework: Framework,
+        obs: &Observation,
+    ) -> Result<Vec<Candidate>, ApiError> {
         let policies = self.policies();
         let slot = &policies.placement;
         let input = PlacementInput {
@@ -101,7 +106,9 @@ impl Manager {
             inventory: obs.inventory(),
             params: slot.params.clone(),
         };
-        let answer = self.call_policy(PolicyKind::Placement, slot, &input, |p| p.call_placement(&input)).map_err(|f| f.to_api())?;
+        let answer = self
+            .call_policy(PolicyKind::Placement, slot, &input, |p| p.call_placement(&input))
+            .map_err(|f| f.to_api())?;
         let ranked = match answer {
             PlacementAnswer::Ranked(r) => r,
             PlacementAnswer::Reject(reason) => {
@@ -162,8 +169,9 @@ impl Manager {
             hypervisors: hypervisors.clone(),
             params: slot.params.clone(),
         };
-        let answer =
-            self.call_policy(PolicyKind::Hypervisor, slot, &input, |p| p.call_hypervisor(&input)).map_err(|f| f.to_api())?;
+        let answer = self
+            .call_policy(PolicyKind::Hypervisor, slot, &input, |p| p.call_hypervisor(&input))
+            .map_err(|f| f.to_api())?;
         let chosen = match answer {
             HypervisorAnswer::Hypervisor(h) => h,
             HypervisorAnswer::Reject(reason) => {

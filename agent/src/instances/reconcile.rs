@@ -115,7 +115,7 @@ impl Manager {
     }
 
     fn persist_orphan_seen(&self) {
-        let Ok(boot_id) = self.host.boot_id() else { return };
+        let Ok(boot_id) = self.host().boot_id() else { return };
         let seen = lock(&self.reconciler.orphan_seen).clone();
         let doc = json!({ "boot_id": boot_id, "seen_boottime_ms": seen });
         if let Err(e) = crate::store::write_json_atomic(&self.reconciler.orphans_path, &doc) {
@@ -130,15 +130,15 @@ impl Manager {
         let _pass = lock(&self.reconciler.pass);
         let started = Instant::now();
         let mut report = PassReport::default();
-        let boot_id = match self.host.boot_id() {
+        let boot_id = match self.host().boot_id() {
             Ok(b) => b,
             Err(e) => {
                 report.errors.push(format!("cannot read the host boot id: {e}"));
-                self.metrics.reconcile_failure(PassStage::Host);
+                self.metrics().reconcile_failure(PassStage::Host);
                 return self.end_pass(report, started);
             }
         };
-        let instances = self.store.scan_instances();
+        let instances = self.store().scan_instances();
         let obs = self.observe(None);
         match (&instances, &obs) {
             (Ok(instances), Ok(obs)) => {
@@ -166,36 +166,42 @@ impl Manager {
                     report.errors.push(format!(
                         "the host cannot be observed completely ({why}): nothing is released or swept this pass"
                     ));
-                    self.metrics.reconcile_failure(PassStage::Host);
+                    self.metrics().reconcile_failure(PassStage::Host);
                 }
             }
             _ => {
                 let e = instances.err().map(|e| e.to_string()).or(obs.err().map(|e| e.message)).unwrap_or_default();
                 tracing::error!(error = %e, "reconcile: the store cannot be listed completely; releasing nothing on its behalf");
                 report.errors.push(format!("inventory incomplete: {e}"));
-                self.metrics.reconcile_failure(PassStage::Inventory);
+                self.metrics().reconcile_failure(PassStage::Inventory);
                 // Only gpuvisor's own, old, idle mdevs (their holders protect live VMs).
-                if self.startup_observed() && crate::devices::scan(&self.host).complete() {
+                if self.startup_observed() && crate::devices::scan(self.host()).complete() {
                     let eligible = self.orphan_mdevs(None, true, &boot_id, &mut report);
                     self.decide_and_release(eligible, &boot_id, &mut report);
                 }
             }
         }
         let complete = report.inventory_complete && report.host_complete;
-        if complete && !self.ready.swap(true, Ordering::SeqCst) {
-            tracing::info!("startup reconcile pass complete: accepting new claims");
+        if complete {
+            self.mark_ready();
         }
         self.end_pass(report, started)
     }
 
     fn end_pass(&self, mut report: PassReport, started: Instant) -> PassReport {
         let complete = report.inventory_complete && report.host_complete;
-        self.metrics.reconcile_run(complete);
+        self.metrics().reconcile_run(complete);
         report.duration_ms = started.elapsed().as_millis() as u64;
         let msg = "reconcile pass done";
         if complete {
-            tracing::info!(duration_ms = report.duration_ms, released = report.released.len(), kept = report.kept.len(),
-                failed = report.failed.len(), complete, "{msg}");
+            tracing::info!(
+                duration_ms = report.duration_ms,
+                released = report.released.len(),
+                kept = report.kept.len(),
+                failed = report.failed.len(),
+                complete,
+                "{msg}"
+            );
         } else {
             tracing::warn!(duration_ms = report.duration_ms, released = report.released.len(), kept = report.kept.len(),
                 failed = report.failed.len(), complete, errors = %report.errors.join("; "), "{msg}");
@@ -206,7 +212,13 @@ impl Manager {
     /// Step 2: records whose VMM is provably dead move to `stopped`; a live control-socket
     /// owner that is not the recorded identity is recorded; a `stopping` record whose VMM
     /// still runs (a stop interrupted by an agent restart) moves back to `running`.
-    fn reconcile_records(&self, instances: &[InstanceRecord], claims: &[Claim], boot_id: &str, report: &mut PassReport) {
+    fn reconcile_records(
+        &self,
+        instances: &[InstanceRecord],
+        claims: &[Claim],
+        boot_id: &str,
+        report: &mut PassReport,
+    ) {
         for rec in instances {
             if !matches!(rec.state(), InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
                 continue;
@@ -216,7 +228,7 @@ impl Manager {
                 report.keep_instance(rec.id, "operation in progress");
                 continue;
             };
-            let Ok(Some(mut rec)) = self.store.read_instance(rec.id) else { continue };
+            let Ok(Some(mut rec)) = self.store().read_instance(rec.id) else { continue };
             let from = rec.state();
             match self.liveness_at(&rec, boot_id) {
                 Liveness::Dead if rec.vmm.is_none() && self.young_claim(rec.id, claims, boot_id) => {
@@ -237,9 +249,9 @@ impl Manager {
                         report.errors.push(e.to_string());
                         continue;
                     }
-                    match self.store.write_instance(&rec) {
+                    match self.store().write_instance(&rec) {
                         Ok(()) => {
-                            self.metrics.vm_died();
+                            self.metrics().vm_died();
                             tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, from = %from, reason = %reason,
                                 "VM found dead: recorded stopped");
                             report.records.push(RecordChange {
@@ -274,7 +286,8 @@ impl Manager {
     /// interrupted `stopping` move to `running`.
     fn record_live_vmm(&self, mut rec: InstanceRecord, pid: i32, boot_id: &str, report: &mut PassReport) {
         let from = rec.state();
-        let recorded_alive = rec.vmm.as_ref().is_some_and(|v| matches!(self.identity_liveness(v), Liveness::Alive { .. }));
+        let recorded_alive =
+            rec.vmm.as_ref().is_some_and(|v| matches!(self.identity_liveness(v), Liveness::Alive { .. }));
         let mut reasons = Vec::new();
         if !recorded_alive {
             match proc::identity_of(pid, boot_id) {
@@ -315,7 +328,7 @@ impl Manager {
             return;
         }
         let reason = reasons.join("; ");
-        match self.store.write_instance(&rec) {
+        match self.store().write_instance(&rec) {
             Ok(()) => {
                 tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, pid, reason = %reason, "recorded the live VMM");
                 report.records.push(RecordChange {
@@ -333,10 +346,10 @@ impl Manager {
     /// After the reconciler released an instance's retained claim, its record no longer
     /// says "vGPU release pending" (the owner's instance lock is held by the caller).
     fn clear_release_pending_note(&self, id: Uuid) {
-        if let Ok(Some(mut rec)) = self.store.read_instance(id) {
+        if let Ok(Some(mut rec)) = self.store().read_instance(id) {
             if rec.last_error.as_deref().is_some_and(|e| e.starts_with("vGPU release pending")) {
                 rec.last_error = None;
-                if let Err(e) = self.store.write_instance(&rec) {
+                if let Err(e) = self.store().write_instance(&rec) {
                     tracing::warn!(instance.id = %id, instance.name = %rec.name, error = %e, "cannot clear the release-pending note");
                 }
             }
@@ -350,7 +363,7 @@ impl Manager {
         claims.iter().any(|c| {
             c.instance_id == id
                 && c.claim_boot_id == boot_id
-                && now.saturating_sub(c.claimed_boottime_ms) < self.cfg.claim_grace_s.saturating_mul(1000)
+                && now.saturating_sub(c.claimed_boottime_ms) < self.config().claim_grace_s.saturating_mul(1000)
         })
     }
 
@@ -359,7 +372,7 @@ impl Manager {
     fn check_claimed_types(&self, obs: &super::inventory::Observation, boot_id: &str, report: &mut PassReport) {
         for (_, d) in obs.devices() {
             let (Some(m), Some(c)) = (&d.type_mismatch, &d.claim) else { continue };
-            let owner = self.store.read_instance(c.instance_id).ok().flatten();
+            let owner = self.store().read_instance(c.instance_id).ok().flatten();
             if self.prove_dead(c.instance_id, owner.as_ref(), boot_id).is_ok() {
                 continue; // the release path handles a dead owner's foreign type
             }
@@ -380,7 +393,7 @@ impl Manager {
                 report.keep_device(&claim.device, "owner operation in progress");
                 continue;
             };
-            let owner = match self.store.read_instance(claim.instance_id) {
+            let owner = match self.store().read_instance(claim.instance_id) {
                 Ok(o) => o,
                 Err(e) => {
                     report.keep_device(&claim.device, format!("owner record unreadable: {e}"));
@@ -433,10 +446,13 @@ impl Manager {
         let now = proc::boottime_ms();
         let seen_before = lock(&self.reconciler.orphan_seen).clone();
         let mut seen_now = HashSet::new();
-        for g in obs.vendor.iter().filter(|g| self.cfg.manages(&g.bdf)) {
+        for g in obs.vendor.iter().filter(|g| self.config().manages(&g.bdf)) {
             for vf in &g.vfs {
                 let Some(d) = obs.devices().find(|(_, d)| d.address == vf.bdf).map(|(_, d)| d) else { continue };
-                if d.state == DeviceState::Quarantined && d.current_type.id().is_some_and(|t| t != 0) && d.claim.is_none() {
+                if d.state == DeviceState::Quarantined
+                    && d.current_type.id().is_some_and(|t| t != 0)
+                    && d.claim.is_none()
+                {
                     report.keep_device(&vf.bdf, "quarantined");
                     continue;
                 }
@@ -445,7 +461,7 @@ impl Manager {
                 // held open or not (persisted, so an agent restart does not reset it).
                 seen_now.insert(vf.bdf.clone());
                 let since = *lock(&self.reconciler.orphan_seen).entry(vf.bdf.clone()).or_insert(now);
-                if !idle(&vf.bdf, vendor_vfio::vf_targets(&self.host, vf), report) {
+                if !idle(&vf.bdf, vendor_vfio::vf_targets(self.host(), vf), report) {
                     continue;
                 }
                 out.push((
@@ -486,7 +502,7 @@ impl Manager {
         report: &mut PassReport,
     ) -> Vec<(Eligible, GraceItem)> {
         let mut out = Vec::new();
-        let records = match self.store.scan_mdevs() {
+        let records = match self.store().scan_mdevs() {
             Ok(r) => r,
             Err(e) => {
                 report.errors.push(format!("mdev records cannot be listed: {e}"));
@@ -506,18 +522,18 @@ impl Manager {
                 // Without claims we cannot tell a live owner from a stale one: only mdevs
                 // older than claim_grace in this boot and idle are touched.
                 let old = rec.boot_id == boot_id
-                    && now.saturating_sub(rec.created_boottime_ms) >= self.cfg.claim_grace_s.saturating_mul(1000);
+                    && now.saturating_sub(rec.created_boottime_ms) >= self.config().claim_grace_s.saturating_mul(1000);
                 if !old {
                     report.keep_device(&uuid, "inventory incomplete; mdev younger than claim_grace");
                     continue;
                 }
             }
-            let dev = match mdev::read_device(&self.host, &uuid) {
+            let dev = match mdev::read_device(self.host(), &uuid) {
                 Ok(Some(d)) => d,
                 // Gone: forget the record (only ours, only when no claim names it).
                 Ok(None) => {
                     if claims.is_some() {
-                        let _ = self.store.remove_mdev(rec.uuid);
+                        let _ = self.store().remove_mdev(rec.uuid);
                     }
                     continue;
                 }
@@ -527,10 +543,10 @@ impl Manager {
                     continue;
                 }
             };
-            if !self.cfg.manages(&super::release::pf_of(self, &dev.parent)) {
+            if !self.config().manages(&super::release::pf_of(self, &dev.parent)) {
                 continue;
             }
-            if !idle(&uuid, mdev::targets(&self.host, &uuid), report) {
+            if !idle(&uuid, mdev::targets(self.host(), &uuid), report) {
                 continue;
             }
             let same_boot = rec.boot_id == boot_id;
@@ -561,12 +577,12 @@ impl Manager {
         let decisions = match self.grace_decisions(eligible.iter().map(|(_, i)| i.clone()).collect(), boot_id) {
             Ok(d) => d,
             Err(msg) => {
-                self.metrics.reconcile_failure(PassStage::Grace);
+                self.metrics().reconcile_failure(PassStage::Grace);
                 report.errors.push(msg);
                 HashMap::new()
             }
         };
-        let limit_ms = (self.cfg.claim_grace_s + self.cfg.reconcile_interval_s).saturating_mul(1000);
+        let limit_ms = (self.config().claim_grace_s + self.config().reconcile_interval_s).saturating_mul(1000);
         let mut held = BTreeMap::new();
         for (e, item) in eligible {
             let device = e.device();
@@ -600,7 +616,7 @@ impl Manager {
                 Eligible::OrphanVf { vf, gpu, type_id } => {
                     let r = self.release(Release::OrphanVf { vf: &vf, gpu: &gpu, type_id }, Duration::ZERO);
                     if matches!(r, Ok(Released::Cleared)) {
-                        self.metrics.orphan_released(Framework::VendorVfio.as_str());
+                        self.metrics().orphan_released(Framework::VendorVfio.as_str());
                         lock(&self.reconciler.orphan_seen).remove(&vf);
                     }
                     record_release(report, &device, "orphan_vf", None, r);
@@ -608,7 +624,7 @@ impl Manager {
                 Eligible::OrphanMdev(rec) => {
                     let r = self.release(Release::OrphanMdev(&rec), Duration::ZERO);
                     if matches!(r, Ok(Released::Cleared)) {
-                        self.metrics.orphan_released(Framework::Mdev.as_str());
+                        self.metrics().orphan_released(Framework::Mdev.as_str());
                     }
                     record_release(report, &device, "orphan_mdev", None, r);
                 }
@@ -625,7 +641,7 @@ impl Manager {
             report.keep_device(&c.device, "owner operation in progress");
             return;
         };
-        let owner = match self.store.read_instance(c.instance_id) {
+        let owner = match self.store().read_instance(c.instance_id) {
             Ok(o) => o,
             Err(e) => {
                 report.keep_device(&c.device, format!("owner record unreadable: {e}"));
@@ -642,14 +658,16 @@ impl Manager {
         let r = self.release(Release::Claim(c, dead), Duration::ZERO);
         match &r {
             Ok(Released::Cleared) => {
-                self.metrics.stale_release(StaleResult::Released);
+                self.metrics().stale_release(StaleResult::Released);
                 crate::crash_point!("reconcile_after_release");
                 self.clear_release_pending_note(c.instance_id);
             }
             Ok(Released::NotOurs) => {}
-            Err(super::release::ReleaseError::InUse(_)) => self.metrics.stale_release(StaleResult::InUse),
-            Err(super::release::ReleaseError::ScanIncomplete(_)) => self.metrics.stale_release(StaleResult::ScanIncomplete),
-            Err(_) => self.metrics.stale_release(StaleResult::Failed),
+            Err(super::release::ReleaseError::InUse(_)) => self.metrics().stale_release(StaleResult::InUse),
+            Err(super::release::ReleaseError::ScanIncomplete(_)) => {
+                self.metrics().stale_release(StaleResult::ScanIncomplete)
+            }
+            Err(_) => self.metrics().stale_release(StaleResult::Failed),
         }
         record_release(report, &c.device, "stale_claim", Some(c.instance_id), r);
     }

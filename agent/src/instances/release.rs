@@ -147,8 +147,10 @@ impl Manager {
                     if done == Released::Cleared {
                         self.metrics.release(true);
                         match r {
-                            Release::Claim(c, _) => tracing::info!(gpu.device = %c.device, instance.id = %c.instance_id,
-                                instance.name = %c.owner_name.as_deref().unwrap_or("-"), "device released"),
+                            Release::Claim(c, _) => {
+                                tracing::info!(gpu.device = %c.device, instance.id = %c.instance_id,
+                                instance.name = %c.owner_name.as_deref().unwrap_or("-"), "device released")
+                            }
                             _ => tracing::info!(gpu.device = %r.device(), kind = r.kind(), "device cleared"),
                         }
                     }
@@ -209,7 +211,8 @@ impl Manager {
                 Ok(!self.store.read_health(vf).map_err(store_err)?.is_some_and(|h| h.quarantined))
             }
             Release::OrphanMdev(m) => {
-                let claimed = self.store.read_claim(&m.parent).map_err(store_err)?.is_some_and(|c| c.mdev_uuid == Some(m.uuid));
+                let claimed =
+                    self.store.read_claim(&m.parent).map_err(store_err)?.is_some_and(|c| c.mdev_uuid == Some(m.uuid));
                 let recorded = self.store.scan_mdevs().map_err(store_err)?.records.iter().any(|x| x.uuid == m.uuid);
                 Ok(!claimed && recorded)
             }
@@ -344,7 +347,10 @@ mod tests {
                         offenders.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
                     }
                     // The only write of "0" to a type file is in vendor_vfio::clear.
-                    if code.contains("current_vgpu_type") && code.contains("\"0") && !p.ends_with("devices/vendor_vfio.rs") {
+                    if code.contains("current_vgpu_type")
+                        && code.contains("\"0")
+                        && !p.ends_with("devices/vendor_vfio.rs")
+                    {
                         offenders.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
                     }
                 }

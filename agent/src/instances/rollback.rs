@@ -32,7 +32,10 @@ impl Manager {
             Rollback::Stopped => {
                 rec.vmm = None;
                 rec.last_error = Some(cause.message.clone());
-                let res = rec.transition(InstanceState::Stopped).map_err(ApiError::from).and_then(|_| Ok(self.store.write_instance(rec)?));
+                let res = rec
+                    .transition(InstanceState::Stopped)
+                    .map_err(ApiError::from)
+                    .and_then(|_| Ok(self.store.write_instance(rec)?));
                 if let Err(e) = res {
                     tracing::error!(instance.id = %rec.id, instance.name = %rec.name, error = %e, "cannot restore the stopped record");
                 }
@@ -42,7 +45,13 @@ impl Manager {
 
     /// Rollback after a claim or a spawn: stop the VMM, prove it dead, release through the
     /// release path; retain on failure. Returns the error to answer.
-    pub(crate) fn rollback(&self, mut rec: InstanceRecord, claim: Option<Claim>, mode: Rollback, cause: ApiError) -> ApiError {
+    pub(crate) fn rollback(
+        &self,
+        mut rec: InstanceRecord,
+        claim: Option<Claim>,
+        mode: Rollback,
+        cause: ApiError,
+    ) -> ApiError {
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, cause = %cause.message, "rolling back");
         let stopped = self.stop_vmm(&rec, false);
         crate::crash_point!("rollback_before_release");

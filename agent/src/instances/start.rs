@@ -5,7 +5,7 @@
 use super::rollback::Rollback;
 use super::view::InstanceView;
 use super::vmm::OwnedClaim;
-use super::{Manager, Who};
+use super::Manager;
 use crate::error::{ApiError, ReleaseFailure};
 use crate::host::proc::Liveness;
 use crate::store::InstanceState;
@@ -15,9 +15,7 @@ use std::time::Duration;
 impl Manager {
     /// `instance.start`.
     pub fn start(&self, r: &str) -> Result<InstanceView, ApiError> {
-        let rec = self.logged("start", Who::named(r), self.find(r))?;
-        let res = self.start_found(rec.id, r);
-        self.logged("start", Who::of(&rec), res)
+        self.on_instance("start", r, |rec| self.start_found(rec.id, r))
     }
 
     fn start_found(&self, id: uuid::Uuid, r: &str) -> Result<InstanceView, ApiError> {

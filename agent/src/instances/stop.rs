@@ -7,7 +7,7 @@
 use super::release::Release;
 use super::view::InstanceView;
 use super::vmm::OwnedClaim;
-use super::{Manager, Who};
+use super::Manager;
 use crate::error::ApiError;
 use crate::host::proc::Liveness;
 use crate::store::InstanceState;
@@ -17,9 +17,7 @@ use std::time::Duration;
 impl Manager {
     /// `instance.stop`. `force` skips the guest power-off.
     pub fn stop(&self, r: &str, force: bool) -> Result<InstanceView, ApiError> {
-        let rec = self.logged("stop", Who::named(r), self.find(r))?;
-        let res = self.stop_found(rec.id, r, force);
-        self.logged("stop", Who::of(&rec), res)
+        self.on_instance("stop", r, |rec| self.stop_found(rec.id, r, force))
     }
 
     fn stop_found(&self, id: uuid::Uuid, r: &str, force: bool) -> Result<InstanceView, ApiError> {
@@ -37,7 +35,10 @@ impl Manager {
             InstanceState::Stopped => {
                 let boot_id = self.boot_id()?;
                 self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
-                    ApiError::vmm_liveness_unknown(&rec.name, &format!("a stopped instance's VMM is not provably dead ({l})"))
+                    ApiError::vmm_liveness_unknown(
+                        &rec.name,
+                        &format!("a stopped instance's VMM is not provably dead ({l})"),
+                    )
                 })?
             }
             _ => {

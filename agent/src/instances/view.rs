@@ -425,11 +425,21 @@ pub struct PassReport {
 
 impl PassReport {
     pub(crate) fn keep_device(&mut self, device: &str, reason: impl Into<String>) {
-        self.kept.push(KeptItem { device: Some(device.to_string()), instance: None, reason: reason.into(), recheck_after_ms: None });
+        self.kept.push(KeptItem {
+            device: Some(device.to_string()),
+            instance: None,
+            reason: reason.into(),
+            recheck_after_ms: None,
+        });
     }
 
     pub(crate) fn keep_instance(&mut self, id: uuid::Uuid, reason: impl Into<String>) {
-        self.kept.push(KeptItem { device: None, instance: Some(id.to_string()), reason: reason.into(), recheck_after_ms: None });
+        self.kept.push(KeptItem {
+            device: None,
+            instance: Some(id.to_string()),
+            reason: reason.into(),
+            recheck_after_ms: None,
+        });
     }
 }
 
@@ -476,14 +486,17 @@ impl Manager {
         let gpu = match (&rec.gpu_profile, claim, &unreadable) {
             (None, None, None) => None,
             _ => {
-                let current = claim.filter(|c| c.framework == Framework::VendorVfio).map(|c| {
-                    match vendor_vfio::read_current_type(&self.host, &c.device) {
-                        Ok(t) => TypeReading::Id(t),
-                        Err(e) => TypeReading::Unknown(e.to_string()),
-                    }
-                });
+                let current =
+                    claim.filter(|c| c.framework == Framework::VendorVfio).map(
+                        |c| match vendor_vfio::read_current_type(&self.host, &c.device) {
+                            Ok(t) => TypeReading::Id(t),
+                            Err(e) => TypeReading::Unknown(e.to_string()),
+                        },
+                    );
                 let type_mismatch = match (claim, current.as_ref().and_then(|t| t.id())) {
-                    (Some(c), Some(now)) if c.state == ClaimState::Configured && c.type_id.is_some_and(|t| t != now) => {
+                    (Some(c), Some(now))
+                        if c.state == ClaimState::Configured && c.type_id.is_some_and(|t| t != now) =>
+                    {
                         Some(format!(
                             "the VF reads type {now}, not the claimed {}: another writer changed it under the VM",
                             c.type_id.unwrap_or(0)
@@ -569,12 +582,8 @@ impl Manager {
     /// owner, health mark and what could not be read.
     pub fn gpus(&self) -> Result<GpuList, ApiError> {
         let obs = self.observe(None)?;
-        let names: HashMap<uuid::Uuid, String> = obs
-            .claims
-            .records
-            .iter()
-            .filter_map(|c| c.owner_name.clone().map(|n| (c.instance_id, n)))
-            .collect();
+        let names: HashMap<uuid::Uuid, String> =
+            obs.claims.records.iter().filter_map(|c| c.owner_name.clone().map(|n| (c.instance_id, n))).collect();
         let held = self.held_by_policy();
         let probe_error = obs.mode.as_ref().err().cloned();
         let gpus = obs
@@ -599,9 +608,11 @@ impl Manager {
                         claim: match (&d.claim, &d.claim_unreadable) {
                             (Some(c), _) => Some(ClaimView {
                                 instance_id: Some(c.instance_id.to_string()),
-                                instance_name: c.owner_name.clone().or_else(|| names.get(&c.instance_id).cloned()).or_else(|| {
-                                    self.store.read_instance(c.instance_id).ok().flatten().map(|r| r.name)
-                                }),
+                                instance_name: c
+                                    .owner_name
+                                    .clone()
+                                    .or_else(|| names.get(&c.instance_id).cloned())
+                                    .or_else(|| self.store.read_instance(c.instance_id).ok().flatten().map(|r| r.name.clone())),
                                 profile: Some(c.profile.clone()),
                                 type_id: c.type_id,
                                 mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
@@ -729,7 +740,10 @@ impl Manager {
         Ok(DryRun {
             profile,
             plugin: self.policies().placement.name().to_string(),
-            ranked: ranked.iter().map(|c| RankedDevice { device: c.device.clone(), gpu: c.gpu.clone(), dirty: c.dirty }).collect(),
+            ranked: ranked
+                .iter()
+                .map(|c| RankedDevice { device: c.device.clone(), gpu: c.gpu.clone(), dirty: c.dirty })
+                .collect(),
             notes: obs.notes,
         })
     }
@@ -743,7 +757,9 @@ impl Manager {
             ("claim", self.store.scan_claims().map(|l| l.unreadable)),
         ] {
             match listing {
-                Ok(u) => problems.extend(u.iter().map(|u| format!("{what} record {} cannot be read: {}", u.path.display(), u.error))),
+                Ok(u) => problems.extend(
+                    u.iter().map(|u| format!("{what} record {} cannot be read: {}", u.path.display(), u.error)),
+                ),
                 Err(e) => {
                     store_readable = false;
                     problems.push(format!("{what} records cannot be listed: {e}"));
@@ -782,7 +798,11 @@ impl Manager {
     pub fn plugin_list(&self) -> PluginList {
         let p = self.policies();
         let mut plugins = Vec::new();
-        for (slot, kind) in [("placement", gpuvisor_sdk::PolicyKind::Placement), ("hypervisor", gpuvisor_sdk::PolicyKind::Hypervisor), ("grace", gpuvisor_sdk::PolicyKind::Grace)] {
+        for (slot, kind) in [
+            ("placement", gpuvisor_sdk::PolicyKind::Placement),
+            ("hypervisor", gpuvisor_sdk::PolicyKind::Hypervisor),
+            ("grace", gpuvisor_sdk::PolicyKind::Grace),
+        ] {
             if let Some(s) = p.slot(kind) {
                 let (calls_ok, calls_failed) = self.metrics.policy_call_counts(s.name(), kind.as_str());
                 let m = s.plugin.manifest();

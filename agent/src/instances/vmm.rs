@@ -31,7 +31,11 @@ impl Manager {
 
     /// Liveness of an instance's VMM (recorded identity and control-socket owner).
     pub(crate) fn liveness_at(&self, rec: &InstanceRecord, boot_id: &str) -> Liveness {
-        proc::vmm_liveness(rec.vmm.as_ref().map(|v| &v.identity), Some(&self.control_socket(rec.id, rec.vmm.as_ref())), boot_id)
+        proc::vmm_liveness(
+            rec.vmm.as_ref().map(|v| &v.identity),
+            Some(&self.control_socket(rec.id, rec.vmm.as_ref())),
+            boot_id,
+        )
     }
 
     pub(crate) fn liveness(&self, rec: &InstanceRecord) -> Result<Liveness, ApiError> {
@@ -90,9 +94,8 @@ impl Manager {
                 Some(match self.cfg.vfio_attach {
                     VfioAttach::Device => hypervisor::VfioAttach::Device { sysfsdev },
                     VfioAttach::HoldFd => {
-                        let g = group.ok_or_else(|| {
-                            ApiError::vmm_start_failed(format!("{} has no IOMMU group", c.device))
-                        })?;
+                        let g = group
+                            .ok_or_else(|| ApiError::vmm_start_failed(format!("{} has no IOMMU group", c.device)))?;
                         hypervisor::VfioAttach::HoldFd { node: self.host.vfio_group_node(g) }
                     }
                 })
@@ -122,7 +125,9 @@ impl Manager {
         let timeout = Duration::from_secs(self.cfg.qmp_ready_timeout_s);
         let vmm = hypervisor::qemu::spawn_with_timeout(&spec, &boot_id, timeout).map_err(|e| match e {
             hypervisor::HypervisorError::KillFailed { pid } => ApiError::vmm_kill_failed(pid),
-            hypervisor::HypervisorError::LivenessUnknown { reason } => ApiError::vmm_liveness_unknown(&rec.name, &reason),
+            hypervisor::HypervisorError::LivenessUnknown { reason } => {
+                ApiError::vmm_liveness_unknown(&rec.name, &reason)
+            }
             e => ApiError::vmm_start_failed(format!("the VMM did not start: {e}")),
         })?;
         crate::crash_point!("after_spawn");
@@ -195,7 +200,7 @@ impl Manager {
     pub(crate) fn claim_of(&self, rec: &InstanceRecord) -> Result<OwnedClaim, ApiError> {
         let claims = self.store.scan_claims()?;
         if let Some(c) = claims.records.into_iter().find(|c| c.instance_id == rec.id) {
-            return Ok(OwnedClaim::Claim(c));
+            return Ok(OwnedClaim::Claim(Box::new(c)));
         }
         let mine = claims.unreadable.iter().find(|u| u.owner == Some(rec.id));
         let unknown = claims.unreadable.iter().find(|u| u.owner.is_none() && rec.wants_gpu());
@@ -210,7 +215,7 @@ impl Manager {
 #[derive(Debug, Clone)]
 pub(crate) enum OwnedClaim {
     None,
-    Claim(Claim),
+    Claim(Box<Claim>),
     /// A claim file that cannot be read and may be this instance's: fail closed for it.
     Unreadable(crate::store::Unreadable),
 }

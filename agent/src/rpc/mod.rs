@@ -41,10 +41,11 @@ where
 {
     let mm = m.clone();
     let started = std::time::Instant::now();
-    let res = tokio::task::spawn_blocking(move || f(&mm).and_then(|v| serde_json::to_value(v).map_err(ApiError::internal)))
-        .await
-        .map_err(|e| to_rpc_error(ApiError::internal(format!("operation panicked: {e}"))))
-        .and_then(|r| r.map_err(to_rpc_error));
+    let res =
+        tokio::task::spawn_blocking(move || f(&mm).and_then(|v| serde_json::to_value(v).map_err(ApiError::internal)))
+            .await
+            .map_err(|e| to_rpc_error(ApiError::internal(format!("operation panicked: {e}"))))
+            .and_then(|r| r.map_err(to_rpc_error));
     let elapsed = started.elapsed();
     m.metrics().rpc_call(method, res.is_ok(), elapsed.as_secs_f64());
     tracing::debug!(method, duration_ms = elapsed.as_millis() as u64, ok = res.is_ok(), "rpc call done");
@@ -110,9 +111,12 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     with_params!(module, "instance.stop", |m, r: StopParams| m.stop(&r.reference, r.force));
     with_params!(module, "instance.delete", |m, r: RefParams| m.delete(&r.reference));
     with_params!(module, "instance.fork", |m, f: ForkParams| m.fork(&f.reference, &f.name));
-    with_params!(module, "instance.standby", |m, s: SaveStateParams| m.save_state_op(&s.reference, SaveStateOp::Standby));
-    with_params!(module, "instance.snapshot", |m, s: SaveStateParams| m.save_state_op(&s.reference, SaveStateOp::Snapshot));
-    with_params!(module, "instance.restore", |m, s: SaveStateParams| m.save_state_op(&s.reference, SaveStateOp::Restore));
+    with_params!(module, "instance.standby", |m, s: SaveStateParams| m
+        .save_state_op(&s.reference, SaveStateOp::Standby));
+    with_params!(module, "instance.snapshot", |m, s: SaveStateParams| m
+        .save_state_op(&s.reference, SaveStateOp::Snapshot));
+    with_params!(module, "instance.restore", |m, s: SaveStateParams| m
+        .save_state_op(&s.reference, SaveStateOp::Restore));
     without_params!(module, "resources.get", |m| m.resources());
     without_params!(module, "gpu.list", |m| m.gpus());
     with_params!(module, "gpu.unquarantine", |m, u: UnquarantineParams| m.unquarantine(u));
@@ -274,12 +278,19 @@ mod tests {
 
     #[test]
     fn negative_and_fractional_ids_are_refused_not_dropped() {
-        for body in [r#"{"jsonrpc":"2.0","id":-1,"method":"agent.health"}"#, r#"{"jsonrpc":"2.0","id":1.5,"method":"x"}"#] {
+        for body in
+            [r#"{"jsonrpc":"2.0","id":-1,"method":"agent.health"}"#, r#"{"jsonrpc":"2.0","id":1.5,"method":"x"}"#]
+        {
             let a: Value = serde_json::from_str(&refuse_bad_ids(body.as_bytes()).unwrap()).unwrap();
             assert_eq!(a["error"]["code"], -32600, "{body}");
             assert!(a["id"].is_null());
         }
-        for body in [r#"{"jsonrpc":"2.0","id":1,"method":"a"}"#, r#"{"jsonrpc":"2.0","id":"x","method":"a"}"#, r#"{"jsonrpc":"2.0","method":"a"}"#, "not json"] {
+        for body in [
+            r#"{"jsonrpc":"2.0","id":1,"method":"a"}"#,
+            r#"{"jsonrpc":"2.0","id":"x","method":"a"}"#,
+            r#"{"jsonrpc":"2.0","method":"a"}"#,
+            "not json",
+        ] {
             assert!(refuse_bad_ids(body.as_bytes()).is_none(), "{body}");
         }
         let batch = r#"[{"jsonrpc":"2.0","id":1,"method":"a"},{"jsonrpc":"2.0","id":-2,"method":"a"}]"#;

@@ -92,7 +92,13 @@ pub fn methods() -> Vec<Method> {
             result: string_result,
             errors: &[],
         },
-        Method { name: "rpc.discover", summary: "This OpenRPC document.", params: None, result: any_object, errors: &[] },
+        Method {
+            name: "rpc.discover",
+            summary: "This OpenRPC document.",
+            params: None,
+            result: any_object,
+            errors: &[],
+        },
     ];
     if cfg!(feature = "failpoints") {
         m.push(method!("debug.failpoint", "Failpoint builds only: pause a failpoint (threads reaching it wait) or release it.",
@@ -117,8 +123,11 @@ fn generator() -> SchemaGenerator {
 /// The parameters of a method as OpenRPC content descriptors (by name).
 fn params_of(schema: &Schema) -> Vec<Value> {
     let v = schema.as_value();
-    let required: Vec<&str> =
-        v.get("required").and_then(|r| r.as_array()).map(|a| a.iter().filter_map(|x| x.as_str()).collect()).unwrap_or_default();
+    let required: Vec<&str> = v
+        .get("required")
+        .and_then(|r| r.as_array())
+        .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
     let mut out = Vec::new();
     if let Some(props) = v.get("properties").and_then(|p| p.as_object()) {
         for (name, s) in props {
@@ -186,7 +195,8 @@ mod tests {
                 required.push(p["name"].clone());
             }
         }
-        let schema = json!({"type": "object", "properties": props, "required": required, "additionalProperties": false});
+        let schema =
+            json!({"type": "object", "properties": props, "required": required, "additionalProperties": false});
         let validator = jsonschema::validator_for(&schema).unwrap();
         let k = |n: usize| "k".repeat(n);
         let probes = vec![

@@ -95,3 +95,125 @@ fn bench_reconcile_pass_over_many_records() {
         median(times.clone())
     );
 }
+
+/// Writes `n` stopped plain instance records (and their name index entries) straight into
+/// a data directory, as a long-lived host has them.
+fn seed_records(data: &std::path::Path, n: usize) {
+    for sub in ["instances", "names"] {
+        std::fs::create_dir_all(data.join(sub)).unwrap();
+    }
+    for i in 0..n {
+        let id = format!("00000000-0000-4000-8000-{i:012}");
+        let dir = data.join("instances").join(&id);
+        std::fs::create_dir_all(&dir).unwrap();
+        let rec = json!({"id": id, "name": format!("r{i}"), "image": "demo", "hypervisor": "qemu", "vcpus": 1,
+            "memory_mib": 256, "labels": {"tenant": format!("t{}", i % 7)}, "gpu_profile": null, "gpu_framework": null,
+            "state": "stopped", "vmm": null, "created_at": "2026-01-01T00:00:00Z", "last_error": null});
+        std::fs::write(dir.join("instance.json"), rec.to_string()).unwrap();
+        std::fs::write(data.join("names").join(format!("r{i}")), json!({"id": id}).to_string()).unwrap();
+    }
+}
+
+/// Median latency of `placement.dry_run` and of a GPU create (to its answer) on an agent
+/// whose store holds `n` instance records.
+fn latencies_with_records(n: usize) -> (Duration, Duration) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    seed_records(&data, n);
+    let a = Agent::start_tuned(AgentOptions { model: "l40s-2x16", ..Default::default() }, Some(data), &[]).unwrap();
+    let mut dry = Vec::new();
+    for _ in 0..20 {
+        let t0 = Instant::now();
+        a.ok("placement.dry_run", json!({"profile": "L40S-1Q", "labels": {"tenant": "t1"}}));
+        dry.push(t0.elapsed());
+    }
+    let mut create = Vec::new();
+    for i in 0..5 {
+        let t0 = Instant::now();
+        let inst = a.create_gpu(&format!("lat-{i}"), "L40S-1Q").unwrap();
+        create.push(t0.elapsed());
+        a.ok("instance.delete", json!({"ref": inst["id"]}));
+    }
+    (median(dry), median(create))
+}
+
+#[test]
+#[ignore]
+fn bench_dry_run_and_create_at_10000_vs_100_records() {
+    let (dry_small, create_small) = latencies_with_records(100);
+    let (dry_big, create_big) = latencies_with_records(10_000);
+    println!("bench dry-run median: 100 records {dry_small:?}, 10000 records {dry_big:?}");
+    println!("bench create median: 100 records {create_small:?}, 10000 records {create_big:?}");
+    println!(
+        "bench dry-run latency ratio 10000/100 records = {:.3} (goal <= 1.2)",
+        dry_big.as_secs_f64() / dry_small.as_secs_f64()
+    );
+    println!(
+        "bench create latency ratio 10000/100 records = {:.3} (goal <= 1.2)",
+        create_big.as_secs_f64() / create_small.as_secs_f64()
+    );
+}
+
+/// Reads every sysfs file one observation reads (devices::scan on a vendor-VFIO host),
+/// with plain std::fs calls: the floor an observation cannot go under.
+fn bare_read(root: &std::path::Path) -> usize {
+    let mut n = 0;
+    let read = |p: std::path::PathBuf, n: &mut usize| {
+        let _ = std::fs::read_to_string(p);
+        *n += 1;
+    };
+    read(root.join("sys/module/nvidia/version"), &mut n);
+    let _ = std::fs::read_dir(root.join("sys/class/mdev_bus")).map(|d| d.count());
+    let pci = root.join("sys/bus/pci/devices");
+    let mut pfs = std::collections::BTreeSet::new();
+    for e in std::fs::read_dir(&pci).unwrap().flatten() {
+        let d = e.path();
+        read(d.join("vendor"), &mut n);
+        let Ok(pf) = std::fs::read_link(d.join("physfn")) else { continue };
+        pfs.insert(pf.file_name().unwrap().to_string_lossy().into_owned());
+        read(d.join("nvidia/current_vgpu_type"), &mut n);
+        let _ = std::fs::read_link(d.join("iommu_group"));
+        let _ = std::fs::read_dir(d.join("vfio-dev")).map(|d| d.count());
+        read(d.join("nvidia/creatable_vgpu_types"), &mut n);
+    }
+    for pf in pfs {
+        read(pci.join(&pf).join("device"), &mut n);
+        read(pci.join(&pf).join("numa_node"), &mut n);
+    }
+    n
+}
+
+#[test]
+#[ignore]
+fn bench_one_observation_vs_a_bare_read_of_the_same_files() {
+    let sim = SimMount::start("l40s-2x16").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = gpuvisor::config::Config::parse(&format!(
+        "data_dir = {:?}\nhost_root = {:?}\n[plugins.placement]\npath = {:?}\n[plugins.hypervisor]\npath = {:?}\n[plugins.grace]\npath = {:?}\n",
+        dir.path().join("data"),
+        sim.path(),
+        plugin("placement-spread"),
+        plugin("hypervisor-default"),
+        plugin("grace-default"),
+    ))
+    .unwrap();
+    let store = gpuvisor::store::Store::open(&cfg.data_dir).unwrap();
+    let policies = gpuvisor::policies::Policies::load(&cfg, cfg.claim_grace_s).unwrap();
+    let m = gpuvisor::instances::Manager::new(cfg, store, policies);
+    // Warm both paths (the kernel's dentry cache, the agent's profile book).
+    let files = bare_read(sim.path());
+    m.resources().unwrap();
+    let (mut obs, mut bare) = (Vec::new(), Vec::new());
+    for _ in 0..30 {
+        let t0 = Instant::now();
+        let r = m.resources().unwrap();
+        obs.push(t0.elapsed());
+        assert_eq!(r.devices.total, 32);
+        let t0 = Instant::now();
+        bare_read(sim.path());
+        bare.push(t0.elapsed());
+    }
+    let (o, b) = (median(obs), median(bare));
+    println!("bench observation (resources.get in process, every profile): median {o:?}; bare read of {files} files: median {b:?}");
+    println!("bench observation ratio observation/bare read = {:.3} (goal <= 1.2)", o.as_secs_f64() / b.as_secs_f64());
+}

@@ -157,8 +157,10 @@ fn s038_a_claim_from_a_crash_before_spawn_is_kept_for_claim_grace_then_released_
     let writes_before = a.sim_writes().len();
 
     a.restart_clean();
-    let deadline = Instant::now() + Duration::from_millis(GRACE_MS + 15_000);
-    let mut kept_passes = 0;
+    // Bounded by the grace plus generous slack; every assertion below is on the age each
+    // pass measured, never on how many passes fit in a window (a slow machine may restart
+    // the agent after the grace has already passed: then no pass can see a young claim).
+    let deadline = Instant::now() + Duration::from_millis(GRACE_MS + 60_000);
     loop {
         let age_before = boottime_now_ms() - claimed_bt;
         let present = a.claim_file(VF0).is_some();
@@ -180,12 +182,10 @@ fn s038_a_claim_from_a_crash_before_spawn_is_kept_for_claim_grace_then_released_
         }
         if age_after < GRACE_MS {
             assert!(devices_in(&rep, "kept").contains(&VF0.to_string()), "a young claim is reported kept: {rep}");
-            kept_passes += 1;
         }
         assert!(Instant::now() < deadline, "the claim was never released: {rep}");
         std::thread::sleep(Duration::from_millis(500));
     }
-    assert!(kept_passes >= 1, "at least one pass kept the young claim");
     assert!(a.claim_file(VF0).is_none());
     assert_eq!(writes_since(&a, writes_before), vec![], "no sysfs write: vf0 already read 0");
     let st = a.instance_records().first().map(|(_, r)| r.as_ref().unwrap()["state"].clone());
@@ -644,7 +644,7 @@ fn a_looping_grace_plugin_keeps_everything() {
 
 /// I12: the grace runs on CLOCK_BOOTTIME. Moving a claim's wall-clock `claimed_at` a day back
 /// or forward changes nothing: the claim is kept while its boottime age is below the grace,
-/// released once it passes (bounded: the loop fails after 25 s).
+/// released once it passes (bounded: the loop fails a minute past the grace).
 fn wall_clock_case(shift_s: i64) {
     const GRACE_MS: u64 = 5000;
     let mut a = agent(HOST_V, "claim_grace_s = 5\n");
@@ -656,22 +656,33 @@ fn wall_clock_case(shift_s: i64) {
     let bt = c["claimed_boottime_ms"].as_u64().unwrap();
     std::fs::write(&p, serde_json::to_string(&c).unwrap()).unwrap();
     a.restart_clean();
-    let deadline = Instant::now() + Duration::from_secs(25);
-    let mut kept = 0;
-    while a.claim_file(VF0).is_some() {
+    // Every assertion is on the boottime age measured around each observation: a claim seen
+    // gone while it was still younger than the grace was released too early; a pass that ran
+    // while it was younger must keep it — however slow the machine is (bounded: generous
+    // slack past the grace). On a machine so slow that the restart outlasts the grace, the
+    // startup pass may release it before any measurement: that is accepted, not asserted on.
+    let deadline = Instant::now() + Duration::from_millis(GRACE_MS + 60_000);
+    loop {
+        let age_before = boottime_now_ms() - bt;
+        if a.claim_file(VF0).is_none() {
+            assert!(
+                age_before >= GRACE_MS,
+                "BUG: the claim (claimed_at shifted by {shift_s} s) was gone at boottime age {age_before} ms < claim_grace"
+            );
+            break;
+        }
         let rep = a.pass();
-        if a.claim_file(VF0).is_some() {
-            kept += 1;
+        let age_after = boottime_now_ms() - bt;
+        if devices_in(&rep, "released").contains(&VF0.to_string()) {
+            assert!(age_after >= GRACE_MS, "BUG: released at boottime age {age_after} ms < claim_grace: {rep}");
+            break;
+        }
+        if age_after < GRACE_MS {
+            assert!(devices_in(&rep, "kept").contains(&VF0.to_string()), "a young claim is kept: {rep}");
         }
         assert!(Instant::now() < deadline, "never released: {rep}");
         std::thread::sleep(Duration::from_millis(400));
     }
-    let age = boottime_now_ms() - bt;
-    assert!(
-        age >= GRACE_MS,
-        "BUG: the claim (claimed_at shifted by {shift_s} s) was released at boottime age <= {age} ms < claim_grace"
-    );
-    assert!(kept >= 1);
 }
 
 /// I12: moving `claimed_at` a day into the past must not shorten the protection.

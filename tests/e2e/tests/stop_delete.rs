@@ -156,7 +156,9 @@ fn s022_stop_refuses_when_the_vmm_cannot_be_identified() {
     let claim = a.claim(&vf).unwrap();
     let seq = last_seq(&a.state());
 
-    for (method, params) in [("instance.stop", json!({"ref": "a", "force": true})), ("instance.delete", json!({"ref": "a"}))] {
+    for (method, params) in
+        [("instance.stop", json!({"ref": "a", "force": true})), ("instance.delete", json!({"ref": "a"}))]
+    {
         let e = a.err(method, params);
         assert_eq!((e.code, e.data_code.as_str()), (503, "vmm_liveness_unknown"), "{method}: {e}");
     }
@@ -412,6 +414,19 @@ fn a_full_disk_after_configure_rolls_the_create_back_through_the_release_guard()
     host.fill();
     let answer = create.join().unwrap().unwrap();
     assert!(answer["error"].is_object(), "the create fails: {answer}");
+    // The failure (ENOSPC, `internal`) is logged once at ERROR with the instance's id and name.
+    let failed: Vec<String> = a
+        .log()
+        .lines()
+        .filter(|l| l.contains("operation failed") && l.contains("op=create"))
+        .map(String::from)
+        .collect();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(
+        failed[0].contains(" ERROR ") && failed[0].contains("instance.name=c") && failed[0].contains("instance.id="),
+        "{}",
+        failed[0]
+    );
     let st = a.state();
     assert!(set_vfs(&st).is_empty(), "the configured VF was released: {:?}", set_vfs(&st));
     assert!(a.claims().is_empty(), "no claim left: {:?}", a.claims());
