@@ -332,7 +332,10 @@ fn policy_and_claim_latencies_and_rejections_are_exported_with_their_labels() {
         "{text}"
     );
     assert_eq!(
-        count("gpuvisor_policy_call_duration_seconds_count", &[("plugin", "hypervisor-default"), ("kind", "hypervisor")]),
+        count(
+            "gpuvisor_policy_call_duration_seconds_count",
+            &[("plugin", "hypervisor-default"), ("kind", "hypervisor")]
+        ),
         Some(1.0),
         "{text}"
     );
