@@ -201,6 +201,9 @@ pub struct ServeArgs {
     pub stop_timeout_s: Option<u64>,
     #[arg(long)]
     pub release_retry_s: Option<u64>,
+    /// How long a VMM start waits for QMP to answer, seconds (default 30).
+    #[arg(long)]
+    pub qmp_ready_timeout_s: Option<u64>,
     #[arg(long)]
     pub log_format: Option<String>,
     /// Write every policy plugin input to this directory (for `gpuvisor plugin test`).
@@ -243,6 +246,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.release_retry_s {
             c.release_retry_s = v;
+        }
+        if let Some(v) = self.qmp_ready_timeout_s {
+            c.qmp_ready_timeout_s = v;
         }
         if let Some(v) = self.metrics_listen {
             c.metrics_listen = Some(v);

@@ -9,9 +9,9 @@
 //!   `FAILPOINTS=after_claim_commit=return`: a point configured `return` **aborts the agent**
 //!   (like `kill -9`: no unwinding, no cleanup), `panic` panics, `sleep(ms)` pauses.
 //! - **Pause** (at run time): the JSON-RPC method `debug.failpoint` (served only by
-//!   failpoint builds) arms a point with `pause`; the next thread that reaches it waits
-//!   there, visible in `debug.failpoints` (`waiting`), until `release`. Tests synchronise on
-//!   `waiting`, never on sleeps.
+//!   failpoint builds) arms a point with `pause`; the next thread that reaches it (only that
+//!   one) waits there, visible in `debug.failpoints` (`waiting`), until `release`. Tests
+//!   synchronise on `waiting`, never on sleeps.
 //!
 //! Every persisted step of create, start, stop, delete, release and the reconciler has a
 //! point before and after it ([`ALL`], the crash matrix), plus points where races matter
@@ -86,7 +86,7 @@ macro_rules! crash_point {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct PauseStatus {
     pub name: String,
-    /// A thread that reaches the point waits there.
+    /// The next thread that reaches the point is held there.
     pub armed: bool,
     /// Threads waiting at the point now.
     pub waiting: u32,
@@ -103,9 +103,12 @@ mod pause {
 
     #[derive(Default)]
     struct Point {
+        /// The next thread that reaches the point is held there.
         armed: bool,
         waiting: u32,
         hits: u64,
+        /// Bumped by every release: the held threads go on.
+        released: u64,
     }
 
     fn registry() -> &'static (Mutex<BTreeMap<String, Point>>, Condvar) {
@@ -124,9 +127,12 @@ mod pause {
         if !p.armed {
             return;
         }
+        // Only this thread is held: later ones pass until the point is armed again.
+        p.armed = false;
         p.waiting += 1;
+        let released = p.released;
         tracing::warn!(failpoint = name, "failpoint paused: waiting for debug.failpoint release");
-        while g.get(name).is_some_and(|p| p.armed) {
+        while g.get(name).is_some_and(|p| p.released == released) {
             g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
         if let Some(p) = g.get_mut(name) {
@@ -140,8 +146,13 @@ mod pause {
         let Some(p) = g.get_mut(name) else {
             return Err(format!("{name:?} is not a failpoint (see agent/src/failpoints.rs)"));
         };
-        p.armed = armed;
-        cv.notify_all();
+        if armed {
+            p.armed = true;
+        } else {
+            p.armed = false;
+            p.released += 1;
+            cv.notify_all();
+        }
         Ok(())
     }
 

@@ -163,10 +163,20 @@ pub struct DeviceView {
 /// The instance that claims a device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeviceOwner {
+    /// Empty when even the owner's id is unknown (its claim record cannot be read).
     pub instance_id: String,
     pub profile: Option<String>,
     #[serde(default)]
     pub labels: Labels,
+    /// `false` when the owner's labels are unknown (its claim or instance record cannot be
+    /// read): `labels` is then empty, and a rule that separates tenants should treat the
+    /// owner as possibly another tenant. Absent in inputs from older agents (= `true`).
+    #[serde(default = "yes")]
+    pub labels_known: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Answer of `gpuvisor_placement`: `{"ranked": [...]}` best first, or `{"reject": "reason"}`.

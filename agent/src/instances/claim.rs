@@ -196,7 +196,6 @@ impl Manager {
     /// Configures a claimed VF: repairs it first if dirty (through the release path), then
     /// sets the type with read-back, under the configure and device locks.
     fn configure_vf(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
-        let _c = self.configure_lock();
         let vf = claim.device.clone();
         let cur = vendor_vfio::read_current_type(&self.host, &vf)
             .map_err(|e| Refusal::untouched(format!("current_vgpu_type unreadable: {e}")))?;
@@ -226,8 +225,16 @@ impl Manager {
             }
             crate::crash_point!("configure_after_repair");
         }
+        // The repair (through the release path: allocation lock, then device lock) is done
+        // before the configure lock is taken, so the locks are always taken in one order.
+        let _c = self.configure_lock();
         let dev_lock = self.device_lock(&vf);
         let _d = crate::sync::lock(&dev_lock);
+        match vendor_vfio::read_current_type(&self.host, &vf) {
+            Ok(0) => {}
+            Ok(v) => return Err(Refusal::untouched(format!("reads type {v} again before its type was written"))),
+            Err(e) => return Err(Refusal::untouched(format!("current_vgpu_type unreadable: {e}"))),
+        }
         match vendor_vfio::set_type(&self.host, &vf, &claim.profile) {
             Ok(id) => {
                 claim.type_id = Some(id);

@@ -80,8 +80,12 @@ pub enum Verdict {
 }
 
 impl Manager {
-    /// Quarantines `device` at once (foreign write, failed reset).
+    /// Quarantines `device` at once (foreign write, failed reset). A device already
+    /// quarantined for the same reason keeps its first mark (and is not logged again).
     pub(crate) fn quarantine(&self, device: &str, reason: &str, detail: &str) {
+        if matches!(self.store.read_health(device), Ok(Some(h)) if h.quarantined && h.reason == reason) {
+            return;
+        }
         let rec = HealthRecord {
             device: device.to_string(),
             reason: reason.to_string(),
@@ -178,7 +182,7 @@ impl Manager {
             let detail = format!(
                 "{} on {} devices of GPU {gpu} within {} s ({}): a GPU- or driver-level fault, not a fault of one \
                  device; it clears when a write on the GPU succeeds",
-                w.message.rsplit(' ').next().unwrap_or("EIO"),
+                crate::devices::errno_name(&std::io::Error::from_raw_os_error(errno)),
                 devices.len(),
                 GPU_FAULT_WINDOW.as_secs(),
                 devices.iter().cloned().collect::<Vec<_>>().join(", ")

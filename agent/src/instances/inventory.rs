@@ -53,6 +53,8 @@ pub struct ObservedDevice {
     pub claim: Option<Claim>,
     /// A claim file for this device exists but cannot be read (`path: error`).
     pub claim_unreadable: Option<String>,
+    /// The owner that unreadable claim file still names, if its JSON says.
+    pub claim_unreadable_owner: Option<uuid::Uuid>,
     /// The owner's labels are unknown (a legacy claim whose owner record cannot be read).
     pub owner_labels: Option<crate::store::Labels>,
     /// Its health mark, if any (an unreadable health file is a quarantine mark).
@@ -79,6 +81,15 @@ pub struct ObservedGpu {
     /// A GPU-level health mark (`health/<PF>.json`).
     pub health: Option<HealthRecord>,
     pub devices: Vec<ObservedDevice>,
+}
+
+/// What the store says about one device.
+struct DeviceRecords {
+    claim: Option<Claim>,
+    claim_unreadable: Option<String>,
+    claim_unreadable_owner: Option<uuid::Uuid>,
+    health: Option<HealthRecord>,
+    owner_labels: Option<crate::store::Labels>,
 }
 
 /// A placeable device as the native side sees it (the legal-candidate check).
@@ -167,11 +178,22 @@ impl Observation {
                         state: d.state,
                         current_type: d.current_type.id().filter(|t| *t != 0),
                         creatable: d.creatable.clone(),
-                        owner: d.claim.as_ref().map(|c| DeviceOwner {
-                            instance_id: c.instance_id.to_string(),
-                            profile: Some(c.profile.clone()),
-                            labels: d.owner_labels.clone().unwrap_or_default(),
-                        }),
+                        owner: match (&d.claim, &d.claim_unreadable) {
+                            (Some(c), _) => Some(DeviceOwner {
+                                instance_id: c.instance_id.to_string(),
+                                profile: Some(c.profile.clone()),
+                                labels: d.owner_labels.clone().unwrap_or_default(),
+                                labels_known: d.owner_labels.is_some(),
+                            }),
+                            // A claim that cannot be read: its owner is unknown, never "no one".
+                            (None, Some(_)) => Some(DeviceOwner {
+                                instance_id: d.claim_unreadable_owner.map(|u| u.to_string()).unwrap_or_default(),
+                                profile: None,
+                                labels: Default::default(),
+                                labels_known: false,
+                            }),
+                            (None, None) => None,
+                        },
                     })
                     .collect(),
             })
@@ -377,19 +399,11 @@ impl Manager {
         Ok(obs)
     }
 
-    /// The claim, claim-unreadable note, health mark and owner labels of `device`.
-    fn device_records(
-        &self,
-        obs: &Observation,
-        device: &str,
-    ) -> (Option<Claim>, Option<String>, Option<HealthRecord>, Option<crate::store::Labels>) {
+    /// The records about `device`: its claim (or the claim file that cannot be read), its
+    /// health mark, and what placement knows of the claim's owner.
+    fn device_records(&self, obs: &Observation, device: &str) -> DeviceRecords {
         let claim = obs.claims.records.iter().find(|c| c.device == device).cloned();
-        let claim_unreadable = obs
-            .claims
-            .unreadable
-            .iter()
-            .find(|u| u.key.eq_ignore_ascii_case(device))
-            .map(|u| format!("{}: {}", u.path.display(), u.error));
+        let bad = obs.claims.unreadable.iter().find(|u| u.key.eq_ignore_ascii_case(device));
         let health = obs.health.records.iter().find(|h| h.device == device).cloned().or_else(|| {
             obs.health.unreadable.iter().find(|u| u.key.eq_ignore_ascii_case(device)).map(|u| HealthRecord {
                 device: device.to_string(),
@@ -400,8 +414,13 @@ impl Manager {
                 eio_in_a_row: 0,
             })
         });
-        let labels = claim.as_ref().and_then(|c| self.owner_labels(c));
-        (claim, claim_unreadable, health, labels)
+        DeviceRecords {
+            owner_labels: claim.as_ref().and_then(|c| self.owner_labels(c)),
+            claim,
+            claim_unreadable: bad.map(|u| format!("{}: {}", u.path.display(), u.error)),
+            claim_unreadable_owner: bad.and_then(|u| u.owner),
+            health,
+        }
     }
 
     /// What placement sees of a claim's owner: the labels the claim carries; for a claim
@@ -435,7 +454,8 @@ impl Manager {
             }
             let mut devices = Vec::new();
             for vf in &g.vfs {
-                let (claim, claim_unreadable, health, owner_labels) = self.device_records(obs, &vf.bdf);
+                let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } =
+                    self.device_records(obs, &vf.bdf);
                 let current_type = match &vf.current_type {
                     Ok(t) => TypeReading::Id(*t),
                     Err(e) => TypeReading::Unknown(e.clone()),
@@ -473,6 +493,7 @@ impl Manager {
                     creatable,
                     claim,
                     claim_unreadable,
+                    claim_unreadable_owner,
                     owner_labels,
                     health,
                     unreadable,
@@ -544,7 +565,8 @@ impl Manager {
             let managed = self.cfg.manages(&pf);
             let mut devices = Vec::new();
             for p in parents {
-                let (claim, claim_unreadable, health, owner_labels) = self.device_records(obs, &p.bdf);
+                let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } =
+                    self.device_records(obs, &p.bdf);
                 // An mdev on a parent without a claim is another tool's (or an orphan): the
                 // parent is occupied (shown dirty), and only the sweep may remove our own.
                 let occupied = scan.mdevs.iter().any(|d| d.parent == p.bdf);
@@ -589,6 +611,7 @@ impl Manager {
                     creatable,
                     claim,
                     claim_unreadable,
+                    claim_unreadable_owner,
                     owner_labels,
                     health,
                     unreadable,

@@ -17,7 +17,8 @@
 //! | [`view`] | the typed views the core returns (serialised only by `rpc`) |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
 //!
-//! Locks (in this order): one lock **per instance** (held for a whole operation, so the
+//! Locks, always taken in this order (a later one may be taken while an earlier one is
+//! held, never the reverse): one lock **per instance** (held for a whole operation, so the
 //! reconciler never acts on an instance mid-operation); the **allocation lock** (claim
 //! selection + claim creation, the release path's claim re-read + removal; never held across
 //! a sysfs write or a VM boot); the **configure lock** (the host-wide catalog read → type

@@ -164,8 +164,6 @@ impl Manager {
                 Err(e) => {
                     self.metrics.release(false);
                     if let Release::Claim(c, _) = r {
-                        tracing::warn!(gpu.device = %c.device, instance.id = %c.instance_id,
-                            instance.name = %c.owner_name.as_deref().unwrap_or("-"), error = %e, "release failed; claim kept release_pending");
                         self.mark_release_pending(c, &e);
                     } else {
                         tracing::warn!(gpu.device = %r.device(), kind = r.kind(), error = %e, "device not cleared");
@@ -176,13 +174,24 @@ impl Manager {
         }
     }
 
+    /// Keeps a claim whose release failed, `release_pending`, with the attempt count and the
+    /// error; logged at WARN when the error is new (a retry failing the same way is DEBUG).
     fn mark_release_pending(&self, claim: &Claim, e: &ReleaseError) {
         let _a = self.alloc();
         if let Ok(Some(mut cur)) = self.store.read_claim(&claim.device) {
             if cur.same_claim(claim) {
+                let error = e.to_string();
+                let name = claim.owner_name.as_deref().unwrap_or("-");
+                if cur.last_error.as_deref() == Some(error.as_str()) {
+                    tracing::debug!(gpu.device = %claim.device, instance.id = %claim.instance_id, instance.name = %name,
+                        error = %e, "release failed again; claim kept release_pending");
+                } else {
+                    tracing::warn!(gpu.device = %claim.device, instance.id = %claim.instance_id, instance.name = %name,
+                        error = %e, "release failed; claim kept release_pending");
+                }
                 cur.state = ClaimState::ReleasePending;
                 cur.release_attempts += 1;
-                cur.last_error = Some(e.to_string());
+                cur.last_error = Some(error);
                 if let Err(se) = self.store.update_claim(&cur) {
                     tracing::error!(gpu.device = %claim.device, error = %se, "cannot mark the claim release_pending");
                 }

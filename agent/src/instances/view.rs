@@ -228,8 +228,20 @@ pub struct GpuList {
     pub mode: String,
     pub probe_error: Option<String>,
     pub gpus: Vec<GpuEntry>,
+    /// Devices whose state cannot be read, named (those of the GPUs above are also marked
+    /// there; others — an unreadable `physfn` link, an mdev whose `mdev_type` link cannot be
+    /// read — only here).
+    pub unreadable_devices: Vec<UnreadableDeviceView>,
     /// Claim and health records that cannot be read.
     pub unreadable_records: Vec<UnreadableRecord>,
+}
+
+/// A device whose state cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct UnreadableDeviceView {
+    pub address: String,
+    pub gpu: Option<String>,
+    pub reason: String,
 }
 
 /// Device counts of `resources.get` (managed GPUs).
@@ -290,7 +302,7 @@ pub struct HealthView {
     /// New claims are accepted.
     pub ready: bool,
     pub startup_reconcile_done: bool,
-    /// Every store directory can be listed.
+    /// The instance and claim directories can be listed.
     pub store_readable: bool,
     pub gpu_mode: String,
     pub plugins_loaded: bool,
@@ -612,7 +624,9 @@ impl Manager {
                                     .owner_name
                                     .clone()
                                     .or_else(|| names.get(&c.instance_id).cloned())
-                                    .or_else(|| self.store.read_instance(c.instance_id).ok().flatten().map(|r| r.name.clone())),
+                                    .or_else(|| {
+                                        self.store.read_instance(c.instance_id).ok().flatten().map(|r| r.name.clone())
+                                    }),
                                 profile: Some(c.profile.clone()),
                                 type_id: c.type_id,
                                 mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
@@ -643,7 +657,12 @@ impl Manager {
             .collect();
         let unreadable_records =
             obs.claims.unreadable.iter().chain(&obs.health.unreadable).map(UnreadableRecord::from).collect();
-        Ok(GpuList { mode: obs.mode_name().to_string(), probe_error, gpus, unreadable_records })
+        let unreadable_devices = obs
+            .unreadable
+            .iter()
+            .map(|u| UnreadableDeviceView { address: u.address.clone(), gpu: u.gpu.clone(), reason: u.reason.clone() })
+            .collect();
+        Ok(GpuList { mode: obs.mode_name().to_string(), probe_error, gpus, unreadable_devices, unreadable_records })
     }
 
     /// `resources.get`: GPU mode, device counts and per-profile placeable counts (honest
@@ -667,6 +686,14 @@ impl Manager {
     pub(crate) fn resources_of(&self, obs: &Observation) -> Resources {
         use gpuvisor_sdk::DeviceState as S;
         let mut c = DeviceCounts::default();
+        // Unreadable: every device whose state cannot be read — those of the managed GPUs'
+        // device lists, and those the scan could not place on a GPU at all.
+        let mut unreadable: std::collections::BTreeSet<String> = obs
+            .unreadable
+            .iter()
+            .filter(|u| u.gpu.as_deref().is_none_or(|g| self.cfg.manages(g)))
+            .map(|u| u.address.to_ascii_lowercase())
+            .collect();
         for (_, d) in obs.devices() {
             c.total += 1;
             // A device can be claimed and quarantined, or claimed and unreadable, at once:
@@ -675,7 +702,7 @@ impl Manager {
                 c.quarantined += 1;
             }
             if d.unreadable.is_some() {
-                c.unreadable += 1;
+                unreadable.insert(d.address.to_ascii_lowercase());
             }
             c.catalog_skipped_lines += d.catalog_skipped.len() as u64;
             match d.state {
@@ -685,6 +712,7 @@ impl Manager {
                 S::Quarantined | S::Unreadable => {}
             }
         }
+        c.unreadable = unreadable.len() as u64;
         // Profiles: every name seen; placeable per GPU = free VFs listing it, capped by the
         // slots left under the equal-size rule (GPU framebuffer / profile framebuffer).
         let mut profiles = Vec::new();

@@ -17,26 +17,60 @@
 //! Every cell runs to its end and records its failures; the test prints one line per cell,
 //! `N cells passed, N failed`, and fails with a table of every failing cell.
 //!
-//! Why the expectations do not depend on the errno (except for the health marks): the agent
-//! never branches on which errno a type write or an mdev create returned — "treats it as
-//! 'not creatable here': re-reads, tries the next candidate, never branches on which errno
-//! came back" (NVIDIA-HOST.md §4; LIFECYCLE.md Create step 4 "release that claim through the
-//! guard, and try the next ranked candidate; when none is left, answer `no_capacity`"); and a
-//! failed clear/remove is a failed release whatever the errno (LIFECYCLE.md Stop step 3
-//! "Failure keeps the claim as `release_pending`; stop still succeeds"; Delete step 4), which
-//! the guard retries inline for `release_retry_s` (docs/configuration.md, docs/gpu.md "The
-//! release guard"). The one errno-specific rule is LIFECYCLE.md "Device health": "A device is
-//! quarantined when … a type write, mdev create/remove or release fails with EIO twice in a
-//! row (the first makes it `suspect`)" — so EIO cells also expect health marks, and the other
-//! errnos expect none. (NVIDIA-HOST.md §4 words it more weakly — "two EIOs on a VF whose
-//! catalog listed the id mark the VF `suspect`"; LIFECYCLE.md is the contract tests rely on.)
-//! An EINVAL on a clear is retried like any other failed clear: NVIDIA-HOST.md §4's "treats it
-//! as a bug; does not retry" is about the kernel parser refusing text, and `0` always parses;
-//! the release guard (LIFECYCLE.md step 4) does not distinguish errnos.
+//! Why the expectations do not depend on the errno (except for EIO, the one errno with health
+//! accounting): the agent never branches on which errno a type write or an mdev create
+//! returned — "treats it as 'not creatable here': re-reads, tries the next candidate, never
+//! branches on which errno came back" (NVIDIA-HOST.md §4; LIFECYCLE.md Create step 4 "release
+//! that claim through the guard, and try the next ranked candidate; when none is left, answer
+//! `no_capacity`"); and a failed clear/remove is a failed release whatever the errno
+//! (LIFECYCLE.md Stop step 3 "Failure keeps the claim as `release_pending`; stop still
+//! succeeds"; Delete step 4), which the guard retries inline for `release_retry_s`
+//! (docs/configuration.md, docs/gpu.md "The release guard"). An EINVAL on a clear is retried
+//! like any other failed clear: NVIDIA-HOST.md §4's "treats it as a bug; does not retry" is
+//! about the kernel parser refusing text, and `0` always parses; the release guard
+//! (LIFECYCLE.md step 4) does not distinguish errnos.
+//!
+//! The errno-specific rules are LIFECYCLE.md "Device health" (implemented in
+//! agent/src/instances/health.rs and claim.rs). A health record is `health/<device>.json`
+//! (`reason`, `quarantined` — `false` is `suspect` —, `eio_in_a_row`):
+//! - only EIO is a strike; every other errno leaves no health record;
+//! - **release-time** EIO (type clear, mdev remove): the first makes the device `suspect`
+//!   (`eio_in_a_row` 1), a second in a row quarantines it; a write that takes effect resets
+//!   the count;
+//! - **create-time** EIO (type write, mdev create) is weaker evidence: "two EIOs on a VF whose
+//!   catalog listed the type make that VF suspect, never quarantined" — the first leaves no
+//!   record, a second in a row on the same device writes `reason: "create_eio"`, suspect;
+//! - **no cascade**: "when one operation, or several within a short window, see the same
+//!   error on several devices of one GPU, that is one GPU-level problem — one mark on the GPU,
+//!   one message, no strike against each VF — which clears by itself when a later write on
+//!   that GPU succeeds". An EIO on a device while another device of the same GPU had an EIO
+//!   within the last 60 s (`GPU_FAULT_WINDOW`), or while the GPU already has a `gpu_fault`
+//!   mark, writes (or keeps) `health/<PF>.json` with `reason: "gpu_fault"`,
+//!   `quarantined: false` (it never blocks placement), counts no strike against the device,
+//!   and lifts the EIO strikes (`eio`, `create_eio` records) of the devices involved; the
+//!   agent logs one "GPU-level fault" error per mark raised; the mark is removed by the next
+//!   write on that GPU that succeeds;
+//! - a create skips the rest of a GPU whose write failure was judged GPU-level (so on this
+//!   single 4-VF GPU it answers 409 `no_capacity` naming "a GPU- or driver-level fault"), and
+//!   independently gives up after `MAX_CONFIGURE_FAILURES` = 4 failed writes. So EIO "3x" on a
+//!   create site fails the create after 2 devices and leaves the fault with 1 count left.
+//!
+//! The 60 s window spans operations and cells (the cells of a site share one agent), so an
+//! EIO cell's outcome depends on the EIO cells before it. The test does not sleep the window
+//! away: it keeps [`HealthModel`], the rules above applied to every write of the simulator's
+//! log in order (timed by the log's `t_ms`), and derives the expectations
+//! from it — which writes a create makes and where it stops (and so its answer and the fault
+//! count left), where a start lands (quarantined devices are never placed), the exact set of
+//! health records after every step, one "GPU-level fault" message per GPU mark raised, no
+//! `gpu_fault` mark left once a later write on the GPU succeeded (the recovery after
+//! `clear-faults`), and no device left quarantined by EIO strikes at the end of a cell whose
+//! EIOs were judged GPU-level. Two EIOs within 1 s of the window's edge cannot be judged from
+//! the log's times (the agent's clock reads a few ms later): such a cell fails as undecidable
+//! (the EIO cells of a site run within seconds of each other, so it does not happen).
 
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
@@ -51,8 +85,9 @@ const HOST_M0: &str =
 const PROFILE: &str = "L40S-1Q";
 const ERRNOS: [&str; 5] = ["EBUSY", "EINVAL", "EIO", "ENODEV", "EPERM"];
 /// "N times": fewer than the 4 candidates of a create (so the create still succeeds on the
-/// 4th VF), and fewer than the inline release attempts within `release_retry_s` (so the
-/// release still succeeds inline).
+/// 4th VF — except with EIO, where the second device's EIO is GPU-level and ends the create),
+/// and fewer than the inline release attempts within `release_retry_s` (so the release still
+/// succeeds inline).
 const N: usize = 3;
 /// Inline release budget. The guard backs off 250 ms → 500 ms → 1 s → 2 s: attempts at about
 /// 0, 0.25, 0.75 and 1.75 s, so 4 attempts (N + 1), with over a second of slack for the 4th.
@@ -191,6 +226,273 @@ fn agent(site: Site, w: &QemuWrapper) -> Agent {
     .unwrap()
 }
 
+// ------------------------------------------------------------------------------ health model
+
+/// The GPU (PF) of every device of the test's host.
+const PF: &str = "0000:41:00.0";
+/// agent/src/instances/health.rs `GPU_FAULT_WINDOW`.
+const GPU_FAULT_WINDOW_MS: u64 = 60_000;
+/// Two EIOs this close to the window's edge cannot be judged from the log's times.
+const WINDOW_MARGIN_MS: u64 = 1_000;
+/// agent/src/instances/claim.rs `MAX_CONFIGURE_FAILURES`.
+const MAX_CONFIGURE_FAILURES: usize = 4;
+/// The reason of a GPU-level mark.
+const GPU_FAULT: &str = "gpu_fault";
+/// The error the agent logs once per GPU mark raised (the rules' "one message").
+const GPU_FAULT_MESSAGE: &str = "GPU-level fault: one mark on the GPU";
+
+/// A health record (`health/<device>.json`): the fields the rules set.
+#[derive(Clone, Debug, PartialEq)]
+struct Mark {
+    reason: String,
+    quarantined: bool,
+    eio_in_a_row: u64,
+}
+
+impl Mark {
+    fn new(reason: &str, quarantined: bool, eio_in_a_row: u64) -> Mark {
+        Mark { reason: reason.to_string(), quarantined, eio_in_a_row }
+    }
+
+    /// An EIO strike (lifted when the EIO turns out to be GPU-level).
+    fn eio_strike(&self) -> bool {
+        matches!(self.reason.as_str(), "eio" | "create_eio")
+    }
+}
+
+impl std::fmt::Display for Mark {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = if self.quarantined { "quarantined" } else { "suspect" };
+        write!(f, "{state}:{}/eio_in_a_row={}", self.reason, self.eio_in_a_row)
+    }
+}
+
+fn marks_text(m: &BTreeMap<String, Mark>) -> String {
+    let v: Vec<String> = m.iter().map(|(d, m)| format!("{d}={m}")).collect();
+    format!("{{{}}}", v.join(", "))
+}
+
+/// What the rules make of one write.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Verdict {
+    /// Success, not an EIO, or a first create-time EIO.
+    None,
+    /// A strike against the device.
+    Strike,
+    /// One GPU-level problem: a mark on the GPU, no strike.
+    GpuLevel,
+}
+
+/// One logged write of a health-accounted site.
+#[derive(Clone, Debug)]
+struct Write {
+    site: Site,
+    /// The VF (mdev: the parent).
+    dev: String,
+    /// `ok` or the errno name.
+    result: String,
+    t_ms: u64,
+}
+
+/// The device-health rules (module docs) applied to the simulator's write log, in order:
+/// what the agent's health records must be, computed from what the test observed.
+#[derive(Clone, Debug, Default)]
+struct HealthModel {
+    /// The last log entry fed.
+    seq: u64,
+    /// The expected health records.
+    marks: BTreeMap<String, Mark>,
+    /// Create-time EIOs in a row per device (kept in the agent's memory only).
+    streaks: BTreeMap<String, u32>,
+    /// `(device, t_ms)` of every EIO write.
+    eios: Vec<(String, u64)>,
+    /// mdev UUID → parent, from the logged `create` writes.
+    parents: BTreeMap<String, String>,
+    /// GPU marks raised (no mark → mark): one "GPU-level fault" message each.
+    raised: usize,
+    /// Writes judged GPU-level.
+    gpu_level: usize,
+    /// Judgements the log's times cannot decide.
+    undecidable: Vec<String>,
+}
+
+impl HealthModel {
+    /// The health-accounted write of a log entry, if it is one.
+    fn parse(&mut self, e: &Value) -> Option<Write> {
+        if e["op"] != "write" {
+            return None;
+        }
+        let path = e["path"].as_str()?;
+        let value = e["value"].as_str().unwrap_or("").trim();
+        let comp: Vec<&str> = path.split('/').collect();
+        let (site, dev) = if Site::SetType.matches(path) {
+            (if value == "0" { Site::ClearType } else { Site::SetType }, comp.get(4)?.to_string())
+        } else if Site::MdevCreate.matches(path) {
+            let parent = comp.get(3)?.to_string();
+            self.parents.insert(value.to_string(), parent.clone());
+            (Site::MdevCreate, parent)
+        } else if Site::MdevRemove.matches(path) {
+            let u = comp.get(4)?;
+            (Site::MdevRemove, self.parents.get(*u).cloned().unwrap_or_else(|| u.to_string()))
+        } else {
+            return None;
+        };
+        let result = e["result"].as_str().unwrap_or("").to_string();
+        Some(Write { site, dev, result, t_ms: e["t_ms"].as_u64().unwrap_or(0) })
+    }
+
+    /// Feeds every write logged since the last sync; returns them with their verdicts.
+    fn sync(&mut self, a: &Agent) -> Vec<(Write, Verdict)> {
+        let mut log = log_after(&a.state(), self.seq);
+        log.sort_by_key(|e| e["seq"].as_u64().unwrap_or(0));
+        let mut out = Vec::new();
+        for e in log {
+            self.seq = self.seq.max(e["seq"].as_u64().unwrap_or(0));
+            if let Some(w) = self.parse(&e) {
+                let v = self.feed(&w);
+                out.push((w, v));
+            }
+        }
+        out
+    }
+
+    fn feed(&mut self, w: &Write) -> Verdict {
+        match w.result.as_str() {
+            "ok" => {
+                self.succeeded(&w.dev);
+                Verdict::None
+            }
+            "EIO" => self.eio(w),
+            _ => Verdict::None,
+        }
+    }
+
+    /// A write that took effect: the device's EIO runs end, the GPU mark goes.
+    fn succeeded(&mut self, dev: &str) {
+        self.streaks.remove(dev);
+        if let Some(m) = self.marks.get_mut(dev) {
+            if !m.quarantined {
+                m.eio_in_a_row = 0;
+            }
+        }
+        if self.marks.get(PF).is_some_and(|m| m.reason == GPU_FAULT) {
+            self.marks.remove(PF);
+        }
+    }
+
+    fn eio(&mut self, w: &Write) -> Verdict {
+        let mut involved = BTreeSet::new();
+        for (d, t) in &self.eios {
+            if *d == w.dev {
+                continue;
+            }
+            let age = w.t_ms.saturating_sub(*t);
+            if age.abs_diff(GPU_FAULT_WINDOW_MS) <= WINDOW_MARGIN_MS {
+                self.undecidable.push(format!(
+                    "the EIO on {} came {age} ms after one on {d}: too close to the {GPU_FAULT_WINDOW_MS} ms window \
+                     to tell whether it is GPU-level",
+                    w.dev
+                ));
+            }
+            if age < GPU_FAULT_WINDOW_MS {
+                involved.insert(d.clone());
+            }
+        }
+        self.eios.push((w.dev.clone(), w.t_ms));
+        let marked = self.marks.get(PF).is_some_and(|m| m.reason == GPU_FAULT);
+        if marked || !involved.is_empty() {
+            // No cascade: one mark on the GPU, no strike, the EIO strikes involved lifted.
+            self.raised += usize::from(!marked);
+            self.gpu_level += 1;
+            self.marks.insert(PF.to_string(), Mark::new(GPU_FAULT, false, 0));
+            involved.insert(w.dev.clone());
+            for d in &involved {
+                self.streaks.remove(d);
+                if self.marks.get(d).is_some_and(Mark::eio_strike) {
+                    self.marks.remove(d);
+                }
+            }
+            return Verdict::GpuLevel;
+        }
+        if !w.site.release() {
+            // Create-time: the first EIO is remembered only; a second in a row: suspect.
+            let n = self.streaks.entry(w.dev.clone()).or_insert(0);
+            *n += 1;
+            if *n < 2 {
+                return Verdict::None;
+            }
+            self.marks.entry(w.dev.clone()).or_insert_with(|| Mark::new("create_eio", false, 0));
+            return Verdict::Strike;
+        }
+        // Release-time: suspect, then quarantined.
+        match self.marks.get(&w.dev).cloned() {
+            Some(m) if m.quarantined => {}
+            Some(m) if m.eio_in_a_row >= 1 => {
+                self.marks.insert(w.dev.clone(), Mark::new("eio", true, 0));
+            }
+            prior => {
+                let reason = prior.map(|m| m.reason).unwrap_or_else(|| "eio".into());
+                self.marks.insert(w.dev.clone(), Mark::new(&reason, false, 1));
+            }
+        }
+        Verdict::Strike
+    }
+
+    /// `gpu.unquarantine` of `key`: its record and its create-time streak go.
+    fn unquarantine(&mut self, key: &str) {
+        self.marks.remove(key);
+        self.streaks.remove(key);
+    }
+
+    /// The devices placement may use, in placement order (quarantined ones are never ranked).
+    fn placeable(&self, devs: &[String]) -> Vec<String> {
+        devs.iter().filter(|d| !self.marks.get(*d).is_some_and(|m| m.quarantined)).cloned().collect()
+    }
+}
+
+/// How a create under the fault ends.
+#[derive(Clone, Debug, PartialEq)]
+enum CreateEnd {
+    /// Configured on this device.
+    Landed(String),
+    /// 409 `no_capacity`; `gpu_level`: because a failure was judged GPU-level.
+    NoCapacity { gpu_level: bool },
+}
+
+/// The writes a create makes and how it ends (LIFECYCLE.md Create step 4, claim.rs): each
+/// candidate in turn takes the fault while it has counts left; a GPU-level verdict skips the
+/// rest of the GPU (here: every other candidate); `MAX_CONFIGURE_FAILURES` failed writes end
+/// it. `observed` gives the times the window is judged with.
+fn expect_create(
+    before: &HealthModel,
+    cands: &[String],
+    site: Site,
+    errno: &str,
+    count: Option<usize>,
+    observed: &[Write],
+) -> (Vec<(String, String)>, CreateEnd) {
+    let mut m = before.clone();
+    let mut left = count;
+    let mut want = Vec::new();
+    for (i, d) in cands.iter().enumerate() {
+        if want.len() >= MAX_CONFIGURE_FAILURES {
+            break;
+        }
+        let fails = left.is_none_or(|n| n > 0);
+        let result = if fails { errno } else { "ok" };
+        want.push((d.clone(), result.to_string()));
+        if !fails {
+            return (want, CreateEnd::Landed(d.clone()));
+        }
+        left = left.map(|n| n - 1);
+        let t_ms = observed.get(i).or(observed.last()).map(|w| w.t_ms).unwrap_or(0);
+        if m.feed(&Write { site, dev: d.clone(), result: result.to_string(), t_ms }) == Verdict::GpuLevel {
+            return (want, CreateEnd::NoCapacity { gpu_level: true });
+        }
+    }
+    (want, CreateEnd::NoCapacity { gpu_level: false })
+}
+
 // ------------------------------------------------------------------------------- observation
 
 /// The harness checker (I1, I3, I4 on VFs) plus the same for mdevs, which the harness
@@ -253,24 +555,46 @@ fn mdev_violations(a: &Agent, w: &World) -> Vec<String> {
     v
 }
 
-/// Health records (`health/<device>.json`): device → quarantined.
-fn health(a: &Agent) -> BTreeMap<String, bool> {
+/// Health records (`health/<device>.json`): device → mark. An unreadable record reads as
+/// an unknown reason, quarantined.
+fn health(a: &Agent) -> BTreeMap<String, Mark> {
     let mut out = BTreeMap::new();
     for f in a.data_files("health") {
         let Some(dev) = f.strip_suffix(".json") else { continue };
         let text = std::fs::read_to_string(a.data_dir.join("health").join(&f)).unwrap_or_default();
         let rec: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        out.insert(dev.to_string(), rec["quarantined"].as_bool().unwrap_or(true));
+        let mark = Mark {
+            reason: rec["reason"].as_str().unwrap_or("?").to_string(),
+            quarantined: rec["quarantined"].as_bool().unwrap_or(true),
+            eio_in_a_row: rec["eio_in_a_row"].as_u64().unwrap_or(0),
+        };
+        out.insert(dev.to_string(), mark);
     }
     out
+}
+
+/// The differences between the health records and the model's.
+fn marks_diff(now: &BTreeMap<String, Mark>, want: &BTreeMap<String, Mark>) -> Vec<String> {
+    let mut d = Vec::new();
+    for (k, m) in now {
+        match want.get(k) {
+            None => d.push(format!("unexpected {k}={m}")),
+            Some(w) if w != m => d.push(format!("{k}={m}, expected {w}")),
+            Some(_) => {}
+        }
+    }
+    d.extend(want.iter().filter(|(k, _)| !now.contains_key(*k)).map(|(k, w)| format!("missing {k}={w}")));
+    d
 }
 
 fn not_found(a: &Agent, name: &str) -> bool {
     a.call("instance.get", json!({"ref": name})).err().map(|e| e.data_code == "not_found").unwrap_or(false)
 }
 
-/// Brings the host back to the clean baseline and checks it. Returns the problems.
-fn reset(a: &Agent) -> Vec<String> {
+/// Brings the host back to the clean baseline and checks it (the health records the deletes
+/// leave must be the model's; `gpu.unquarantine` then clears them, in the model too).
+/// Returns the problems.
+fn reset(a: &Agent, h: &mut HealthModel) -> Vec<String> {
     let mut p = Vec::new();
     if let Err(e) = a.sim.ctl(&["clear-faults"]) {
         p.push(format!("clear-faults: {e}"));
@@ -296,11 +620,25 @@ fn reset(a: &Agent) -> Vec<String> {
     if let Err(e) = a.call("reconcile.run", json!({})) {
         p.push(format!("reconcile.run: {e}"));
     }
-    for dev in health(a).keys() {
-        if let Err(e) = a.call("gpu.unquarantine", json!({"device": dev})) {
-            p.push(format!("gpu.unquarantine {dev}: {e}"));
+    h.sync(a);
+    p.extend(std::mem::take(&mut h.undecidable));
+    let marks = health(a);
+    let diff = marks_diff(&marks, &h.marks);
+    if !diff.is_empty() {
+        p.push(format!(
+            "health records before unquarantine ≠ the rules' ({}): {}",
+            marks_text(&h.marks),
+            diff.join("; ")
+        ));
+    }
+    for dev in marks.keys() {
+        match a.call("gpu.unquarantine", json!({"device": dev})) {
+            Ok(_) => h.unquarantine(dev),
+            Err(e) => p.push(format!("gpu.unquarantine {dev}: {e}")),
         }
     }
+    // Checked empty below; a divergence is reported once, not carried into the next cell.
+    h.marks.clear();
     let st = a.state();
     let checks: [(bool, String); 8] = [
         (a.claims().is_empty(), format!("claims left: {:?}", a.claims())),
@@ -310,7 +648,7 @@ fn reset(a: &Agent) -> Vec<String> {
         (a.data_files("mdevs").is_empty(), format!("mdev records left: {:?}", a.data_files("mdevs"))),
         (a.qemu_pids().is_empty(), format!("QEMUs left: {:?}", a.qemu_pids())),
         (st["faults"].as_array().map(|f| f.is_empty()).unwrap_or(false), format!("faults left: {}", st["faults"])),
-        (health(a).is_empty(), format!("health records left: {:?}", health(a))),
+        (health(a).is_empty(), format!("health records left: {}", marks_text(&health(a)))),
     ];
     for (ok, msg) in checks {
         if !ok {
@@ -332,6 +670,8 @@ fn reset(a: &Agent) -> Vec<String> {
 /// One cell's run: what the caller got, and every failed expectation.
 struct Cell<'a> {
     a: &'a Agent,
+    /// The site's health model (it spans the cells: they share the agent).
+    h: &'a mut HealthModel,
     site: Site,
     errno: &'static str,
     mode: Mode,
@@ -380,9 +720,23 @@ impl<'a> Cell<'a> {
     }
 
     fn faults_consumed(&mut self, step: &str) {
+        self.fault_left(step, Some(0));
+    }
+
+    /// The armed fault has `left` counts left (`Some(0)`: used up, gone; `None`: still
+    /// armed for every write).
+    fn fault_left(&mut self, step: &str, left: Option<usize>) {
         let f = self.a.state()["faults"].clone();
-        self.ensure(f.as_array().map(|f| f.is_empty()).unwrap_or(false), || {
-            format!("{step}: the fault was not used up: {f}")
+        let list = f.as_array().cloned().unwrap_or_default();
+        let ok = match left {
+            Some(0) => f.as_array().is_some_and(|l| l.is_empty()),
+            Some(k) => list.len() == 1 && list[0]["remaining"].as_u64() == Some(k as u64),
+            None => list.len() == 1 && list[0]["remaining"].is_null(),
+        };
+        self.ensure(ok, || match left {
+            Some(0) => format!("{step}: the fault was not used up: {f}"),
+            Some(k) => format!("{step}: the fault should have {k} count(s) left: {f}"),
+            None => format!("{step}: the always-fault should still be armed: {f}"),
         });
     }
 
@@ -439,46 +793,53 @@ impl<'a> Cell<'a> {
         w.iter().filter(|(_, r)| r == self.errno).map(|(d, _)| d.clone()).collect()
     }
 
-    /// LIFECYCLE.md "Device health": EIO twice in a row on one device quarantines it, the
-    /// first EIO makes it `suspect`. Other errnos are no strike: no health record appears.
-    fn health_after(&mut self, step: &str, w: &[(String, String)], before: &BTreeMap<String, bool>) {
+    /// LIFECYCLE.md "Device health" (module docs): after a step, the health records are
+    /// exactly the model's, fed with every write logged so far; and once a write on the GPU
+    /// succeeded after the step's last EIO, no `gpu_fault` mark is left.
+    fn health_check(&mut self, step: &str) {
+        let writes = self.h.sync(self.a);
+        for u in std::mem::take(&mut self.h.undecidable) {
+            self.fail(format!("{step}: {u}"));
+        }
         let now = health(self.a);
-        if self.errno != "EIO" {
-            let new: Vec<&String> = now.keys().filter(|d| !before.contains_key(*d)).collect();
-            let errno = self.errno;
-            self.ensure(new.is_empty(), || {
-                format!("{step}: {errno} is no strike, yet health records appeared for {new:?}")
+        let shown: Vec<String> = writes
+            .iter()
+            .map(|(w, v)| {
+                let v = match v {
+                    Verdict::None => "",
+                    Verdict::Strike => " strike",
+                    Verdict::GpuLevel => " GPU-level",
+                };
+                format!("{} {} {}{v}", w.site.name(), w.dev, w.result)
+            })
+            .collect();
+        let after_eio = writes.iter().rposition(|(w, _)| w.result == "EIO").map_or(0, |i| i + 1);
+        let cleared = writes[after_eio..].iter().any(|(w, _)| w.result == "ok");
+        if cleared {
+            self.ensure(!now.contains_key(PF), || {
+                format!(
+                    "{step}: the {} mark of {PF} is left although a later write on that GPU succeeded \
+                     (\"clears by itself when a later write on that GPU succeeds\"); writes: {shown:?}",
+                    now[PF]
+                )
             });
-            return;
         }
-        let mut seqs: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for (d, r) in w {
-            seqs.entry(d.as_str()).or_default().push(r.as_str());
+        let diff = marks_diff(&now, &self.h.marks);
+        if !diff.is_empty() {
+            let msg = format!(
+                "{step}: health records {} ≠ the rules' {} ({}): {}; writes of the step: {shown:?}",
+                marks_text(&now),
+                marks_text(&self.h.marks),
+                if self.errno == "EIO" {
+                    "release EIO: suspect then quarantined; create EIO: suspect on the 2nd in a row; \
+                     EIO on a 2nd device of the GPU within 60 s or under a gpu_fault mark: GPU-level"
+                } else {
+                    "only EIO is a strike"
+                },
+                diff.join("; ")
+            );
+            self.fail(msg);
         }
-        let mut unmarked = Vec::new();
-        let mut not_quarantined = Vec::new();
-        for (d, rs) in seqs {
-            let eio = rs.contains(&"EIO");
-            let twice = rs.windows(2).any(|p| p[0] == "EIO" && p[1] == "EIO");
-            match now.get(d) {
-                None if eio => unmarked.push(format!("{d} {rs:?}")),
-                Some(false) if twice => not_quarantined.push(format!("{d} {rs:?}")),
-                _ => {}
-            }
-        }
-        self.ensure(unmarked.is_empty(), || {
-            format!(
-                "{step}: no health record after EIO writes on {} (LIFECYCLE.md Device health: EIO twice in a row \
-                 quarantines, the first makes the device suspect)",
-                unmarked.join(", ")
-            )
-        });
-        self.ensure(not_quarantined.is_empty(), || {
-            format!(
-                "{step}: only suspect, not quarantined, after EIO twice in a row on {} (LIFECYCLE.md Device health)",
-                not_quarantined.join(", ")
-            )
-        });
     }
 
     /// The device is back at baseline: VF type 0 / the mdev and its record gone; no claim.
@@ -537,67 +898,77 @@ fn create_cell(c: &mut Cell) {
     let a = c.a;
     let vfs = devices();
     let name = c.name.clone();
-    let h0 = health(a);
+    c.health_check("before the create");
+    let cands = c.h.placeable(&vfs);
+    let before = c.h.clone();
     let seq = c.arm();
     let r = c.call("create", "instance.create", json!({"name": name, "image": "demo", "gpu": PROFILE}));
     c.checked("create under the fault");
     let w = c.site_writes(seq, &BTreeMap::new());
-    let injected = c.injected(&w);
     let st = a.state();
-    match c.mode.count() {
-        Some(n) => {
-            // LIFECYCLE.md Create step 4: a refused write releases that claim and tries the next
-            // ranked candidate — the first n VFs (in placement order) take the fault, the
-            // (n+1)th succeeds.
-            c.ensure(injected == vfs[..n], || {
-                format!("create: the fault should hit {:?} in order, hit {injected:?}", &vfs[..n])
+    let observed: Vec<Write> = {
+        let mut m = before.clone();
+        log_after(&st, seq).iter().filter_map(|e| m.parse(e)).collect()
+    };
+    // LIFECYCLE.md Create step 4: a refused write releases that claim and tries the next
+    // ranked candidate (placement order) — unless the failure was judged GPU-level, which
+    // skips the rest of the GPU; a write that succeeds ends it.
+    let (want, end) = expect_create(&before, &cands, c.site, errno, c.mode.count(), &observed);
+    c.ensure(w == want, || format!("create: writes {w:?} expected, by the rules: {want:?}"));
+    let failed = want.iter().filter(|(_, r)| r == errno).count();
+    c.fault_left("create", c.mode.count().map(|n| n - failed));
+    match (&end, &r) {
+        (CreateEnd::Landed(dev), Ok(inst)) => {
+            c.ensure(inst["state"] == "running", || format!("create: not running: {inst}"));
+            c.ensure(inst["gpu"]["device"] == dev.as_str(), || {
+                format!("create: should land on {dev} (after {failed} refused write(s)): {}", inst["gpu"])
             });
-            c.faults_consumed("create");
-            match &r {
-                Ok(inst) => {
-                    c.ensure(inst["state"] == "running", || format!("create: not running: {inst}"));
-                    c.ensure(inst["gpu"]["device"] == vfs[n].as_str(), || {
-                        format!("create: should land on {} (the {}th candidate): {}", vfs[n], n + 1, inst["gpu"])
-                    });
-                    let claims = a.claims();
-                    c.ensure(
-                        claims.len() == 1
-                            && claims[0]["state"] == "configured"
-                            && claims[0]["device"] == vfs[n].as_str(),
-                        || format!("create: one configured claim of {} expected: {claims:?}", vfs[n]),
-                    );
-                    if c.site.mdev() {
-                        let ms = sim_mdevs(&st);
-                        c.ensure(
-                            ms.len() == 1
-                                && ms[0]["parent"] == vfs[n].as_str()
-                                && ms[0]["uuid"] == inst["gpu"]["mdev_uuid"],
-                            || format!("create: exactly the instance's mdev under {} expected: {ms:?}", vfs[n]),
-                        );
-                        c.ensure(a.data_files("mdevs").len() == 1, || {
-                            format!("create: mdev records {:?}", a.data_files("mdevs"))
-                        });
-                    } else {
-                        let set = set_vfs(&st);
-                        c.ensure(set.len() == 1 && set[0].0 == vfs[n], || {
-                            format!("create: only {} should hold a type: {set:?}", vfs[n])
-                        });
-                    }
-                }
-                Err(e) => c.fail(format!("create should succeed on {} after {n} refused write(s): {e}", vfs[n])),
+            let claims = a.claims();
+            c.ensure(
+                claims.len() == 1 && claims[0]["state"] == "configured" && claims[0]["device"] == dev.as_str(),
+                || format!("create: one configured claim of {dev} expected: {claims:?}"),
+            );
+            if c.site.mdev() {
+                let ms = sim_mdevs(&st);
+                c.ensure(
+                    ms.len() == 1 && ms[0]["parent"] == dev.as_str() && ms[0]["uuid"] == inst["gpu"]["mdev_uuid"],
+                    || format!("create: exactly the instance's mdev under {dev} expected: {ms:?}"),
+                );
+                c.ensure(a.data_files("mdevs").len() == 1, || {
+                    format!("create: mdev records {:?}", a.data_files("mdevs"))
+                });
+            } else {
+                let set = set_vfs(&st);
+                c.ensure(set.len() == 1 && set[0].0 == *dev, || {
+                    format!("create: only {dev} should hold a type: {set:?}")
+                });
             }
         }
-        None => {
-            // Every candidate refused: `no_capacity`, "nothing left behind" (Create step 3/4).
-            c.ensure(injected == vfs, || format!("create: every VF should be tried once, in order: {injected:?}"));
-            match &r {
-                Ok(v) => c.fail(format!("create succeeded although every {} write fails: {v}", c.site.name())),
+        (CreateEnd::Landed(dev), Err(e)) => {
+            c.fail(format!("create should succeed on {dev} after {failed} refused write(s): {e}"))
+        }
+        (CreateEnd::NoCapacity { gpu_level }, r) => {
+            // Every candidate refused, or the rest of the GPU skipped: `no_capacity`, "nothing
+            // left behind" (Create step 3/4).
+            match r {
+                Ok(v) => c.fail(format!("create succeeded although it should give up after {failed} write(s): {v}")),
                 Err(e) => {
                     c.ensure(e.code == 409 && e.data_code == "no_capacity", || {
                         format!("create: expected 409 no_capacity, got {e}")
                     });
                     c.ensure(e.message.contains(errno), || {
                         format!("create: the message should name {}: {}", errno, e.message)
+                    });
+                    let says = e.message.contains("driver-level fault") && e.message.contains(PF);
+                    c.ensure(says == *gpu_level, || {
+                        if *gpu_level {
+                            format!(
+                                "create: the message should name a GPU- or driver-level fault of {PF}: {}",
+                                e.message
+                            )
+                        } else {
+                            format!("create: no failure was GPU-level, yet the message says so: {}", e.message)
+                        }
                     });
                 }
             }
@@ -610,20 +981,22 @@ fn create_cell(c: &mut Cell) {
             });
         }
     }
-    c.health_after("create", &w, &h0);
+    c.health_check("create");
 
-    // Recovery: with the fault gone the next create succeeds on the first VF — every refused
-    // VF was left clean and unclaimed.
+    // Recovery: with the fault gone the next create succeeds on the first placeable VF —
+    // every refused VF was left clean and unclaimed — and its write clears a GPU mark.
     c.clear_faults();
+    let first = c.h.placeable(&vfs).first().cloned().unwrap_or_default();
     let r2 =
         c.call("recreate", "instance.create", json!({"name": format!("{name}-r"), "image": "demo", "gpu": PROFILE}));
     c.checked("create after clear-faults");
     match r2 {
-        Ok(inst) => c.ensure(inst["state"] == "running" && inst["gpu"]["device"] == vfs[0].as_str(), || {
-            format!("recovery create: running on {} expected: {}", vfs[0], inst["gpu"])
+        Ok(inst) => c.ensure(inst["state"] == "running" && inst["gpu"]["device"] == first.as_str(), || {
+            format!("recovery create: running on {first} expected: {}", inst["gpu"])
         }),
         Err(e) => c.fail(format!("recovery create failed: {e}")),
     }
+    c.health_check("create after clear-faults");
 }
 
 // ------------------------------------------------------------------------ release-side cells
@@ -648,8 +1021,9 @@ fn release_cell(c: &mut Cell) {
     let (dev, uuid) = device_of(&inst);
     let parents: BTreeMap<String, String> = uuid.iter().map(|u| (u.clone(), dev.clone())).collect();
 
+    c.health_check("create");
+
     // --- stop under the fault.
-    let h0 = health(a);
     let seq = c.arm();
     let r = c.call("stop", "instance.stop", json!({"ref": name, "force": true}));
     c.checked("stop under the fault");
@@ -689,20 +1063,24 @@ fn release_cell(c: &mut Cell) {
             c.still_set("stop", &dev, uuid.as_deref());
         }
     }
-    c.health_after("stop", &w, &h0);
+    c.health_check("stop");
 
     match c.mode.count() {
         Some(n) => {
             // --- start (no fault), then delete under the fault: absorbed inline too.
             c.clear_faults();
+            // Placement never uses a quarantined device: the first other one, in order.
+            let first = c.h.placeable(&devices()).first().cloned().unwrap_or_default();
             let started = match c.call("start", "instance.start", json!({"ref": name})) {
                 Ok(v) => v,
                 Err(e) => return c.fail(format!("start after the stop failed: {e}")),
             };
             c.checked("start");
             let (dev2, uuid2) = device_of(&started);
+            let marks = marks_text(&c.h.marks);
+            c.ensure(dev2 == first, || format!("start: should land on {first} (health {marks}): {}", started["gpu"]));
+            c.health_check("start");
             let parents2: BTreeMap<String, String> = uuid2.iter().map(|u| (u.clone(), dev2.clone())).collect();
-            let h1 = health(a);
             let seq = c.arm();
             let r = c.call("delete", "instance.delete", json!({"ref": name}));
             c.checked("delete under the fault");
@@ -717,7 +1095,7 @@ fn release_cell(c: &mut Cell) {
             c.faults_consumed("delete");
             c.baseline("delete", &dev2, uuid2.as_deref());
             c.ensure(not_found(a, &name), || "delete: the instance still exists".into());
-            c.health_after("delete", &w, &h1);
+            c.health_check("delete");
         }
         None => forever_release(c, &name, &id, &dev, uuid.as_deref(), &parents),
     }
@@ -737,7 +1115,6 @@ fn forever_release(
     let a = c.a;
     // --- a reconcile pass under the fault: one attempt (the next pass is the retry).
     let seq = last_seq(&a.state());
-    let h0 = health(a);
     let pass = c.call("pass", "reconcile.run", json!({}));
     c.checked("pass under the fault");
     let w = c.site_writes(seq, parents);
@@ -759,7 +1136,7 @@ fn forever_release(
     c.ensure(pending == 1.0 && retained == 1.0 && failed >= 1.0, || {
         format!("pass: metrics should show the release_pending claim: claims{{release_pending}}={pending} retained={retained} stale_failed={failed}")
     });
-    c.health_after("pass", &w, &h0);
+    c.health_check("pass");
 
     let retry = retry_for(errno);
     if retry == Retry::StopAgain {
@@ -775,12 +1152,12 @@ fn forever_release(
         }
         c.checked("stop again");
         c.baseline("stop again", dev, uuid);
+        c.health_check("stop again");
         return;
     }
 
     // --- delete under the fault: Delete step 4, `vgpu_cleanup_pending` with retained: true.
     let seq = last_seq(&a.state());
-    let h1 = health(a);
     let r = c.call("delete", "instance.delete", json!({"ref": name}));
     c.checked("delete under the fault");
     let w = c.site_writes(seq, parents);
@@ -813,7 +1190,7 @@ fn forever_release(
     }
     c.pending_claim("delete", dev, id, 3);
     c.still_set("delete", dev, uuid);
-    c.health_after("delete", &w, &h1);
+    c.health_check("delete");
 
     c.clear_faults();
     match retry {
@@ -824,6 +1201,7 @@ fn forever_release(
                 Err(e) => c.fail(format!("delete again after clear-faults failed: {e}")),
             }
             c.checked("delete again");
+            c.health_check("delete again");
         }
         _ => {
             // Delete step 4: "the reconciler retries too"; then the delete-only record goes.
@@ -837,6 +1215,7 @@ fn forever_release(
                 Err(e) => c.fail(format!("reconcile.run after clear-faults failed: {e}")),
             }
             c.checked("pass after clear-faults");
+            c.health_check("pass after clear-faults");
             c.baseline("pass after clear-faults", dev, uuid);
             match c.call("delete-again", "instance.delete", json!({"ref": name})) {
                 Ok(v) => c.ensure(v["deleted"] == true, || format!("delete after the pass: {v}")),
@@ -881,7 +1260,8 @@ fn run_site(site: Site) {
     let t0 = Instant::now();
     let w = QemuWrapper::new();
     let a = agent(site, &w);
-    let initial = reset(&a);
+    let mut h = HealthModel::default();
+    let initial = reset(&a, &mut h);
     assert!(initial.is_empty(), "{}: the fresh host is not at baseline: {initial:?}", site.name());
 
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
@@ -891,7 +1271,17 @@ fn run_site(site: Site) {
             idx += 1;
             let started = Instant::now();
             let log_from = strip_ansi(&a.log()).len();
-            let mut c = Cell { a: &a, site, errno, mode, name: format!("c{idx}"), got: Vec::new(), fails: Vec::new() };
+            let (raised, gpu_level) = (h.raised, h.gpu_level);
+            let mut c = Cell {
+                a: &a,
+                h: &mut h,
+                site,
+                errno,
+                mode,
+                name: format!("c{idx}"),
+                got: Vec::new(),
+                fails: Vec::new(),
+            };
             let r =
                 catch_unwind(AssertUnwindSafe(
                     || {
@@ -910,7 +1300,25 @@ fn run_site(site: Site) {
             if cell_log.contains("panicked") {
                 c.fail("the agent log shows a panic".into());
             }
-            for p in reset(&a) {
+            // No cascade: "one mark on the GPU, one message, no strike against each VF".
+            c.h.sync(&a);
+            let messages = cell_log.matches(GPU_FAULT_MESSAGE).count();
+            let marks_raised = c.h.raised - raised;
+            c.ensure(messages == marks_raised, || {
+                format!("the agent logged {messages} \"{GPU_FAULT_MESSAGE}\" error(s) for {marks_raised} GPU mark(s) raised")
+            });
+            if c.h.gpu_level > gpu_level {
+                let left: Vec<String> = health(&a)
+                    .into_iter()
+                    .filter(|(_, m)| m.quarantined && m.eio_strike())
+                    .map(|(d, m)| format!("{d}={m}"))
+                    .collect();
+                c.ensure(left.is_empty(), || {
+                    format!("the cell's EIOs were judged GPU-level, yet {left:?} is left quarantined by EIO strikes")
+                });
+            }
+            let problems = reset(&a, c.h);
+            for p in problems {
                 c.fail(format!("baseline after the cell: {p}"));
             }
             let cell = format!("{} {errno} {}", site.name(), mode.name());
