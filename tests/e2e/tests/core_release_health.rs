@@ -451,3 +451,33 @@ fn stop_whose_release_fails_exits_4_and_says_release_pending() {
     assert_eq!((&v["state"], &v["gpu"]["release_pending"]), (&json!("stopped"), &json!(true)), "{v}");
     assert_eq!(a.vf_type(VF0), 1148);
 }
+
+/// Create-time EIO is weaker evidence (LIFECYCLE.md "Device health"): a first EIO on a VF's
+/// type write leaves no mark; a second in a row on the same VF makes it `suspect`
+/// (`create_eio`), and further ones never quarantine it. Each create moves on to the next VF.
+#[test]
+fn create_time_eio_twice_on_one_vf_makes_it_suspect_and_never_quarantines_it() {
+    let a = agent(HOST_V, None, "");
+    a.sim.ctl(&["fail-write", &type_path(VF0), "EIO", "--times", "3"]).unwrap();
+    for (round, name) in ["x", "y", "z"].iter().enumerate() {
+        let inst = a.create_gpu(name, "L40S-1Q").unwrap();
+        assert_eq!(inst["gpu"]["device"], VF1, "round {round}: the refused VF is skipped: {inst}");
+        a.ok("instance.delete", json!({"ref": name}));
+        let marks = marked(&a);
+        match round {
+            0 => assert!(marks.is_empty(), "a first create-time EIO is no mark: {marks:?}"),
+            _ => {
+                assert_eq!(marks, vec![VF0.to_string()], "round {round}");
+                let h = health_record(&a, VF0);
+                assert_eq!(
+                    (h["reason"].as_str(), h["quarantined"].as_bool()),
+                    (Some("create_eio"), Some(false)),
+                    "{h}"
+                );
+            }
+        }
+    }
+    // Suspect is no quarantine: with the fault gone, vf0 is placed on again.
+    let inst = a.create_gpu("w", "L40S-1Q").unwrap();
+    assert_eq!(inst["gpu"]["device"], VF0, "{inst}");
+}
