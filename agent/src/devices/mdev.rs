@@ -120,6 +120,7 @@ pub fn devices(host: &HostRoot) -> Result<(Vec<MdevDevice>, Vec<UnreadableDevice
             unreadable.push(UnreadableDevice {
                 address: uuid.clone(),
                 gpu: None,
+                parent: parent_of(host, &uuid),
                 reason: format!("mdev directory {uuid:?} is not named by a UUID"),
             });
             continue;
@@ -127,11 +128,24 @@ pub fn devices(host: &HostRoot) -> Result<(Vec<MdevDevice>, Vec<UnreadableDevice
         match read_device(host, &uuid) {
             Ok(Some(d)) => out.push(d),
             Ok(None) => {} // removed while listing
-            Err(reason) => unreadable.push(UnreadableDevice { address: uuid.clone(), gpu: None, reason }),
+            Err(reason) => unreadable.push(UnreadableDevice {
+                address: uuid.clone(),
+                gpu: None,
+                parent: parent_of(host, &uuid),
+                reason,
+            }),
         }
     }
     out.sort_by(|a, b| a.uuid.cmp(&b.uuid));
     Ok((out, unreadable))
+}
+
+/// The parent an mdev sits on, from where `sys/bus/mdev/devices/<uuid>` points
+/// (`../../../devices/<pci path>/<parent>/<uuid>`): known even when its `mdev_type` link
+/// cannot be read.
+fn parent_of(host: &HostRoot, uuid: &str) -> Option<String> {
+    let target = fs::read_link(host.mdev_device(uuid)).ok()?;
+    Some(target.parent()?.file_name()?.to_string_lossy().into_owned())
 }
 
 /// Reads one mdev. `Ok(None)` only when its directory does not exist; an `mdev_type` link

@@ -74,6 +74,8 @@ pub struct UnreadableDevice {
     pub address: String,
     /// The GPU (PF) it belongs to, when known.
     pub gpu: Option<String>,
+    /// The mdev parent it sits on, for an mdev (from where its device link points).
+    pub parent: Option<String>,
     /// Why (one sentence with the errno).
     pub reason: String,
 }
@@ -126,6 +128,7 @@ pub fn scan(host: &HostRoot) -> HostScan {
             unreadable.push(UnreadableDevice {
                 address: p.bdf.clone(),
                 gpu: Some(p.pf.clone()),
+                parent: None,
                 reason: reason.clone(),
             });
         }
@@ -160,6 +163,7 @@ pub fn scan(host: &HostRoot) -> HostScan {
                 unreadable.push(UnreadableDevice {
                     address: bdf.clone(),
                     gpu: None,
+                    parent: None,
                     reason: format!("vendor cannot be read: {}", errno_name(&e)),
                 });
                 continue;
@@ -175,6 +179,7 @@ pub fn scan(host: &HostRoot) -> HostScan {
                 unreadable.push(UnreadableDevice {
                     address: bdf.clone(),
                     gpu: None,
+                    parent: None,
                     reason: format!("physfn cannot be read: {}", errno_name(&e)),
                 });
                 continue;
@@ -188,7 +193,7 @@ pub fn scan(host: &HostRoot) -> HostScan {
         vfs_seen += 1;
         let vf = vendor_vfio::read_vf_with_type(host, bdf, pf.clone(), current_type);
         if let Some(reason) = vf.unreadable_reason() {
-            unreadable.push(UnreadableDevice { address: vf.bdf.clone(), gpu: Some(pf.clone()), reason });
+            unreadable.push(UnreadableDevice { address: vf.bdf.clone(), gpu: Some(pf.clone()), parent: None, reason });
         }
         match vendor.iter_mut().find(|g| g.bdf == pf) {
             Some(g) => g.vfs.push(vf),

@@ -570,7 +570,13 @@ impl Manager {
                 // An mdev on a parent without a claim is another tool's (or an orphan): the
                 // parent is occupied (shown dirty), and only the sweep may remove our own.
                 let occupied = scan.mdevs.iter().any(|d| d.parent == p.bdf);
-                let unreadable = p.types.as_ref().err().cloned();
+                // An mdev on this parent that cannot be read: the parent is not known free.
+                let unreadable = p.types.as_ref().err().cloned().or_else(|| {
+                    scan.unreadable
+                        .iter()
+                        .find(|u| u.parent.as_deref() == Some(p.bdf.as_str()))
+                        .map(|u| format!("an mdev on it cannot be read: {}", u.reason))
+                });
                 let state = if claim.is_some() || claim_unreadable.is_some() {
                     DeviceState::Claimed
                 } else if health.as_ref().is_some_and(|h| h.quarantined) {
@@ -726,13 +732,5 @@ impl Manager {
             }
             Err(e) => tracing::warn!(error = %e.message, "initial GPU inventory failed"),
         }
-    }
-
-    /// The facts of the last observation that gauges show.
-    pub(crate) fn observed_problem_counts(obs: &Observation) -> (i64, i64, i64) {
-        let unreadable = obs.unreadable.len() as i64;
-        let skipped: usize = obs.devices().map(|(_, d)| d.catalog_skipped.len()).sum();
-        let mismatches = obs.devices().filter(|(_, d)| d.type_mismatch.is_some()).count() as i64;
-        (unreadable, skipped as i64, mismatches)
     }
 }

@@ -5,7 +5,7 @@
 
 use super::release::Release;
 use super::Manager;
-use crate::error::{ApiError, CleanupPending, ReleaseFailure};
+use crate::error::{ApiError, CleanupPending, ErrorCode, ReleaseFailure};
 use crate::store::{Claim, InstanceRecord, InstanceState, StoreError};
 use std::time::Duration;
 
@@ -53,7 +53,11 @@ impl Manager {
         cause: ApiError,
     ) -> ApiError {
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, cause = %cause.message, "rolling back");
-        let stopped = self.stop_vmm(&rec, false);
+        // A VMM the spawn itself could not stop (or prove dead) is never proven dead here.
+        let stopped = match cause.code {
+            ErrorCode::VmmKillFailed | ErrorCode::VmmLivenessUnknown => Err(cause.clone()),
+            _ => self.stop_vmm(&rec, false),
+        };
         crate::crash_point!("rollback_before_release");
         let released = match (stopped, &claim) {
             (Err(e), _) => Err(ReleaseFailure {

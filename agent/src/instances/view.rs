@@ -692,7 +692,8 @@ impl Manager {
             .unreadable
             .iter()
             .filter(|u| u.gpu.as_deref().is_none_or(|g| self.cfg.manages(g)))
-            .map(|u| u.address.to_ascii_lowercase())
+            // An unreadable mdev counts as its parent (the device placement uses).
+            .map(|u| u.parent.as_ref().unwrap_or(&u.address).to_ascii_lowercase())
             .collect();
         for (_, d) in obs.devices() {
             c.total += 1;
@@ -883,10 +884,10 @@ impl Manager {
         g.unreadable_records = unreadable_records;
         g.held_by_policy = self.held_by_policy().len() as i64;
         if let Ok(obs) = self.observe(None) {
-            let (u, s, m) = Manager::observed_problem_counts(&obs);
-            g.unreadable_devices = u;
-            g.catalog_skipped_lines = s;
-            g.type_mismatches = m;
+            let counts = self.resources_of(&obs).devices;
+            g.unreadable_devices = counts.unreadable as i64;
+            g.catalog_skipped_lines = counts.catalog_skipped_lines as i64;
+            g.type_mismatches = obs.devices().filter(|(_, d)| d.type_mismatch.is_some()).count() as i64;
         }
         g
     }

@@ -131,10 +131,14 @@ impl Manager {
             e => ApiError::vmm_start_failed(format!("the VMM did not start: {e}")),
         })?;
         crate::crash_point!("after_spawn");
+        // The VMM's identity is known from here on, written or not: a rollback after a failed
+        // write stops exactly this process.
         rec.vmm = Some(VmmRecord { identity: vmm.identity.clone(), control_socket: vmm.qmp_socket.clone() });
-        rec.transition(InstanceState::Running)?;
-        rec.last_error = None;
-        self.store.write_instance(rec)?;
+        let mut running = rec.clone();
+        running.transition(InstanceState::Running)?;
+        running.last_error = None;
+        self.store.write_instance(&running)?;
+        *rec = running;
         crate::crash_point!("after_running");
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, pid = vmm.identity.pid, "VMM running");
         Ok(())
