@@ -183,7 +183,8 @@ pub mod __rt {
             return;
         }
         if let Ok(layout) = Layout::array::<u8>(len as usize) {
-            dealloc(ptr as *mut u8, layout);
+            // SAFETY: the caller passes a buffer `alloc_buf(len)` returned, with this layout.
+            unsafe { dealloc(ptr as *mut u8, layout) };
         }
     }
 
@@ -203,7 +204,8 @@ pub mod __rt {
         if len <= 0 {
             return &[];
         }
-        std::slice::from_raw_parts(ptr as *const u8, len as usize)
+        // SAFETY: the caller passes a buffer of `len` bytes the host filled.
+        unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) }
     }
 }
 
@@ -246,7 +248,8 @@ macro_rules! export_plugin {
             /// `ptr` comes from `gpuvisor_alloc(len)`.
             #[unsafe(no_mangle)]
             pub unsafe extern "C" fn gpuvisor_free(ptr: i32, len: i32) {
-                $crate::abi::__rt::free_buf(ptr, len)
+                // SAFETY: the host passes back a buffer gpuvisor_alloc(len) returned.
+                unsafe { $crate::abi::__rt::free_buf(ptr, len) }
             }
 
             #[unsafe(no_mangle)]
@@ -269,7 +272,8 @@ macro_rules! export_plugin {
             /// `(ptr, len)` is a buffer the host filled after `gpuvisor_alloc(len)`.
             #[unsafe(no_mangle)]
             pub unsafe extern "C" fn gpuvisor_placement(ptr: i32, len: i32) -> i64 {
-                let input = $crate::abi::__rt::input(ptr, len);
+                // SAFETY: the host filled (ptr, len) after gpuvisor_alloc(len).
+                let input = unsafe { $crate::abi::__rt::input(ptr, len) };
                 $crate::abi::__rt::leak($crate::abi::dispatch::<$crate::PlacementInput, $crate::PlacementAnswer, _>(input, $placement))
             }
             )?
@@ -279,7 +283,8 @@ macro_rules! export_plugin {
             /// `(ptr, len)` is a buffer the host filled after `gpuvisor_alloc(len)`.
             #[unsafe(no_mangle)]
             pub unsafe extern "C" fn gpuvisor_hypervisor(ptr: i32, len: i32) -> i64 {
-                let input = $crate::abi::__rt::input(ptr, len);
+                // SAFETY: the host filled (ptr, len) after gpuvisor_alloc(len).
+                let input = unsafe { $crate::abi::__rt::input(ptr, len) };
                 $crate::abi::__rt::leak($crate::abi::dispatch::<$crate::HypervisorInput, $crate::HypervisorAnswer, _>(input, $hypervisor))
             }
             )?
@@ -289,7 +294,8 @@ macro_rules! export_plugin {
             /// `(ptr, len)` is a buffer the host filled after `gpuvisor_alloc(len)`.
             #[unsafe(no_mangle)]
             pub unsafe extern "C" fn gpuvisor_grace(ptr: i32, len: i32) -> i64 {
-                let input = $crate::abi::__rt::input(ptr, len);
+                // SAFETY: the host filled (ptr, len) after gpuvisor_alloc(len).
+                let input = unsafe { $crate::abi::__rt::input(ptr, len) };
                 $crate::abi::__rt::leak($crate::abi::dispatch::<$crate::GraceInput, $crate::GraceAnswer, _>(input, $grace))
             }
             )?

@@ -25,6 +25,10 @@ use uuid::Uuid;
 /// in use — does not count) and answers `no_capacity`.
 pub const MAX_CONFIGURE_FAILURES: usize = 4;
 
+/// At most this many notes (devices tried or skipped) are spelled out in a `no_capacity`
+/// message.
+const MESSAGE_NOTES: usize = 6;
+
 /// Why a claim and configure did not end with a configured device.
 #[derive(Debug)]
 pub(crate) enum ClaimFailure {
@@ -158,8 +162,15 @@ impl Manager {
                 }
             }
         }
-        let msg = format!("no device can take profile {profile} now");
-        let msg = if notes.is_empty() { msg } else { format!("{msg} ({})", notes.join("; ")) };
+        // The message stays one readable sentence on any host: the first notes, then a count
+        // (every note is in `data.notes`).
+        let mut msg = format!("no device can take profile {profile} now");
+        if !notes.is_empty() {
+            let shown: Vec<&str> = notes.iter().take(MESSAGE_NOTES).map(String::as_str).collect();
+            let more = notes.len().saturating_sub(MESSAGE_NOTES);
+            let more = if more > 0 { format!("; and {more} more in data.notes") } else { String::new() };
+            msg = format!("{msg} ({}{more})", shown.join("; "));
+        }
         Err(fail(ApiError::no_capacity(msg, &profile, notes, None)))
     }
 
