@@ -75,7 +75,7 @@ pub const BUILD: &str =
 macro_rules! crash_point {
     ($name:literal) => {{
         fail::fail_point!($name, |_| {
-            tracing::error!(failpoint = $name, "failpoint hit: aborting");
+            tracing::error!(failpoint = %$name, "failpoint hit: aborting");
             std::process::abort()
         });
         $crate::failpoints::pause_point($name);
@@ -131,7 +131,7 @@ mod pause {
         p.armed = false;
         p.waiting += 1;
         let released = p.released;
-        tracing::warn!(failpoint = name, "failpoint paused: waiting for debug.failpoint release");
+        tracing::warn!(failpoint = %name, "failpoint paused: waiting for debug.failpoint release");
         while g.get(name).is_some_and(|p| p.released == released) {
             g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }

@@ -32,7 +32,7 @@ fn check_writable_dir(dir: &std::path::Path) -> std::io::Result<()> {
 }
 
 async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
-    tracing::info!(version = gpuvisor::cli::VERSION, build = gpuvisor::failpoints::BUILD, "gpuvisor starting");
+    tracing::info!(version = %gpuvisor::cli::VERSION, build = %gpuvisor::failpoints::BUILD, "gpuvisor starting");
     match gpuvisor::host::proc::own_pid_namespace() {
         Some(gpuvisor::host::proc::INITIAL_PID_NS) => {}
         ns => tracing::warn!(

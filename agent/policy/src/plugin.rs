@@ -197,7 +197,7 @@ impl Plugin {
         tracing::info!(
             plugin = %manifest.name,
             version = %manifest.version,
-            slot = slot.as_str(),
+            slot = %slot.as_str(),
             path = %path.display(),
             "policy plugin loaded"
         );
@@ -276,7 +276,7 @@ impl Plugin {
         }
         drop(stats);
         if let Err(e) = &result {
-            tracing::debug!(plugin = %self.manifest.name, kind = kind.as_str(), error = %e, "policy plugin call failed");
+            tracing::debug!(plugin = %self.manifest.name, kind = %kind.as_str(), error = %e, "policy plugin call failed");
         }
         result
     }
@@ -642,11 +642,11 @@ fn host_log(mut caller: Caller<'_, CallState>, level: i32, ptr: i32, len: i32) {
     let line = String::from_utf8_lossy(bytes);
     let plugin: &str = &caller.data().log.plugin;
     match level {
-        0 => tracing::error!(plugin, "{line}"),
-        1 => tracing::warn!(plugin, "{line}"),
-        2 => tracing::info!(plugin, "{line}"),
-        3 => tracing::debug!(plugin, "{line}"),
-        _ => tracing::trace!(plugin, "{line}"),
+        0 => tracing::error!(plugin = %plugin, "{line}"),
+        1 => tracing::warn!(plugin = %plugin, "{line}"),
+        2 => tracing::info!(plugin = %plugin, "{line}"),
+        3 => tracing::debug!(plugin = %plugin, "{line}"),
+        _ => tracing::trace!(plugin = %plugin, "{line}"),
     }
 }
 

@@ -147,14 +147,14 @@ fn kill_path(
         return Ok(());
     }
 
-    tracing::debug!(pid = identity.pid, signal = "SIGKILL", "VMM outlived SIGTERM; escalating to SIGKILL");
+    tracing::debug!(pid = identity.pid, signal = %"SIGKILL", "VMM outlived SIGTERM; escalating to SIGKILL");
     report.escalations.push("SIGKILL");
     signal_vmm(identity, qmp_socket, boot_id, Signal::SIGKILL, false);
     if wait_dead(identity, qmp_socket, boot_id, KILL_WAIT) == Liveness::Dead {
         return Ok(());
     }
 
-    tracing::debug!(pid = identity.pid, signal = "SIGKILL_GROUP", "VMM outlived SIGKILL; killing its process group");
+    tracing::debug!(pid = identity.pid, signal = %"SIGKILL_GROUP", "VMM outlived SIGKILL; killing its process group");
     report.escalations.push("SIGKILL_GROUP");
     signal_vmm(identity, qmp_socket, boot_id, Signal::SIGKILL, true);
     match wait_dead(identity, qmp_socket, boot_id, KILL_WAIT) {
@@ -181,7 +181,7 @@ fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, sign
                 Ok(true) => sent.push(identity.pid),
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::warn!(pid = identity.pid, signal = signal.as_str(), error = %e, "signalling the VMM failed")
+                    tracing::warn!(pid = identity.pid, signal = %signal.as_str(), error = %e, "signalling the VMM failed")
                 }
             }
             // The group is only signalled while its leader is held by a confirmed pidfd:
@@ -191,7 +191,7 @@ fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, sign
                     Ok(()) => {}
                     Err(nix::errno::Errno::ESRCH) => {}
                     Err(e) => {
-                        tracing::warn!(pgrp = confirmed.pgrp, signal = signal.as_str(), error = %e, "signalling the VMM's process group failed")
+                        tracing::warn!(pgrp = confirmed.pgrp, signal = %signal.as_str(), error = %e, "signalling the VMM's process group failed")
                     }
                 }
             } else if group {
@@ -214,7 +214,7 @@ fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, sign
                     Ok(true) => sent.push(owner.pid()),
                     Ok(false) => {}
                     Err(e) => {
-                        tracing::warn!(pid = owner.pid(), signal = signal.as_str(), error = %e, "signalling the control socket owner failed")
+                        tracing::warn!(pid = owner.pid(), signal = %signal.as_str(), error = %e, "signalling the control socket owner failed")
                     }
                 }
             }
@@ -223,7 +223,7 @@ fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, sign
             tracing::warn!(socket = %qmp_socket.display(), error = %e, "the control socket owner could not be confirmed; not signalling it")
         }
     }
-    tracing::debug!(signal = signal.as_str(), pids = %sent.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","), "signalled VMM");
+    tracing::debug!(signal = %signal.as_str(), pids = %sent.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","), "signalled VMM");
     sent
 }
 

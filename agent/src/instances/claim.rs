@@ -215,7 +215,7 @@ impl Manager {
                 return Err(Refusal::untouched(format!("reads type {cur} since it was observed free")));
             }
             match self.release(Release::Repair { claim, type_id: cur }, Duration::ZERO) {
-                Ok(Released::Cleared) => tracing::info!(gpu.device = %vf, old_type = cur, "dirty VF repaired"),
+                Ok(Released::Cleared) => tracing::info!(gpu.device = %vf, old_type = %cur, "dirty VF repaired"),
                 Ok(Released::NotOurs) => return Err(Refusal::untouched("the claim changed during the repair")),
                 Err(ReleaseError::InUse(pids)) => {
                     return Err(Refusal::untouched(format!("dirty (type {cur}) and in use by pid {pids:?}")))

@@ -94,7 +94,7 @@ impl Manager {
             at: now_rfc3339(),
             eio_in_a_row: 0,
         };
-        tracing::error!(gpu.device = %device, reason, detail, "device quarantined");
+        tracing::error!(gpu.device = %device, reason = %reason, detail = %detail, "device quarantined");
         self.write_mark(&rec);
     }
 
@@ -111,7 +111,7 @@ impl Manager {
             Ok(Some(h)) if h.quarantined => {}
             Ok(Some(_)) => self.quarantine(device, reason, &format!("second strike: {detail}")),
             Ok(None) => {
-                tracing::warn!(gpu.device = %device, reason, detail, "device marked suspect");
+                tracing::warn!(gpu.device = %device, reason = %reason, detail = %detail, "device marked suspect");
                 self.write_mark(&HealthRecord {
                     device: device.to_string(),
                     reason: reason.to_string(),

@@ -263,9 +263,9 @@ impl Manager {
             let id = who.id.map(|i| i.to_string()).unwrap_or_else(|| "-".into());
             let name = who.name.unwrap_or("-");
             if e.code.class() >= 500 {
-                tracing::error!(op, instance.id = %id, instance.name = %name, code = e.code.as_str(), error = %e.message, "operation failed");
+                tracing::error!(op = %op, instance.id = %id, instance.name = %name, code = %e.code.as_str(), error = %e.message, "operation failed");
             } else {
-                tracing::warn!(op, instance.id = %id, instance.name = %name, code = e.code.as_str(), error = %e.message, "operation failed");
+                tracing::warn!(op = %op, instance.id = %id, instance.name = %name, code = %e.code.as_str(), error = %e.message, "operation failed");
             }
         }
         r

@@ -72,7 +72,7 @@ impl Manager {
         let secs = started.elapsed().as_secs_f64();
         self.metrics.policy_call(slot.name(), kind.as_str(), answer.as_ref().err().map(|e| e.reason()), secs);
         answer.map_err(|e| {
-            tracing::warn!(plugin.name = %slot.name(), kind = kind.as_str(), reason = e.reason(), error = %e, "policy plugin call failed");
+            tracing::warn!(plugin.name = %slot.name(), kind = %kind.as_str(), reason = %e.reason(), error = %e, "policy plugin call failed");
             PolicyFailure { plugin: slot.name().to_string(), kind, reason: e.reason().to_string(), message: e.to_string() }
         })
     }
@@ -80,7 +80,7 @@ impl Manager {
     /// Counts (and logs once) a part of an answer the agent rejected.
     fn reject(&self, slot: &Slot, kind: PolicyKind, reason: &str, detail: &str) {
         self.metrics.policy_rejected(slot.name(), kind.as_str(), reason);
-        tracing::warn!(plugin.name = %slot.name(), kind = kind.as_str(), reason, detail, "policy answer rejected");
+        tracing::warn!(plugin.name = %slot.name(), kind = %kind.as_str(), reason = %reason, detail = %detail, "policy answer rejected");
     }
 
     /// Asks the `placement` plugin and validates its answer: unknown, illegal and duplicate

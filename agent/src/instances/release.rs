@@ -151,7 +151,7 @@ impl Manager {
                                 tracing::info!(gpu.device = %c.device, instance.id = %c.instance_id,
                                 instance.name = %c.owner_name.as_deref().unwrap_or("-"), "device released")
                             }
-                            _ => tracing::info!(gpu.device = %r.device(), kind = r.kind(), "device cleared"),
+                            _ => tracing::info!(gpu.device = %r.device(), kind = %r.kind(), "device cleared"),
                         }
                     }
                     return Ok(done);
@@ -166,7 +166,7 @@ impl Manager {
                     if let Release::Claim(c, _) = r {
                         self.mark_release_pending(c, &e);
                     } else {
-                        tracing::warn!(gpu.device = %r.device(), kind = r.kind(), error = %e, "device not cleared");
+                        tracing::warn!(gpu.device = %r.device(), kind = %r.kind(), error = %e, "device not cleared");
                     }
                     return Err(e);
                 }

@@ -48,7 +48,7 @@ where
             .and_then(|r| r.map_err(to_rpc_error));
     let elapsed = started.elapsed();
     m.metrics().rpc_call(method, res.is_ok(), elapsed.as_secs_f64());
-    tracing::debug!(method, duration_ms = elapsed.as_millis() as u64, ok = res.is_ok(), "rpc call done");
+    tracing::debug!(method = %method, duration_ms = elapsed.as_millis() as u64, ok = res.is_ok(), "rpc call done");
     res
 }
 

@@ -133,9 +133,27 @@ fn failures_and_vm_deaths_are_logged_once_with_the_instance_and_in_plain_text() 
     assert!(log.lines().any(|l| l.contains("operation failed") && l.contains("not_found") && l.contains("nope")));
     assert!(!log.contains('\u{1b}'), "no ANSI escape codes in a log file");
     assert!(!log.contains("Some(") && !log.contains("None,"), "no Debug formatting in fields:\n{log}");
+    let quoted: Vec<&str> = log.lines().filter(|l| has_quoted_field(l)).collect();
+    assert!(quoted.is_empty(), "no field printed as a quoted (Debug) string: {quoted:#?}");
     let loads = log.lines().filter(|l| l.contains("plugin loaded")).count();
     assert_eq!(loads, 3, "each of the three plugins is logged once:\n{log}");
     assert!(log.lines().next().unwrap_or("").contains("failpoint build"), "the first line says what build this is");
+}
+
+/// `true` when a text log line has a field whose value is printed with `Debug` quotes
+/// (` key="value"`): string fields are logged with `%`, as plain text.
+fn has_quoted_field(line: &str) -> bool {
+    line.match_indices("=\"").any(|(i, _)| {
+        let key: String =
+            line[..i].chars().rev().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '.').collect();
+        !key.is_empty() && line[..i - key.len()].ends_with(' ')
+    })
+}
+
+#[test]
+fn a_quoted_field_is_told_from_a_plain_one() {
+    assert!(has_quoted_field(r#"2026 WARN x: operation failed op="create" code=internal"#));
+    assert!(!has_quoted_field("2026 WARN x: operation failed op=create error=name \"vm\" is taken"));
 }
 
 /// A start-up error is reported once (stderr is the log), naming the problem.
