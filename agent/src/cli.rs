@@ -193,6 +193,9 @@ pub struct ServeArgs {
     pub vfio_attach: Option<VfioAttach>,
     #[arg(long)]
     pub qemu_binary: Option<PathBuf>,
+    /// The Cloud Hypervisor binary (default `cloud-hypervisor` from PATH).
+    #[arg(long)]
+    pub cloud_hypervisor_binary: Option<PathBuf>,
     #[arg(long)]
     pub plugin_dir: Option<PathBuf>,
     #[arg(long)]
@@ -201,9 +204,10 @@ pub struct ServeArgs {
     pub stop_timeout_s: Option<u64>,
     #[arg(long)]
     pub release_retry_s: Option<u64>,
-    /// How long a VMM start waits for QMP to answer, seconds (default 30).
-    #[arg(long)]
-    pub qmp_ready_timeout_s: Option<u64>,
+    /// How long each step of a VMM start may take (QMP answering; the Cloud Hypervisor API
+    /// answering each request), seconds (default 30).
+    #[arg(long, alias = "qmp-ready-timeout-s")]
+    pub vmm_ready_timeout_s: Option<u64>,
     #[arg(long)]
     pub log_format: Option<String>,
     /// Write every policy plugin input to this directory (for `gpuvisor plugin test`).
@@ -234,7 +238,7 @@ impl ServeArgs {
         macro_rules! over {
             ($($f:ident),*) => { $( if let Some(v) = &self.$f { c.$f = v.clone(); } )* };
         }
-        over!(data_dir, host_root, accel, qemu_binary, plugin_dir, log_format);
+        over!(data_dir, host_root, accel, qemu_binary, cloud_hypervisor_binary, plugin_dir, log_format);
         if let Some(v) = self.vfio_attach {
             c.vfio_attach = v;
         }
@@ -247,8 +251,8 @@ impl ServeArgs {
         if let Some(v) = self.release_retry_s {
             c.release_retry_s = v;
         }
-        if let Some(v) = self.qmp_ready_timeout_s {
-            c.qmp_ready_timeout_s = v;
+        if let Some(v) = self.vmm_ready_timeout_s {
+            c.vmm_ready_timeout_s = v;
         }
         if let Some(v) = self.metrics_listen {
             c.metrics_listen = Some(v);
@@ -467,10 +471,11 @@ fn decode<T: DeserializeOwned>(v: &Value) -> Option<T> {
 fn print_instance(i: &InstanceView) -> i32 {
     let gpu = i.gpu.as_ref();
     println!(
-        "{} {} {}{}",
+        "{} {} {} ({}){}",
         i.name,
         serde_json::to_value(i.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
         i.id,
+        i.hypervisor,
         match gpu.and_then(|g| g.device.as_deref()) {
             Some(d) => format!(" gpu {} on {d}", opt(&gpu.and_then(|g| g.profile.clone()))),
             None => String::new(),
@@ -519,6 +524,7 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                             .ok()
                             .and_then(|v| v.as_str().map(String::from))
                             .unwrap_or_default(),
+                        i.hypervisor.name().to_string(),
                         opt(&gpu.and_then(|g| g.profile.clone())),
                         opt(&gpu.and_then(|g| g.device.clone())),
                         opt(&i.vmm.as_ref().map(|m| m.pid)),
@@ -527,7 +533,7 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                     ]
                 })
                 .collect();
-            table(&["NAME", "STATE", "GPU", "DEVICE", "PID", "IMAGE", "ID"], rows);
+            table(&["NAME", "STATE", "HYPERVISOR", "GPU", "DEVICE", "PID", "IMAGE", "ID"], rows);
             for u in &list.unreadable {
                 println!("unreadable instance record {}: {}", u.path, u.error);
             }

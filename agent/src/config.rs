@@ -84,8 +84,11 @@ pub struct Config {
     /// How long a release retries inline (EBUSY during kernel teardown) before leaving the
     /// claim `release_pending`, seconds.
     pub release_retry_s: u64,
-    /// How long a VMM start waits for QMP to answer before it counts as failed, seconds.
-    pub qmp_ready_timeout_s: u64,
+    /// How long each step of a VMM start may take before the start counts as failed,
+    /// seconds: QEMU answering QMP; Cloud Hypervisor answering `vmm.ping`, then each of
+    /// `vm.create`, `vm.boot`, `vm.info`. (`qmp_ready_timeout_s` is the older name.)
+    #[serde(alias = "qmp_ready_timeout_s")]
+    pub vmm_ready_timeout_s: u64,
     /// Kernel command line appended for images that do not set one.
     pub default_cmdline: String,
     /// `text` or `json`.
@@ -118,7 +121,7 @@ impl Default for Config {
             vfio_term_grace_s: 5,
             stop_timeout_s: 30,
             release_retry_s: 30,
-            qmp_ready_timeout_s: 30,
+            vmm_ready_timeout_s: 30,
             default_cmdline: "console=ttyS0 panic=-1".into(),
             log_format: "text".into(),
             record_policy_inputs: None,
@@ -169,8 +172,8 @@ impl Config {
         if self.reconcile_interval_s == 0 {
             anyhow::bail!("reconcile_interval_s must be at least 1");
         }
-        if self.qmp_ready_timeout_s == 0 {
-            anyhow::bail!("qmp_ready_timeout_s must be at least 1");
+        if self.vmm_ready_timeout_s == 0 {
+            anyhow::bail!("vmm_ready_timeout_s must be at least 1");
         }
         // Durations are added to clock readings; a bound keeps every sum finite (and a
         // grace of more than a year is a typo, not a policy).
@@ -180,7 +183,7 @@ impl Config {
             ("vfio_term_grace_s", self.vfio_term_grace_s),
             ("stop_timeout_s", self.stop_timeout_s),
             ("release_retry_s", self.release_retry_s),
-            ("qmp_ready_timeout_s", self.qmp_ready_timeout_s),
+            ("vmm_ready_timeout_s", self.vmm_ready_timeout_s),
         ] {
             if v > MAX_DURATION_S {
                 anyhow::bail!("{key} = {v} is too large (at most {MAX_DURATION_S} s, one year)");

@@ -279,8 +279,15 @@ impl ApiError {
     }
 
     /// `vmm_start_failed`.
-    pub fn vmm_start_failed(msg: impl Into<String>) -> ApiError {
-        ApiError::new(ErrorCode::VmmStartFailed, msg)
+    ///
+    /// With the VMM API request that was refused or not answered (Cloud Hypervisor), its
+    /// answer verbatim in `vmm_api: {request, status, errors}`.
+    pub fn vmm_start_failed(msg: impl Into<String>, api: Option<&crate::hypervisor::ApiFailure>) -> ApiError {
+        let e = ApiError::new(ErrorCode::VmmStartFailed, msg);
+        match api.map(serde_json::to_value) {
+            Some(Ok(v)) => e.with("vmm_api", v),
+            _ => e,
+        }
     }
 
     /// `vmm_kill_failed`: the VMM outlived SIGKILL; nothing was torn down.
@@ -380,7 +387,7 @@ mod tests {
             instance_id: uuid::Uuid::nil(),
             device_path: Some("/sys/bus/pci/devices/0000:41:00.4".into()),
             retained: true,
-            cause: Some(ApiError::vmm_start_failed("the VMM did not start")),
+            cause: Some(ApiError::vmm_start_failed("the VMM did not start", None)),
             release: ReleaseFailure { code: "vmm_kill_failed".into(), message: "pid 7 outlived SIGKILL".into() },
         });
         let d = e.data();

@@ -57,6 +57,10 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
     // complete observation), then one every reconcile_interval_s.
     let rm = manager.clone();
     tokio::spawn(async move {
+        // Which hypervisors run here (Cloud Hypervisor: vmm.ping on a throw-away socket),
+        // before the startup pass lets creates in.
+        let m = rm.clone();
+        let _ = tokio::task::spawn_blocking(move || m.probe_hypervisors()).await;
         loop {
             let m = rm.clone();
             let _ = tokio::task::spawn_blocking(move || m.reconcile()).await;

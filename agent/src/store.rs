@@ -209,7 +209,7 @@ pub struct InstanceDefinition {
     pub name: String,
     pub image: String,
     /// As chosen by the `hypervisor` plugin at create (`qemu`, `cloud-hypervisor`).
-    pub hypervisor: String,
+    pub hypervisor: crate::hypervisor::HypervisorKind,
     pub vcpus: u32,
     pub memory_mib: u64,
     #[serde(default)]
@@ -947,7 +947,7 @@ mod tests {
                 id: Uuid::new_v4(),
                 name: name.into(),
                 image: "demo".into(),
-                hypervisor: "qemu".into(),
+                hypervisor: crate::hypervisor::HypervisorKind::Qemu,
                 vcpus: 1,
                 memory_mib: 256,
                 labels: Labels::new(),

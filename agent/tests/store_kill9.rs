@@ -16,7 +16,7 @@ fn record(id: Uuid, n: u64) -> InstanceRecord {
             id,
             name: format!("vm-{n}"),
             image: "demo".into(),
-            hypervisor: "qemu".into(),
+            hypervisor: gpuvisor::hypervisor::HypervisorKind::Qemu,
             vcpus: 1,
             memory_mib: 256 + n,
             labels: Default::default(),

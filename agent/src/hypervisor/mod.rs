@@ -1,8 +1,15 @@
-//! # hypervisor — VMM drivers (QEMU)
+//! # hypervisor — the VMM interface and its two drivers
 //!
-//! What each hypervisor can carry ([`HypervisorKind::capabilities`]), how a QEMU VMM is
-//! started ([`spawn`], [`qemu_command_line`]), talked to ([`qmp::QmpClient`]) and stopped
-//! ([`stop`], [`kill`]).
+//! The lifecycle never knows which hypervisor runs an instance: it builds a [`VmSpec`],
+//! calls [`spawn`], [`stop`] or [`kill`], and reads the [`Driver`] of the instance's
+//! [`HypervisorKind`] for the rest (control socket, VM state, graceful steps, probe).
+//!
+//! | file | what |
+//! |---|---|
+//! | [`process`] | what every VMM process gets: its own process group, the log file, the hold-fd, the identity captured before it can be reaped, the reaper thread, the rollback of a start that failed |
+//! | [`qemu`], [`qmp`] | QEMU: the command line, QMP readiness, `system_powerdown`, `quit` |
+//! | [`cloud_hypervisor`], [`ch_api`] | Cloud Hypervisor: `--api-socket`, its REST API (`vm.create`, `vm.boot`, `vm.info`, `vm.power-button`, `vmm.shutdown`) |
+//! | [`stop`] | the graceful steps of the driver, then the shared SIGTERM-first kill path |
 //!
 //! Invariants kept here:
 //! - a VMM runs in its own process group and is never left a zombie by the agent (a reaper
@@ -12,26 +19,41 @@
 //!   never signalled (LIFECYCLE.md "Stop");
 //! - the kill path is SIGTERM → grace → SIGKILL → 2 s → SIGKILL to the process group → 2 s,
 //!   and a VMM still alive after that is an error ([`HypervisorError::KillFailed`]), never
-//!   "dead" (NVIDIA-HOST.md §9).
+//!   "dead" (NVIDIA-HOST.md §9);
+//! - a start that fails after the process exists stops it through the kill path before it
+//!   answers, or says that it could not ([`HypervisorError::KillFailed`]).
 //!
 //! The code is synchronous (std threads, blocking I/O); the RPC layer calls it through
-//! `spawn_blocking`.
+//! `spawn_blocking`. The Cloud Hypervisor client runs each request on its own
+//! current-thread runtime, so it must not be called from an async task.
 
+pub mod ch_api;
+pub mod cloud_hypervisor;
+pub mod process;
 pub mod qemu;
 pub mod qmp;
 pub mod stop;
 
 #[cfg(test)]
+mod ch_tests;
+#[cfg(test)]
 mod vmm_tests;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use gpuvisor_sdk::{Capability, Framework};
 
-pub use qemu::{qemu_command_line, spawn, ExitWatch, RunningVmm, VfioAttach, VmSpec};
+pub use ch_api::ApiFailure;
+pub use process::{spawn, ExitWatch, RunningVmm};
+pub use qemu::qemu_command_line;
 pub use qmp::{QmpClient, QmpError};
 pub use stop::{kill, stop, StopOptions, StopReport};
 
-/// The hypervisors gpuvisor knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The hypervisors gpuvisor knows. Serialised (records, views) as `qemu` and
+/// `cloud-hypervisor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
 pub enum HypervisorKind {
     /// QEMU (`qemu-system-x86_64`).
     Qemu,
@@ -56,6 +78,14 @@ impl HypervisorKind {
         HypervisorKind::ALL.into_iter().find(|k| k.name() == name)
     }
 
+    /// This kind's driver.
+    pub fn driver(self) -> &'static dyn Driver {
+        match self {
+            HypervisorKind::Qemu => &qemu::Qemu,
+            HypervisorKind::CloudHypervisor => &cloud_hypervisor::CloudHypervisor,
+        }
+    }
+
     /// What this hypervisor can carry (NVIDIA-HOST.md §8).
     ///
     /// Cloud Hypervisor never carries vGPUs (vendor VFIO or mdev): VFIO region reads fail
@@ -73,6 +103,164 @@ impl HypervisorKind {
             HypervisorKind::CloudHypervisor => &[Capability::Passthrough, Capability::Standby, Capability::Snapshot],
         }
     }
+
+    /// Why this kind cannot carry a device of `framework` (one sentence citing the reason),
+    /// or `None` when it can ([`can_carry`]).
+    pub fn cannot_carry(self, framework: Option<Framework>) -> Option<String> {
+        if can_carry(self, framework) {
+            return None;
+        }
+        let f = framework.map(|f| f.as_str()).unwrap_or("plain");
+        Some(match (self, framework) {
+            (HypervisorKind::CloudHypervisor, Some(Framework::VendorVfio)) => format!(
+                "cloud-hypervisor cannot carry a {f} vGPU: vendor-specific VFIO VFs fail under it \
+                 (cloud-hypervisor#7572), and the NVIDIA vGPU manager needs the VM UUID QEMU passes with \
+                 -uuid (cloud-hypervisor#5319)"
+            ),
+            (HypervisorKind::CloudHypervisor, Some(Framework::Mdev)) => format!(
+                "cloud-hypervisor cannot carry an {f} vGPU: the NVIDIA vGPU manager needs the VM UUID QEMU \
+                 passes with -uuid (cloud-hypervisor#5319)"
+            ),
+            _ => format!("{} cannot carry a {f} device", self.name()),
+        })
+    }
+}
+
+impl std::fmt::Display for HypervisorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What the lifecycle needs from a VMM driver beyond the shared process handling
+/// ([`process`]) and kill path ([`stop`]). One implementation per [`HypervisorKind`].
+///
+/// Every method blocks; none is called from an async task.
+pub trait Driver: Sync {
+    /// Which hypervisor this is.
+    fn kind(&self) -> HypervisorKind;
+
+    /// The file name, in the instance directory, of the control socket whose listener
+    /// proves which process is the VMM (QEMU's QMP socket, Cloud Hypervisor's API socket).
+    fn control_socket_name(&self) -> &'static str;
+
+    /// The file name, in the instance directory, that takes the VMM's stdout and stderr.
+    fn log_name(&self) -> &'static str;
+
+    /// The arguments (without the binary) that start the VMM for `spec`. Pure.
+    ///
+    /// Errors: [`HypervisorError::StartFailed`] for a spec this hypervisor cannot express.
+    fn command_line(&self, spec: &VmSpec) -> Result<Vec<String>, HypervisorError>;
+
+    /// Waits until the launched VMM answers on its control socket and brings the VM up
+    /// (QEMU: `query-status` answers; Cloud Hypervisor: `vmm.ping`, `vm.create`, `vm.boot`,
+    /// `vm.info` says `Running`), within `timeout` per step. Fails fast when the process
+    /// exits. On `Err` the caller stops the process.
+    fn bring_up(&self, vmm: &RunningVmm, spec: &VmSpec, timeout: Duration) -> Result<(), StartFailure>;
+
+    /// Presses the guest's ACPI power button (QMP `system_powerdown`; `vm.power-button`).
+    fn power_button(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
+
+    /// Asks the VMM process to exit (QMP `quit`; `vmm.shutdown`).
+    fn quit(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
+
+    /// The VM state as the VMM reports it (QMP `query-status`'s `status`; `vm.info`'s
+    /// `state`).
+    fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, String>;
+
+    /// Whether `binary` exists and runs: its version, or why not. Takes at most a few
+    /// seconds; starts and stops a throw-away process where the hypervisor needs one
+    /// (Cloud Hypervisor: `vmm.ping` on a temporary API socket).
+    fn probe(&self, binary: &Path) -> Result<String, String>;
+}
+
+/// Why [`Driver::bring_up`] failed: one sentence, and the API's answer when there was one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartFailure {
+    /// What went wrong.
+    pub reason: String,
+    /// The refused (or unanswered) API request, verbatim.
+    pub api: Option<ApiFailure>,
+}
+
+impl From<String> for StartFailure {
+    fn from(reason: String) -> StartFailure {
+        StartFailure { reason, api: None }
+    }
+}
+
+impl From<ApiFailure> for StartFailure {
+    fn from(api: ApiFailure) -> StartFailure {
+        StartFailure { reason: api.to_string(), api: Some(api) }
+    }
+}
+
+/// How the VM gets its VFIO device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VfioAttach {
+    /// Production: the device's sysfs directory. For a VF:
+    /// `<host_root>/sys/bus/pci/devices/<VF>`; for an mdev:
+    /// `<host_root>/sys/bus/mdev/devices/<uuid>` (NVIDIA-HOST.md §8).
+    Device {
+        /// The device's sysfs directory.
+        sysfsdev: PathBuf,
+    },
+    /// Simulated host: the VMM holds the VFIO group node `node` (`<host_root>/dev/vfio/<G>`)
+    /// open for its whole life, opened in the child before exec.
+    HoldFd {
+        /// The group node to open `O_RDWR`.
+        node: PathBuf,
+    },
+}
+
+/// Everything needed to start one VMM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmSpec {
+    /// Which hypervisor runs it.
+    pub hypervisor: HypervisorKind,
+    /// Instance id: QEMU's `-uuid` (the NVIDIA vGPU manager reads it, NVIDIA-HOST.md §8),
+    /// Cloud Hypervisor's `platform.system_uuid`.
+    pub id: uuid::Uuid,
+    /// Instance name (QEMU `-name`).
+    pub name: String,
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Guest memory in MiB.
+    pub memory_mib: u64,
+    /// Direct-boot kernel; `None` boots the firmware (QEMU only; used by tests).
+    pub kernel: Option<PathBuf>,
+    /// Initial ramdisk, only with a kernel.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line, only with a kernel; empty = none.
+    pub cmdline: String,
+    /// QEMU's accelerator: `tcg` or `kvm` (Cloud Hypervisor always uses KVM).
+    pub accel: String,
+    /// Start with the vCPUs stopped (QEMU `-S`; resume with QMP `cont`).
+    pub paused: bool,
+    /// The VMM binary, e.g. `/usr/bin/qemu-system-x86_64` or `cloud-hypervisor`.
+    pub binary: PathBuf,
+    /// The instance directory: the serial log, the control socket and the VMM log live here.
+    pub run_dir: PathBuf,
+    /// The VFIO device, if any.
+    pub vfio: Option<VfioAttach>,
+}
+
+impl VmSpec {
+    /// The control socket: `<run_dir>/qmp.sock` (QEMU) or `<run_dir>/ch.sock` (Cloud
+    /// Hypervisor).
+    pub fn control_socket(&self) -> PathBuf {
+        self.run_dir.join(self.hypervisor.driver().control_socket_name())
+    }
+
+    /// `<run_dir>/serial.log`.
+    pub fn serial_log(&self) -> PathBuf {
+        self.run_dir.join("serial.log")
+    }
+
+    /// The VMM's stdout and stderr: `<run_dir>/qemu.log` or `<run_dir>/cloud-hypervisor.log`.
+    pub fn vmm_log(&self) -> PathBuf {
+        self.run_dir.join(self.hypervisor.driver().log_name())
+    }
 }
 
 /// `true` if `kind` can carry an instance whose GPU uses `framework` (`None`: no GPU).
@@ -89,12 +277,15 @@ pub fn can_carry(kind: HypervisorKind, framework: Option<Framework>) -> bool {
 /// Errors of the hypervisor drivers. Messages are one sentence; causes are in `source`.
 #[derive(Debug, thiserror::Error)]
 pub enum HypervisorError {
-    /// The VMM could not be started (spawn failed, it exited early, or its control socket
-    /// never came up). `reason` includes the tail of `qemu.log` when there is one.
+    /// The VMM could not be started (spawn failed, it exited early, its control socket
+    /// never came up, or its API refused the VM). `reason` includes the tail of the VMM's
+    /// log when there is one.
     #[error("the VMM failed to start: {reason}")]
     StartFailed {
         /// What went wrong.
         reason: String,
+        /// The VMM API request that was refused or not answered, verbatim.
+        api: Option<ApiFailure>,
     },
     /// The VMM outlived SIGTERM, SIGKILL and SIGKILL to its process group (stuck in the
     /// kernel); nothing may be torn down.
@@ -109,12 +300,22 @@ pub enum HypervisorError {
         /// Why.
         reason: String,
     },
+    /// A Cloud Hypervisor API request failed.
+    #[error("{0}")]
+    Api(ApiFailure),
     /// A QMP exchange failed.
     #[error("QMP exchange failed")]
     Qmp(#[from] QmpError),
     /// An I/O error outside QMP (run directory, log file).
     #[error("VMM I/O failed")]
     Io(#[from] std::io::Error),
+}
+
+impl HypervisorError {
+    /// [`HypervisorError::StartFailed`] without an API answer.
+    pub fn start_failed(reason: impl Into<String>) -> HypervisorError {
+        HypervisorError::StartFailed { reason: reason.into(), api: None }
+    }
 }
 
 #[cfg(test)]
@@ -135,6 +336,26 @@ mod tests {
         assert!(!can_carry(HypervisorKind::CloudHypervisor, Some(Framework::Mdev)));
         assert!(can_carry(HypervisorKind::CloudHypervisor, Some(Framework::Passthrough)));
         assert!(can_carry(HypervisorKind::CloudHypervisor, None));
+    }
+
+    #[test]
+    fn the_refusal_cites_the_upstream_issues() {
+        let v = HypervisorKind::CloudHypervisor.cannot_carry(Some(Framework::VendorVfio)).unwrap();
+        assert!(v.contains("cloud-hypervisor#7572") && v.contains("cloud-hypervisor#5319"), "{v}");
+        let m = HypervisorKind::CloudHypervisor.cannot_carry(Some(Framework::Mdev)).unwrap();
+        assert!(m.contains("cloud-hypervisor#5319"), "{m}");
+        assert_eq!(HypervisorKind::CloudHypervisor.cannot_carry(None), None);
+        assert_eq!(HypervisorKind::Qemu.cannot_carry(Some(Framework::Mdev)), None);
+    }
+
+    #[test]
+    fn kinds_serialise_as_their_wire_names() {
+        for k in HypervisorKind::ALL {
+            assert_eq!(serde_json::to_value(k).unwrap(), serde_json::json!(k.name()));
+            assert_eq!(k.driver().kind(), k);
+        }
+        assert_eq!(HypervisorKind::Qemu.driver().control_socket_name(), "qmp.sock");
+        assert_eq!(HypervisorKind::CloudHypervisor.driver().control_socket_name(), "ch.sock");
     }
 
     #[test]

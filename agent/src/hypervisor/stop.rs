@@ -1,7 +1,9 @@
 //! # hypervisor::stop — graceful stop and the kill path
 //!
-//! LIFECYCLE.md "Stop" and NVIDIA-HOST.md §9: guest power-off (QMP `system_powerdown`),
-//! QMP `quit`, then SIGTERM → term grace (default 5 s) → SIGKILL → 2 s → SIGKILL to the
+//! LIFECYCLE.md "Stop" and NVIDIA-HOST.md §9: the driver's graceful steps — the guest's
+//! power button (QMP `system_powerdown`; Cloud Hypervisor `vm.power-button`), then asking
+//! the VMM to exit (QMP `quit`; `vmm.shutdown`) — then the one kill path for every driver:
+//! SIGTERM → term grace (default 5 s) → SIGKILL → 2 s → SIGKILL to the
 //! process group → 2 s → still alive is [`HypervisorError::KillFailed`].
 //!
 //! Before **every** signal the target is confirmed: a pidfd is opened on the recorded pid
@@ -15,8 +17,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
-use super::qmp::QmpClient;
-use super::HypervisorError;
+use super::{Driver, HypervisorError};
 use crate::host::proc::{self as hostproc, vmm_liveness, Liveness, ProcessIdentity};
 
 /// Default wait between SIGTERM and SIGKILL for a VMM holding VFIO devices (NVIDIA-HOST.md §9:
@@ -26,7 +27,7 @@ pub const DEFAULT_TERM_GRACE: Duration = Duration::from_secs(5);
 /// Wait after SIGKILL, and after SIGKILL to the process group (NVIDIA-HOST.md §9).
 pub const KILL_WAIT: Duration = Duration::from_secs(2);
 
-/// Wait for QEMU to exit after QMP `quit`.
+/// Wait for the VMM to exit after it was asked to (QMP `quit`, `vmm.shutdown`).
 pub const QUIT_WAIT: Duration = Duration::from_secs(5);
 
 /// Longest step between two liveness polls.
@@ -35,7 +36,7 @@ const POLL_MAX_STEP: Duration = Duration::from_millis(50);
 /// How to stop a VMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StopOptions {
-    /// Ask the guest to power off (QMP `system_powerdown`) and QEMU to quit before signals.
+    /// Press the guest's power button and ask the VMM to exit before any signal.
     pub graceful: bool,
     /// How long to wait for the guest to power off (graceful only).
     pub stop_timeout: Duration,
@@ -56,108 +57,119 @@ pub struct StopReport {
     /// device `suspect` (LIFECYCLE.md "Device health") and counts in
     /// `gpuvisor_vmm_kill_escalations_total{signal}`.
     pub escalations: Vec<&'static str>,
-    /// The VMM exited without any signal (guest power-off or QMP `quit`).
+    /// The VMM exited without any signal (guest power-off, or it was asked to exit).
     pub graceful_exit: bool,
     /// The VMM was already provably dead when the stop began; nothing was sent.
     pub already_dead: bool,
 }
 
-/// Stops the VMM `identity` (control socket `qmp_socket`), then proves it dead.
+/// Stops the VMM `identity` (control socket `control_socket`, driven by `driver`), then
+/// proves it dead.
 ///
-/// Order: if `opts.graceful`, QMP `system_powerdown` and up to `opts.stop_timeout`, then QMP
-/// `quit` and up to [`QUIT_WAIT`]; then the kill path (see [`kill`]). QMP failures only
-/// move on to the next step.
+/// Order: if `opts.graceful`, the driver's power button and up to `opts.stop_timeout`, then
+/// the driver's quit and up to [`QUIT_WAIT`]; then the kill path (see [`kill`]). A failed
+/// graceful step only moves on to the next step.
 ///
 /// Errors: [`HypervisorError::LivenessUnknown`] when liveness cannot be decided at the start
 /// (nothing is sent) or at the end; [`HypervisorError::KillFailed`] when the VMM outlives
 /// the whole kill path. In both cases the caller must tear nothing down.
 pub fn stop(
+    driver: &dyn Driver,
     identity: &ProcessIdentity,
-    qmp_socket: &Path,
+    control_socket: &Path,
     opts: StopOptions,
     current_boot_id: &str,
 ) -> Result<StopReport, HypervisorError> {
     let mut report = StopReport::default();
-    match vmm_liveness(Some(identity), Some(qmp_socket), current_boot_id) {
-        Liveness::Dead => {
-            report.already_dead = true;
-            return Ok(report);
-        }
-        Liveness::MaybeAlive { reason } => return Err(HypervisorError::LivenessUnknown { reason }),
-        Liveness::Alive { .. } => {}
+    if already_dead(identity, control_socket, current_boot_id)? {
+        report.already_dead = true;
+        return Ok(report);
     }
     if opts.graceful {
+        let hv = driver.kind();
         let io_timeout = opts.stop_timeout.clamp(Duration::from_millis(500), super::qmp::DEFAULT_IO_TIMEOUT);
-        match QmpClient::connect(qmp_socket, io_timeout).and_then(|mut c| c.system_powerdown()) {
+        match driver.power_button(control_socket, io_timeout) {
             Ok(()) => {
-                if wait_dead(identity, qmp_socket, current_boot_id, opts.stop_timeout) == Liveness::Dead {
+                if wait_dead(identity, control_socket, current_boot_id, opts.stop_timeout) == Liveness::Dead {
                     report.graceful_exit = true;
                     return Ok(report);
                 }
-                tracing::info!(pid = identity.pid, "guest did not power off in time; asking QEMU to quit");
+                tracing::info!(pid = identity.pid, hypervisor = %hv, "the guest did not power off in time; asking the VMM to exit");
             }
             Err(e) => {
-                tracing::info!(pid = identity.pid, error = %e, "system_powerdown failed; asking QEMU to quit")
+                tracing::info!(pid = identity.pid, hypervisor = %hv, error = %e, "the power button failed; asking the VMM to exit")
             }
         }
-        match QmpClient::connect(qmp_socket, io_timeout).and_then(|mut c| c.quit()) {
+        match driver.quit(control_socket, io_timeout) {
             Ok(()) => {
-                if wait_dead(identity, qmp_socket, current_boot_id, QUIT_WAIT) == Liveness::Dead {
+                if wait_dead(identity, control_socket, current_boot_id, QUIT_WAIT) == Liveness::Dead {
                     report.graceful_exit = true;
                     return Ok(report);
                 }
-                tracing::info!(pid = identity.pid, "QEMU did not quit in time; sending SIGTERM");
+                tracing::info!(pid = identity.pid, hypervisor = %hv, "the VMM did not exit in time; sending SIGTERM");
             }
             Err(e) => {
-                tracing::info!(pid = identity.pid, error = %e, "QMP quit failed; sending SIGTERM")
+                tracing::info!(pid = identity.pid, hypervisor = %hv, error = %e, "asking the VMM to exit failed; sending SIGTERM")
             }
         }
     }
-    kill_path(identity, qmp_socket, opts.term_grace, current_boot_id, &mut report)?;
+    kill_path(identity, control_socket, opts.term_grace, current_boot_id, &mut report)?;
     Ok(report)
 }
 
-/// The kill path alone (no guest power-off, no QMP `quit`): SIGTERM → `term_grace` →
-/// SIGKILL → [`KILL_WAIT`] → SIGKILL to the process group → [`KILL_WAIT`].
+/// The kill path alone, the same for every driver (no power button, no request to exit):
+/// SIGTERM → `term_grace` → SIGKILL → [`KILL_WAIT`] → SIGKILL to the process group →
+/// [`KILL_WAIT`].
 ///
 /// Errors: as [`stop`].
 pub fn kill(
     identity: &ProcessIdentity,
-    qmp_socket: &Path,
+    control_socket: &Path,
     term_grace: Duration,
     current_boot_id: &str,
 ) -> Result<StopReport, HypervisorError> {
-    stop(
-        identity,
-        qmp_socket,
-        StopOptions { graceful: false, stop_timeout: Duration::ZERO, term_grace },
-        current_boot_id,
-    )
+    let mut report = StopReport::default();
+    if already_dead(identity, control_socket, current_boot_id)? {
+        report.already_dead = true;
+        return Ok(report);
+    }
+    kill_path(identity, control_socket, term_grace, current_boot_id, &mut report)?;
+    Ok(report)
+}
+
+/// `true` when the VMM is provably dead before anything is sent; an undecidable liveness is
+/// an error (nothing may be sent).
+fn already_dead(identity: &ProcessIdentity, control_socket: &Path, boot_id: &str) -> Result<bool, HypervisorError> {
+    match vmm_liveness(Some(identity), Some(control_socket), boot_id) {
+        Liveness::Dead => Ok(true),
+        Liveness::MaybeAlive { reason } => Err(HypervisorError::LivenessUnknown { reason }),
+        Liveness::Alive { .. } => Ok(false),
+    }
 }
 
 fn kill_path(
     identity: &ProcessIdentity,
-    qmp_socket: &Path,
+    control_socket: &Path,
     term_grace: Duration,
     boot_id: &str,
     report: &mut StopReport,
 ) -> Result<(), HypervisorError> {
-    signal_vmm(identity, qmp_socket, boot_id, Signal::SIGTERM, false);
-    if wait_dead(identity, qmp_socket, boot_id, term_grace) == Liveness::Dead {
+    signal_vmm(identity, control_socket, boot_id, Signal::SIGTERM, false);
+    if wait_dead(identity, control_socket, boot_id, term_grace) == Liveness::Dead {
         return Ok(());
     }
 
     tracing::debug!(pid = identity.pid, signal = %"SIGKILL", "VMM outlived SIGTERM; escalating to SIGKILL");
     report.escalations.push("SIGKILL");
-    signal_vmm(identity, qmp_socket, boot_id, Signal::SIGKILL, false);
-    if wait_dead(identity, qmp_socket, boot_id, KILL_WAIT) == Liveness::Dead {
+    signal_vmm(identity, control_socket, boot_id, Signal::SIGKILL, false);
+    if wait_dead(identity, control_socket, boot_id, KILL_WAIT) == Liveness::Dead {
         return Ok(());
     }
 
     tracing::debug!(pid = identity.pid, signal = %"SIGKILL_GROUP", "VMM outlived SIGKILL; killing its process group");
     report.escalations.push("SIGKILL_GROUP");
-    signal_vmm(identity, qmp_socket, boot_id, Signal::SIGKILL, true);
-    match wait_dead(identity, qmp_socket, boot_id, KILL_WAIT) {
+    signal_vmm(identity, control_socket, boot_id, Signal::SIGKILL, true);
+    match wait_dead(identity, control_socket, boot_id, KILL_WAIT) {
         Liveness::Dead => Ok(()),
         Liveness::Alive { pid } => {
             // The caller logs the failed operation once, with the instance.
@@ -171,7 +183,13 @@ fn kill_path(
 /// any other confirmed owner of the control socket listener. With `group`, also SIGKILLs the
 /// process group led by the confirmed recorded process. Unconfirmed pids are never
 /// signalled. Returns the pids signalled.
-fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, signal: Signal, group: bool) -> Vec<i32> {
+fn signal_vmm(
+    identity: &ProcessIdentity,
+    control_socket: &Path,
+    boot_id: &str,
+    signal: Signal,
+    group: bool,
+) -> Vec<i32> {
     let mut sent = Vec::new();
     let mut exclude = Vec::new();
     match hostproc::confirm_identity(identity, boot_id) {
@@ -207,7 +225,7 @@ fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, sign
             tracing::warn!(pid = identity.pid, error = %e, "the VMM identity could not be confirmed; not signalling it")
         }
     }
-    match hostproc::confirm_listener_owners(qmp_socket, &exclude) {
+    match hostproc::confirm_listener_owners(control_socket, &exclude) {
         Ok(owners) => {
             for owner in owners {
                 match owner.send_signal(signal) {
@@ -220,7 +238,7 @@ fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, sign
             }
         }
         Err(e) => {
-            tracing::warn!(socket = %qmp_socket.display(), error = %e, "the control socket owner could not be confirmed; not signalling it")
+            tracing::warn!(socket = %control_socket.display(), error = %e, "the control socket owner could not be confirmed; not signalling it")
         }
     }
     tracing::debug!(signal = %signal.as_str(), pids = %sent.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","), "signalled VMM");
@@ -229,11 +247,11 @@ fn signal_vmm(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, sign
 
 /// Polls [`vmm_liveness`] (steps 5 ms doubling to 50 ms) until `Dead` or `timeout`; returns
 /// the last answer.
-fn wait_dead(identity: &ProcessIdentity, qmp_socket: &Path, boot_id: &str, timeout: Duration) -> Liveness {
+fn wait_dead(identity: &ProcessIdentity, control_socket: &Path, boot_id: &str, timeout: Duration) -> Liveness {
     let deadline = Instant::now() + timeout;
     let mut step = Duration::from_millis(5);
     loop {
-        let l = vmm_liveness(Some(identity), Some(qmp_socket), boot_id);
+        let l = vmm_liveness(Some(identity), Some(control_socket), boot_id);
         if l == Liveness::Dead {
             return l;
         }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill as send_signal, Signal};
 use nix::unistd::Pid;
 
+use super::qemu::Qemu;
 use super::*;
 use crate::host::proc::testutil::in_private_proc;
 use crate::host::proc::{
@@ -17,6 +18,7 @@ use crate::host::proc::{
 };
 
 const BOOT: &str = "vmm-test-boot";
+const READY: Duration = Duration::from_secs(30);
 
 fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
     VmSpec {
@@ -29,7 +31,8 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         cmdline: String::new(),
         accel: "tcg".into(),
         paused,
-        qemu_binary: PathBuf::from("qemu-system-x86_64"),
+        hypervisor: HypervisorKind::Qemu,
+        binary: PathBuf::from("qemu-system-x86_64"),
         run_dir: run_dir.to_path_buf(),
         vfio,
     }
@@ -59,23 +62,23 @@ fn spawned_qemu_is_alive_then_provably_dead_after_stop() {
     let dir = tempfile::tempdir().unwrap();
     let spec = vm_spec(dir.path(), None, true);
 
-    let vmm = spawn(&spec, BOOT).expect("QEMU starts");
+    let vmm = spawn(&spec, BOOT, READY).expect("QEMU starts");
 
     let pid = vmm.identity.pid;
     assert_eq!(identity_of(pid, BOOT).unwrap(), Some(vmm.identity.clone()));
-    assert_eq!(vmm.qmp_socket, dir.path().join("qmp.sock"));
-    assert_eq!(vmm_liveness(Some(&vmm.identity), Some(&vmm.qmp_socket), BOOT), Liveness::Alive { pid });
-    let mut qmp = QmpClient::connect(&vmm.qmp_socket, Duration::from_secs(5)).unwrap();
+    assert_eq!(vmm.control_socket, dir.path().join("qmp.sock"));
+    assert_eq!(vmm_liveness(Some(&vmm.identity), Some(&vmm.control_socket), BOOT), Liveness::Alive { pid });
+    let mut qmp = QmpClient::connect(&vmm.control_socket, Duration::from_secs(5)).unwrap();
     assert_eq!(qmp.query_status().unwrap(), "prelaunch");
     drop(qmp);
 
-    let report =
-        stop(&vmm.identity, &vmm.qmp_socket, no_graceful(Duration::from_secs(5)), BOOT).expect("stop succeeds");
+    let report = stop(&Qemu, &vmm.identity, &vmm.control_socket, no_graceful(Duration::from_secs(5)), BOOT)
+        .expect("stop succeeds");
 
     assert!(report.escalations.is_empty(), "{report:?}");
     assert!(!report.graceful_exit && !report.already_dead);
-    assert_eq!(vmm_liveness(Some(&vmm.identity), Some(&vmm.qmp_socket), BOOT), Liveness::Dead);
-    assert!(unix_listener_owners(&vmm.qmp_socket).unwrap().is_empty());
+    assert_eq!(vmm_liveness(Some(&vmm.identity), Some(&vmm.control_socket), BOOT), Liveness::Dead);
+    assert!(unix_listener_owners(&vmm.control_socket).unwrap().is_empty());
     assert!(wait_until(Duration::from_secs(5), || vmm.exit.exited().is_some()));
     assert!(std::fs::read_to_string(dir.path().join("qemu.log")).is_ok());
 }
@@ -83,11 +86,12 @@ fn spawned_qemu_is_alive_then_provably_dead_after_stop() {
 #[test]
 fn graceful_stop_of_a_guest_that_ignores_powerdown_ends_with_quit() {
     let dir = tempfile::tempdir().unwrap();
-    let vmm = spawn(&vm_spec(dir.path(), None, true), BOOT).expect("QEMU starts");
+    let vmm = spawn(&vm_spec(dir.path(), None, true), BOOT, READY).expect("QEMU starts");
 
     let report = stop(
+        &Qemu,
         &vmm.identity,
-        &vmm.qmp_socket,
+        &vmm.control_socket,
         StopOptions { graceful: true, stop_timeout: Duration::from_millis(500), term_grace: Duration::from_secs(5) },
         BOOT,
     )
@@ -102,13 +106,13 @@ fn graceful_stop_of_a_guest_that_ignores_powerdown_ends_with_quit() {
 #[test]
 fn a_stopped_qemu_is_escalated_to_sigkill_and_dies() {
     let dir = tempfile::tempdir().unwrap();
-    let vmm = spawn(&vm_spec(dir.path(), None, true), BOOT).expect("QEMU starts");
+    let vmm = spawn(&vm_spec(dir.path(), None, true), BOOT, READY).expect("QEMU starts");
     send_signal(Pid::from_raw(vmm.identity.pid), Signal::SIGSTOP).unwrap();
 
-    let report = kill(&vmm.identity, &vmm.qmp_socket, Duration::from_secs(1), BOOT).expect("kill succeeds");
+    let report = kill(&vmm.identity, &vmm.control_socket, Duration::from_secs(1), BOOT).expect("kill succeeds");
 
     assert_eq!(report.escalations, vec!["SIGKILL"]);
-    assert_eq!(vmm_liveness(Some(&vmm.identity), Some(&vmm.qmp_socket), BOOT), Liveness::Dead);
+    assert_eq!(vmm_liveness(Some(&vmm.identity), Some(&vmm.control_socket), BOOT), Liveness::Dead);
     let status = vmm.exit.wait_timeout(Duration::from_secs(5)).expect("reaped");
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGKILL));
@@ -137,7 +141,7 @@ fn a_recycled_pid_is_never_signalled() {
         assert_eq!(vmm_liveness(Some(rec), Some(&qmp), BOOT), Liveness::Dead);
         let k = kill(rec, &qmp, Duration::from_millis(100), BOOT).expect("nothing to kill");
         assert!(k.already_dead && k.escalations.is_empty());
-        let s = stop(rec, &qmp, StopOptions::default(), BOOT).expect("nothing to stop");
+        let s = stop(&Qemu, rec, &qmp, StopOptions::default(), BOOT).expect("nothing to stop");
         assert!(s.already_dead);
     }
 
@@ -153,15 +157,15 @@ fn a_stale_record_still_finds_qemu_through_its_control_socket() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let vmm = spawn(&vm_spec(dir.path(), None, true), BOOT).expect("QEMU starts");
+    let vmm = spawn(&vm_spec(dir.path(), None, true), BOOT, READY).expect("QEMU starts");
     let stale = ProcessIdentity { start_time: vmm.identity.start_time + 1, ..vmm.identity.clone() };
 
-    assert_eq!(vmm_liveness(Some(&stale), Some(&vmm.qmp_socket), BOOT), Liveness::Alive { pid: vmm.identity.pid });
-    let report = kill(&stale, &vmm.qmp_socket, Duration::from_secs(5), BOOT).expect("killed");
+    assert_eq!(vmm_liveness(Some(&stale), Some(&vmm.control_socket), BOOT), Liveness::Alive { pid: vmm.identity.pid });
+    let report = kill(&stale, &vmm.control_socket, Duration::from_secs(5), BOOT).expect("killed");
 
     assert!(report.escalations.is_empty() && !report.already_dead);
     assert!(vmm.exit.wait_timeout(Duration::from_secs(5)).is_some());
-    assert_eq!(vmm_liveness(Some(&stale), Some(&vmm.qmp_socket), BOOT), Liveness::Dead);
+    assert_eq!(vmm_liveness(Some(&stale), Some(&vmm.control_socket), BOOT), Liveness::Dead);
 }
 
 #[test]
@@ -175,7 +179,7 @@ fn hold_fd_node_is_held_by_qemu_alone_across_qmp_sessions_until_it_dies() {
     let node = std::fs::canonicalize(&node).unwrap();
     let spec = vm_spec(&dir.path().join("run"), Some(VfioAttach::HoldFd { node: node.clone() }), false);
 
-    let vmm = spawn(&spec, BOOT).expect("QEMU starts");
+    let vmm = spawn(&spec, BOOT, READY).expect("QEMU starts");
     let pid = vmm.identity.pid;
 
     assert!(holds(pid, &node));
@@ -183,7 +187,7 @@ fn hold_fd_node_is_held_by_qemu_alone_across_qmp_sessions_until_it_dies() {
     // A full QMP session while the VM runs: QEMU 7.2 drops un-dup'ed fdset fds when the
     // last monitor disconnects (monitor_fdset_cleanup); the second copy must survive it.
     for _ in 0..2 {
-        let mut qmp = QmpClient::connect(&vmm.qmp_socket, Duration::from_secs(5)).unwrap();
+        let mut qmp = QmpClient::connect(&vmm.control_socket, Duration::from_secs(5)).unwrap();
         assert_eq!(qmp.query_status().unwrap(), "running");
         drop(qmp);
         std::thread::sleep(Duration::from_millis(300));
@@ -191,7 +195,7 @@ fn hold_fd_node_is_held_by_qemu_alone_across_qmp_sessions_until_it_dies() {
     }
     assert_eq!(scan_open_handles(std::slice::from_ref(&node)), HandleScan::Held { pids: vec![pid] });
 
-    kill(&vmm.identity, &vmm.qmp_socket, Duration::from_secs(5), BOOT).expect("killed");
+    kill(&vmm.identity, &vmm.control_socket, Duration::from_secs(5), BOOT).expect("killed");
 
     assert!(vmm.exit.wait_timeout(Duration::from_secs(5)).is_some());
     assert_eq!(scan_open_handles(std::slice::from_ref(&node)), HandleScan::Clean);
@@ -203,7 +207,7 @@ fn hold_fd_open_failure_is_a_clear_start_error() {
     let node = dir.path().join("dev/vfio/missing");
     let spec = vm_spec(dir.path(), Some(VfioAttach::HoldFd { node: node.clone() }), true);
 
-    let err = spawn(&spec, BOOT).expect_err("the open fails");
+    let err = spawn(&spec, BOOT, READY).expect_err("the open fails");
 
     let msg = err.to_string();
     assert!(matches!(err, HypervisorError::StartFailed { .. }), "{err:?}");
@@ -218,7 +222,7 @@ fn qemu_exiting_during_start_fails_fast_with_its_log() {
     spec.kernel = Some(dir.path().join("no-such-kernel"));
     let t0 = Instant::now();
 
-    let err = spawn(&spec, BOOT).expect_err("QEMU exits");
+    let err = spawn(&spec, BOOT, READY).expect_err("QEMU exits");
 
     let msg = err.to_string();
     assert!(msg.contains("exited during start"), "{msg}");
@@ -230,14 +234,14 @@ fn qemu_exiting_during_start_fails_fast_with_its_log() {
 fn a_live_owner_of_the_control_socket_blocks_a_second_start() {
     let dir = tempfile::tempdir().unwrap();
     let spec = vm_spec(dir.path(), None, true);
-    let vmm = spawn(&spec, BOOT).expect("QEMU starts");
+    let vmm = spawn(&spec, BOOT, READY).expect("QEMU starts");
 
-    let second = spawn(&spec, BOOT);
+    let second = spawn(&spec, BOOT, READY);
 
     // Owner scan may be inconclusive without a private /proc: both refuse to start.
     assert!(
         matches!(second, Err(HypervisorError::StartFailed { .. }) | Err(HypervisorError::LivenessUnknown { .. })),
         "{second:?}"
     );
-    kill(&vmm.identity, &vmm.qmp_socket, Duration::from_secs(5), BOOT).expect("killed");
+    kill(&vmm.identity, &vmm.control_socket, Duration::from_secs(5), BOOT).expect("killed");
 }

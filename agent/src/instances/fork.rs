@@ -47,7 +47,7 @@ impl Manager {
                 id: Uuid::new_v4(),
                 name: name.to_string(),
                 image: src.image.clone(),
-                hypervisor: src.hypervisor.clone(),
+                hypervisor: src.hypervisor,
                 vcpus: src.vcpus,
                 memory_mib: src.memory_mib,
                 labels: src.labels.clone(),

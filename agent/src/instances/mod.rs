@@ -95,6 +95,8 @@ pub struct Manager {
     /// then new claims answer `not_ready` and nothing is released.
     ready: AtomicBool,
     metrics: Metrics,
+    /// Each hypervisor as probed at start ([`Manager::probe_hypervisors`]); `None` before.
+    hypervisor_probes: Mutex<Option<Vec<view::HypervisorView>>>,
 }
 
 impl Manager {
@@ -125,6 +127,7 @@ impl Manager {
             reconciler,
             ready: AtomicBool::new(false),
             metrics,
+            hypervisor_probes: Mutex::new(None),
         }
     }
 

@@ -6,7 +6,7 @@
 use super::inventory::{Candidate, Observation};
 use super::Manager;
 use crate::error::ApiError;
-use crate::hypervisor::{self, HypervisorKind};
+use crate::hypervisor::HypervisorKind;
 use crate::policies::Slot;
 use crate::store::{Framework, Labels};
 use gpuvisor_policy::{CallError, Plugin};
@@ -130,31 +130,73 @@ impl Manager {
         Ok(out)
     }
 
-    /// The hypervisors the agent has, with whether each can run here.
-    pub(crate) fn hypervisors(&self) -> Vec<HypervisorInfo> {
-        HypervisorKind::ALL
+    /// Probes every hypervisor's binary (blocking: a few seconds at most) and keeps the
+    /// result for `agent.health` and the `hypervisor` plugin's input. Called once at start,
+    /// before the startup reconcile pass; until then every hypervisor is unavailable.
+    pub fn probe_hypervisors(&self) {
+        let views = HypervisorKind::ALL
             .into_iter()
             .map(|k| {
-                let bin = match k {
-                    HypervisorKind::Qemu => &self.cfg.qemu_binary,
-                    HypervisorKind::CloudHypervisor => &self.cfg.cloud_hypervisor_binary,
-                };
-                // The Cloud Hypervisor driver is not built yet: never offer it as available.
-                let available = k == HypervisorKind::Qemu && binary_exists(bin);
-                HypervisorInfo { name: k.name().to_string(), available, capabilities: k.capabilities().to_vec() }
+                let binary = self.hypervisor_binary(k);
+                let probe = k.driver().probe(binary);
+                match &probe {
+                    Ok(v) => tracing::info!(hypervisor = %k, binary = %binary.display(), version = %v, "hypervisor available"),
+                    Err(e) => tracing::info!(hypervisor = %k, binary = %binary.display(), problem = %e, "hypervisor not available"),
+                }
+                hypervisor_view(k, binary, probe)
+            })
+            .collect();
+        *crate::sync::lock(&self.hypervisor_probes) = Some(views);
+    }
+
+    /// The configured binary of `kind`.
+    pub(crate) fn hypervisor_binary(&self, kind: HypervisorKind) -> &std::path::Path {
+        match kind {
+            HypervisorKind::Qemu => &self.cfg.qemu_binary,
+            HypervisorKind::CloudHypervisor => &self.cfg.cloud_hypervisor_binary,
+        }
+    }
+
+    /// Each hypervisor as probed (not yet probed: unavailable, saying so).
+    pub(crate) fn hypervisor_views(&self) -> Vec<super::view::HypervisorView> {
+        match &*crate::sync::lock(&self.hypervisor_probes) {
+            Some(v) => v.clone(),
+            None => HypervisorKind::ALL
+                .into_iter()
+                .map(|k| hypervisor_view(k, self.hypervisor_binary(k), Err("not probed yet".into())))
+                .collect(),
+        }
+    }
+
+    /// The hypervisors the agent has, with whether each can run here (the plugin's input).
+    pub(crate) fn hypervisors(&self) -> Vec<HypervisorInfo> {
+        self.hypervisor_views()
+            .into_iter()
+            .map(|v| HypervisorInfo {
+                name: v.name.name().to_string(),
+                available: v.available,
+                capabilities: v.name.capabilities().to_vec(),
             })
             .collect()
     }
 
     /// Asks the `hypervisor` plugin and validates the answer against the capability table
-    /// (before anything is allocated).
+    /// (before anything is allocated). A request that names a hypervisor which cannot carry
+    /// its device is refused before the plugin is asked: the plugin may choose for a
+    /// request, never overrule what it asked for into something it did not.
     pub(crate) fn choose_hypervisor(
         &self,
         name: &str,
         labels: &Labels,
         requested: Option<&str>,
         framework: Option<Framework>,
-    ) -> Result<String, ApiError> {
+    ) -> Result<HypervisorKind, ApiError> {
+        let sdk_framework = framework.map(Into::into);
+        if let Some(kind) = requested.and_then(HypervisorKind::from_name) {
+            if let Some(why) = kind.cannot_carry(sdk_framework) {
+                return Err(ApiError::hypervisor_unsupported(why, Some(kind.name()), None));
+            }
+        }
         let policies = self.policies();
         let slot = &policies.hypervisor;
         let hypervisors = self.hypervisors();
@@ -163,7 +205,7 @@ impl Manager {
                 name: name.to_string(),
                 labels: labels.clone(),
                 requested_hypervisor: requested.map(str::to_string),
-                framework: framework.map(Into::into),
+                framework: sdk_framework,
                 devices: vec![],
             },
             hypervisors: hypervisors.clone(),
@@ -182,7 +224,9 @@ impl Manager {
                 ))
             }
         };
-        let Some(info) = hypervisors.iter().find(|h| h.name == chosen) else {
+        let (Some(info), Some(kind)) =
+            (hypervisors.iter().find(|h| h.name == chosen), HypervisorKind::from_name(&chosen))
+        else {
             self.reject(slot, PolicyKind::Hypervisor, "unknown_hypervisor", &chosen);
             return Err(ApiError::hypervisor_unsupported(
                 format!("the hypervisor plugin chose {chosen:?}, which gpuvisor does not know"),
@@ -190,26 +234,28 @@ impl Manager {
                 None,
             ));
         };
-        let kind = HypervisorKind::from_name(&chosen).ok_or_else(|| ApiError::internal("capability table"))?;
-        if !hypervisor::can_carry(kind, framework.map(Into::into)) {
+        if let Some(why) = kind.cannot_carry(sdk_framework) {
             self.reject(slot, PolicyKind::Hypervisor, "cannot_carry_device", &chosen);
             return Err(ApiError::hypervisor_unsupported(
-                format!(
-                    "{chosen} cannot carry a {} device (cloud-hypervisor cannot run NVIDIA vGPUs: cloud-hypervisor#7572, #5319)",
-                    framework.map(|f| f.as_str()).unwrap_or("plain")
-                ),
+                format!("the hypervisor plugin chose {chosen}, but {why}"),
                 Some(&chosen),
                 None,
             ));
         }
         if !info.available {
+            let why = self
+                .hypervisor_views()
+                .into_iter()
+                .find(|v| v.name == kind)
+                .and_then(|v| v.problem)
+                .unwrap_or_else(|| "not probed".into());
             return Err(ApiError::hypervisor_unsupported(
-                format!("{chosen} is not available on this host"),
+                format!("{chosen} is not available on this host: {why}"),
                 Some(&chosen),
                 None,
             ));
         }
-        Ok(chosen)
+        Ok(kind)
     }
 
     /// The grace plugin's decisions by device. `Err` (every item is kept this pass): no
@@ -246,9 +292,25 @@ impl Manager {
     }
 }
 
-fn binary_exists(bin: &std::path::Path) -> bool {
-    if bin.is_absolute() {
-        return bin.exists();
+fn hypervisor_view(
+    kind: HypervisorKind,
+    binary: &std::path::Path,
+    probe: Result<String, String>,
+) -> super::view::HypervisorView {
+    let (version, problem) = match probe {
+        Ok(v) => (Some(v), None),
+        Err(e) => (None, Some(e)),
+    };
+    super::view::HypervisorView {
+        name: kind,
+        binary: binary.display().to_string(),
+        available: version.is_some(),
+        version,
+        problem,
+        capabilities: kind
+            .capabilities()
+            .iter()
+            .filter_map(|c| serde_json::to_value(c).ok().and_then(|v| v.as_str().map(str::to_string)))
+            .collect(),
     }
-    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file())).unwrap_or(false)
 }

@@ -292,7 +292,7 @@ impl Manager {
         if !recorded_alive {
             match proc::identity_of(pid, boot_id) {
                 Ok(Some(identity)) => {
-                    let control_socket = self.control_socket(rec.id, rec.vmm.as_ref());
+                    let control_socket = self.control_socket(&rec);
                     reasons.push(match &rec.vmm {
                         Some(v) => format!(
                             "the recorded VMM pid {} is not the VM's process; recorded the control socket owner {pid}",

@@ -91,7 +91,7 @@ pub struct InstanceView {
     pub id: String,
     pub name: String,
     pub image: String,
-    pub hypervisor: String,
+    pub hypervisor: crate::hypervisor::HypervisorKind,
     pub vcpus: u32,
     pub memory_mib: u64,
     pub labels: Labels,
@@ -315,6 +315,26 @@ pub struct HealthView {
     pub host_pid_namespace: bool,
     /// `production` or `failpoint build (not for production)`.
     pub build: String,
+    /// Each hypervisor, probed at start: whether it can run instances here.
+    pub hypervisors: Vec<HypervisorView>,
+}
+
+/// One hypervisor as probed at start (`agent.health`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct HypervisorView {
+    pub name: crate::hypervisor::HypervisorKind,
+    /// The configured binary.
+    pub binary: String,
+    /// Its binary runs (QEMU: `--version`; Cloud Hypervisor: `vmm.ping` on a throw-away
+    /// API socket).
+    pub available: bool,
+    /// What the probe said, e.g. `QEMU emulator version 7.2.x` or `cloud-hypervisor 53.0.0
+    /// (v53.0)`.
+    pub version: Option<String>,
+    /// Why it is not available.
+    pub problem: Option<String>,
+    /// What it can carry (`vendor_vfio`, `mdev`, `passthrough`, `standby`, `snapshot`).
+    pub capabilities: Vec<String>,
 }
 
 /// `instance.delete`.
@@ -539,7 +559,7 @@ impl Manager {
             id: rec.id.to_string(),
             name: rec.name.clone(),
             image: rec.image.clone(),
-            hypervisor: rec.hypervisor.clone(),
+            hypervisor: rec.hypervisor,
             vcpus: rec.vcpus,
             memory_mib: rec.memory_mib,
             labels: rec.labels.clone(),
@@ -820,6 +840,7 @@ impl Manager {
             pid_namespace: ns,
             host_pid_namespace: host_ns,
             build: crate::failpoints::BUILD.to_string(),
+            hypervisors: self.hypervisor_views(),
         }
     }
 

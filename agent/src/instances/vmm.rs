@@ -24,18 +24,18 @@ use std::time::Duration;
 pub struct Dead(());
 
 impl Manager {
-    /// The VMM control socket of an instance: the recorded one, else where QEMU would put it.
-    pub(crate) fn control_socket(&self, id: uuid::Uuid, vmm: Option<&VmmRecord>) -> PathBuf {
-        vmm.map(|v| v.control_socket.clone()).unwrap_or_else(|| self.store.instance_dir(id).join("qmp.sock"))
+    /// The VMM control socket of an instance: the recorded one, else where its hypervisor
+    /// would put it.
+    pub(crate) fn control_socket(&self, rec: &InstanceRecord) -> PathBuf {
+        match &rec.vmm {
+            Some(v) => v.control_socket.clone(),
+            None => self.store.instance_dir(rec.id).join(rec.hypervisor.driver().control_socket_name()),
+        }
     }
 
     /// Liveness of an instance's VMM (recorded identity and control-socket owner).
     pub(crate) fn liveness_at(&self, rec: &InstanceRecord, boot_id: &str) -> Liveness {
-        proc::vmm_liveness(
-            rec.vmm.as_ref().map(|v| &v.identity),
-            Some(&self.control_socket(rec.id, rec.vmm.as_ref())),
-            boot_id,
-        )
+        proc::vmm_liveness(rec.vmm.as_ref().map(|v| &v.identity), Some(&self.control_socket(rec)), boot_id)
     }
 
     pub(crate) fn liveness(&self, rec: &InstanceRecord) -> Result<Liveness, ApiError> {
@@ -43,7 +43,8 @@ impl Manager {
     }
 
     /// A [`Dead`] when the VMM of `owner` (or, with no record, of instance `id`) is provably
-    /// dead; otherwise the liveness found.
+    /// dead; otherwise the liveness found. Without a record the hypervisor is unknown: every
+    /// hypervisor's control socket in the instance directory must be free of a live owner.
     pub(crate) fn prove_dead(
         &self,
         id: uuid::Uuid,
@@ -52,7 +53,14 @@ impl Manager {
     ) -> Result<Dead, Liveness> {
         let l = match owner {
             Some(rec) => self.liveness_at(rec, boot_id),
-            None => proc::vmm_liveness(None, Some(&self.control_socket(id, None)), boot_id),
+            None => {
+                let dir = self.store.instance_dir(id);
+                let each = hypervisor::HypervisorKind::ALL
+                    .map(|k| proc::vmm_liveness(None, Some(&dir.join(k.driver().control_socket_name())), boot_id));
+                let alive = each.iter().find(|l| matches!(l, Liveness::Alive { .. }));
+                let maybe = each.iter().find(|l| matches!(l, Liveness::MaybeAlive { .. }));
+                alive.or(maybe).cloned().unwrap_or(Liveness::Dead)
+            }
         };
         match l {
             Liveness::Dead => Ok(Dead(())),
@@ -94,14 +102,20 @@ impl Manager {
                 Some(match self.cfg.vfio_attach {
                     VfioAttach::Device => hypervisor::VfioAttach::Device { sysfsdev },
                     VfioAttach::HoldFd => {
-                        let g = group
-                            .ok_or_else(|| ApiError::vmm_start_failed(format!("{} has no IOMMU group", c.device)))?;
+                        let g = group.ok_or_else(|| {
+                            ApiError::vmm_start_failed(format!("{} has no IOMMU group", c.device), None)
+                        })?;
                         hypervisor::VfioAttach::HoldFd { node: self.host.vfio_group_node(g) }
                     }
                 })
             }
         };
+        let binary = match rec.hypervisor {
+            hypervisor::HypervisorKind::Qemu => self.cfg.qemu_binary.clone(),
+            hypervisor::HypervisorKind::CloudHypervisor => self.cfg.cloud_hypervisor_binary.clone(),
+        };
         Ok(hypervisor::VmSpec {
+            hypervisor: rec.hypervisor,
             id: rec.id,
             name: rec.name.clone(),
             vcpus: rec.vcpus,
@@ -111,7 +125,7 @@ impl Manager {
             paused: false,
             cmdline: image.cmdline.unwrap_or_else(|| self.cfg.default_cmdline.clone()),
             accel: self.cfg.accel.clone(),
-            qemu_binary: self.cfg.qemu_binary.clone(),
+            binary,
             run_dir: self.store.instance_dir(rec.id),
             vfio,
         })
@@ -122,25 +136,28 @@ impl Manager {
     pub(crate) fn spawn(&self, rec: &mut InstanceRecord, claim: Option<&Claim>) -> Result<(), ApiError> {
         let spec = self.vm_spec(rec, claim)?;
         let boot_id = self.boot_id()?;
-        let timeout = Duration::from_secs(self.cfg.qmp_ready_timeout_s);
-        let vmm = hypervisor::qemu::spawn_with_timeout(&spec, &boot_id, timeout).map_err(|e| match e {
+        let timeout = Duration::from_secs(self.cfg.vmm_ready_timeout_s);
+        let vmm = hypervisor::spawn(&spec, &boot_id, timeout).map_err(|e| match e {
             hypervisor::HypervisorError::KillFailed { pid } => ApiError::vmm_kill_failed(pid),
             hypervisor::HypervisorError::LivenessUnknown { reason } => {
                 ApiError::vmm_liveness_unknown(&rec.name, &reason)
             }
-            e => ApiError::vmm_start_failed(format!("the VMM did not start: {e}")),
+            hypervisor::HypervisorError::StartFailed { reason, api } => {
+                ApiError::vmm_start_failed(format!("the {} VMM did not start: {reason}", rec.hypervisor), api.as_ref())
+            }
+            e => ApiError::vmm_start_failed(format!("the {} VMM did not start: {e}", rec.hypervisor), None),
         })?;
         crate::crash_point!("after_spawn");
         // The VMM's identity is known from here on, written or not: a rollback after a failed
         // write stops exactly this process.
-        rec.vmm = Some(VmmRecord { identity: vmm.identity.clone(), control_socket: vmm.qmp_socket.clone() });
+        rec.vmm = Some(VmmRecord { identity: vmm.identity.clone(), control_socket: vmm.control_socket.clone() });
         let mut running = rec.clone();
         running.transition(InstanceState::Running)?;
         running.last_error = None;
         self.store.write_instance(&running)?;
         *rec = running;
         crate::crash_point!("after_running");
-        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, pid = vmm.identity.pid, "VMM running");
+        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, hypervisor = %rec.hypervisor, pid = vmm.identity.pid, "VMM running");
         Ok(())
     }
 
@@ -167,7 +184,8 @@ impl Manager {
                 Err(Liveness::Dead) => Err(ApiError::internal("liveness changed while proving it")),
             };
         };
-        match hypervisor::stop(&vmm.identity, &vmm.control_socket, self.stop_options(graceful), &boot_id) {
+        let driver = rec.hypervisor.driver();
+        match hypervisor::stop(driver, &vmm.identity, &vmm.control_socket, self.stop_options(graceful), &boot_id) {
             Ok(report) => {
                 if !report.escalations.is_empty() {
                     for sig in &report.escalations {

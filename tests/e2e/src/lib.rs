@@ -1206,3 +1206,97 @@ pub fn wait_reaped(pid: i32) -> bool {
     let dir = PathBuf::from(format!("/proc/{pid}"));
     wait_for(Duration::from_secs(10), || (!dir.exists()).then_some(())).is_some()
 }
+
+/// The real Cloud Hypervisor for the tests: `CLOUD_HYPERVISOR_BIN`, then `cloud-hypervisor`
+/// on `PATH`, then `../shared/tools/cloud-hypervisor` beside the checkout. `None` (after
+/// printing one line saying why) when there is none: the caller skips.
+pub fn real_cloud_hypervisor() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("CLOUD_HYPERVISOR_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        if let Some(p) = std::env::split_paths(&path).map(|d| d.join("cloud-hypervisor")).find(|p| p.is_file()) {
+            return Some(p);
+        }
+    }
+    let shared = repo_root().join("../shared/tools/cloud-hypervisor");
+    if shared.is_file() {
+        return Some(shared.canonicalize().unwrap_or(shared));
+    }
+    println!("skipped: no cloud-hypervisor binary (CLOUD_HYPERVISOR_BIN, PATH, ../shared/tools/cloud-hypervisor)");
+    None
+}
+
+/// A `cloud_hypervisor_binary` for the tests: a wrapper script that runs the Cloud
+/// Hypervisor test server (`tests/ch-fake`, `cloud-hypervisor-fake`) with a control file
+/// (`CH_FAKE_CONTROL`: fail a request, hang, ignore the power button, ...) and a request
+/// log (`CH_FAKE_LOG`), or the real binary.
+pub struct ChWrapper {
+    pub dir: tempfile::TempDir,
+    pub binary: PathBuf,
+    pub control: PathBuf,
+    pub requests_log: PathBuf,
+    /// `true`: the real Cloud Hypervisor (the control file and request log do nothing).
+    pub real: bool,
+}
+
+impl ChWrapper {
+    /// The test server.
+    pub fn fake() -> ChWrapper {
+        let fake = profile_dir().join("cloud-hypervisor-fake");
+        assert!(fake.is_file(), "{} not built (cargo build -p gpuvisor-ch-fake)", fake.display());
+        ChWrapper::around(&fake, false)
+    }
+
+    /// The real binary, if there is one.
+    pub fn real() -> Option<ChWrapper> {
+        real_cloud_hypervisor().map(|b| ChWrapper::around(&b, true))
+    }
+
+    fn around(target: &Path, real: bool) -> ChWrapper {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::Builder::new().prefix("gpuvisor-ch-wrap.").tempdir().unwrap();
+        let binary = dir.path().join("cloud-hypervisor");
+        let control = dir.path().join("control.json");
+        let requests_log = dir.path().join("requests.jsonl");
+        std::fs::write(
+            &binary,
+            format!(
+                "#!/bin/sh\nexport CH_FAKE_CONTROL={control:?} CH_FAKE_LOG={log:?}\nexec {target:?} \"$@\"\n",
+                control = control,
+                log = requests_log,
+                target = target
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+        ChWrapper { dir, binary, control, requests_log, real }
+    }
+
+    /// `("cloud_hypervisor_binary", "<wrapper>")` for [`Agent::start_tuned`]'s `set`.
+    pub fn setting(&self) -> (&'static str, String) {
+        ("cloud_hypervisor_binary", format!("{:?}", self.binary))
+    }
+
+    /// Replaces the test server's control file (read on every request).
+    pub fn control(&self, v: Value) {
+        let tmp = self.control.with_extension("tmp");
+        std::fs::write(&tmp, v.to_string()).unwrap();
+        std::fs::rename(&tmp, &self.control).unwrap();
+    }
+
+    /// Every request the test servers answered (or read), in order.
+    pub fn requests(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.requests_log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+/// Root-namespace pids of every VMM (QEMU or Cloud Hypervisor, real or the test server)
+/// whose command line names instance `id`.
+pub fn vmm_of(id: &str) -> Vec<i32> {
+    pids_where(|c| c.contains(id) && (c.contains("qemu-system") || c.contains("cloud-hypervisor")))
+}

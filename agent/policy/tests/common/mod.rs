@@ -20,9 +20,11 @@ pub fn wat(name: &str) -> PathBuf {
     root().join("tests/plugins").join(name)
 }
 
-const DEFAULT_PLUGINS: [&str; 4] = ["placement-spread", "placement-pack", "hypervisor-default", "grace-default"];
+/// Every plugin crate of the repository: the defaults and the examples.
+const PLUGINS: [&str; 5] =
+    ["placement-spread", "placement-pack", "hypervisor-default", "grace-default", "hypervisor-ch-plain"];
 
-/// The release wasm32 build of a default plugin, built once per test run
+/// The release wasm32 build of a plugin of the repository, built once per test run
 /// (`cargo build --target wasm32-unknown-unknown --release -p ...`; a no-op when fresh).
 pub fn built_plugin(name: &str) -> PathBuf {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
@@ -40,7 +42,7 @@ fn build_plugins() -> Result<PathBuf, String> {
         .args(["build", "--target", "wasm32-unknown-unknown", "--release"])
         .arg("--target-dir")
         .arg(&target_dir);
-    for p in DEFAULT_PLUGINS {
+    for p in PLUGINS {
         cmd.args(["-p", p]);
     }
     let status = cmd

@@ -1,0 +1,325 @@
+//! # hypervisor::process — what every VMM process gets
+//!
+//! [`spawn`] is the one start sequence for both drivers: refuse a control socket that a
+//! live process still owns, start the binary in its own process group with stdin from
+//! `/dev/null` and stdout/stderr appended to the VMM log, capture its identity before the
+//! reaper thread can reap it, lower its `oom_score_adj`, then hand it to the driver's
+//! [`Driver::bring_up`](super::Driver::bring_up). A start that fails once the process
+//! exists stops it through the kill path before answering.
+//!
+//! **Hold-fd (simulated host).** The VFIO group node is opened in the child between fork
+//! and exec, so the handle belongs to the VMM's own pid from the start and the VMM is the
+//! only holder for its whole life (NVIDIA-HOST.md §8 "Under the simulator"). The node is
+//! placed on fd [`HOLD_FD_FDSET`] (QEMU: `-add-fd fd=3,set=1`) **and** on
+//! [`HOLD_FD_KEEP`], which the VMM never touches (see [`super::qemu`] for why QEMU needs
+//! the second copy).
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use super::{HypervisorError, StartFailure, VfioAttach, VmSpec};
+use crate::host::proc::{self as hostproc, ProcessIdentity};
+
+/// `oom_score_adj` given to every VMM (best effort): a kill from the OOM killer during vGPU
+/// initialisation wedges the VF (NVIDIA-HOST.md §9).
+pub const VMM_OOM_SCORE_ADJ: i32 = -900;
+
+/// The fd the VFIO node is passed on (QEMU's fdset: `-add-fd fd=3`).
+pub const HOLD_FD_FDSET: i32 = 3;
+
+/// A second inherited copy of the VFIO node that the VMM never closes.
+pub const HOLD_FD_KEEP: i32 = 4;
+
+/// The exit status of a spawned VMM, filled in by its reaper thread.
+#[derive(Debug, Clone, Default)]
+pub struct ExitWatch {
+    inner: Arc<(Mutex<Option<ExitStatus>>, Condvar)>,
+}
+
+impl ExitWatch {
+    /// The exit status, once the VMM has exited and been reaped.
+    pub fn exited(&self) -> Option<ExitStatus> {
+        match self.inner.0.lock() {
+            Ok(g) => *g,
+            Err(poisoned) => *poisoned.into_inner(),
+        }
+    }
+
+    /// Waits up to `timeout` for the exit; returns the status if it came.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<ExitStatus> {
+        let (lock, cvar) = &*self.inner;
+        let guard = match lock.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let result = cvar.wait_timeout_while(guard, timeout, |s| s.is_none());
+        match result {
+            Ok((g, _)) => *g,
+            Err(p) => *p.into_inner().0,
+        }
+    }
+
+    fn set(&self, status: ExitStatus) {
+        let (lock, cvar) = &*self.inner;
+        match lock.lock() {
+            Ok(mut g) => *g = Some(status),
+            Err(p) => *p.into_inner() = Some(status),
+        }
+        cvar.notify_all();
+    }
+}
+
+/// A started VMM.
+#[derive(Debug, Clone)]
+pub struct RunningVmm {
+    /// Its identity (pid, start time, the host root's boot id, PID namespace); persist it.
+    pub identity: ProcessIdentity,
+    /// Its control socket (QMP or the Cloud Hypervisor API); persist it.
+    pub control_socket: PathBuf,
+    /// Its exit status once reaped (only meaningful inside this agent process).
+    pub exit: ExitWatch,
+}
+
+/// The last `max` bytes of `path` from byte `from` on, lossily decoded and trimmed.
+pub fn log_tail(path: &Path, from: u64, max: u64) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = from.max(len.saturating_sub(max));
+    if f.seek(SeekFrom::Start(start)).is_err() {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = f.take(max).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).trim().to_string()
+}
+
+/// Adds the hold-fd `pre_exec` hook: open `node` O_RDWR in the child and place it on fds
+/// [`HOLD_FD_FDSET`] and [`HOLD_FD_KEEP`] (both inherited across exec).
+fn add_hold_fd(cmd: &mut Command, node: &Path) -> Result<(), HypervisorError> {
+    let cpath = CString::new(node.as_os_str().as_bytes()).map_err(|_| {
+        HypervisorError::start_failed(format!("the VFIO node path {} contains a NUL byte", node.display()))
+    })?;
+    // SAFETY: the closure runs in the child between fork and exec and only calls
+    // async-signal-safe functions (open, fcntl, dup2, close) on data prepared before fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(cpath.as_ptr(), libc::O_RDWR);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Move it above the target fds first, so dup2 never clobbers it.
+            let high = libc::fcntl(fd, libc::F_DUPFD, 10);
+            if high < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::close(fd);
+            for target in [HOLD_FD_FDSET, HOLD_FD_KEEP] {
+                if libc::dup2(high, target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            libc::close(high);
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a control socket that a live process still listens on, then removes a stale
+/// socket file.
+fn take_control_socket(socket: &Path) -> Result<(), HypervisorError> {
+    match hostproc::unix_listener_owners(socket) {
+        Ok(owners) if owners.is_empty() => {}
+        Ok(owners) => {
+            return Err(HypervisorError::start_failed(format!(
+                "control socket {} is still owned by process {}",
+                socket.display(),
+                owners[0]
+            )))
+        }
+        Err(e) => {
+            return Err(HypervisorError::LivenessUnknown {
+                reason: format!("the owner of control socket {} could not be determined: {e}", socket.display()),
+            })
+        }
+    }
+    match std::fs::remove_file(socket) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Starts the VMM for `spec` and brings its VM up (see the module docs); `ready_timeout`
+/// bounds each readiness step ([`Driver::bring_up`](super::Driver::bring_up)). The identity
+/// is tagged with `host_boot_id` (the host root's boot id).
+///
+/// Errors: [`HypervisorError::StartFailed`] when the spec is invalid, the control socket
+/// is owned by a live process, the exec or the hold-fd open fails (e.g. ENODEV), the VMM
+/// exits early, does not answer within the timeout, or its API refuses the VM (the tail of
+/// the VMM log is in the reason, the refused request in `api`). A VMM that started is
+/// stopped through the kill path before returning; if that fails, its error
+/// ([`HypervisorError::KillFailed`] / [`HypervisorError::LivenessUnknown`]) is returned
+/// instead, so that on `Err` either no VMM is left or the caller is told one is.
+pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Result<RunningVmm, HypervisorError> {
+    let driver = spec.hypervisor.driver();
+    let args = driver.command_line(spec)?;
+    std::fs::create_dir_all(&spec.run_dir)?;
+    let control_socket = spec.control_socket();
+    take_control_socket(&control_socket)?;
+
+    let log_path = spec.vmm_log();
+    let log = OpenOptions::new().create(true).append(true).open(&log_path)?;
+    let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
+    let log_err = log.try_clone()?;
+
+    let mut cmd = Command::new(&spec.binary);
+    cmd.args(&args).stdin(Stdio::null()).stdout(Stdio::from(log)).stderr(Stdio::from(log_err)).process_group(0);
+    if let Some(VfioAttach::HoldFd { node }) = &spec.vfio {
+        add_hold_fd(&mut cmd, node)?;
+    }
+    tracing::info!(instance.id = %spec.id, hypervisor = %spec.hypervisor, binary = %spec.binary.display(),
+        args = %args.join(" "), "starting the VMM");
+    let child = cmd.spawn().map_err(|e| match &spec.vfio {
+        // The pre_exec open's errno comes back as the spawn error.
+        Some(VfioAttach::HoldFd { node }) => HypervisorError::start_failed(format!(
+            "starting {} holding the VFIO node {} failed: {e}",
+            spec.binary.display(),
+            node.display()
+        )),
+        _ => HypervisorError::start_failed(format!("starting {} failed: {e}", spec.binary.display())),
+    })?;
+    let pid = child.id() as i32;
+
+    // The child is not reaped yet, so its /proc entry exists even if it already exited.
+    let identity = match hostproc::identity_of(pid, host_boot_id) {
+        Ok(Some(id)) => id,
+        Ok(None) => {
+            return Err(HypervisorError::start_failed(format!("process {pid} vanished before its identity was read")))
+        }
+        Err(e) => {
+            return Err(HypervisorError::start_failed(format!("the identity of process {pid} could not be read: {e}")))
+        }
+    };
+    if let Err(e) = hostproc::set_oom_score_adj(pid, VMM_OOM_SCORE_ADJ) {
+        tracing::debug!(pid, error = %e, "could not lower the VMM's oom_score_adj");
+    }
+
+    let exit = ExitWatch::default();
+    {
+        let exit = exit.clone();
+        let mut child = child;
+        std::thread::Builder::new().name(format!("vmm-reaper-{pid}")).spawn(move || match child.wait() {
+            Ok(status) => {
+                tracing::info!(pid, %status, "VMM exited");
+                exit.set(status);
+            }
+            Err(e) => tracing::error!(pid, error = %e, "waiting for the VMM failed"),
+        })?;
+    }
+
+    let running = RunningVmm { identity, control_socket, exit };
+    match driver.bring_up(&running, spec, ready_timeout) {
+        Ok(()) => Ok(running),
+        Err(StartFailure { reason, api }) => {
+            let tail = log_tail(&log_path, log_start, 2048);
+            let reason = if tail.is_empty() { reason } else { format!("{reason}; {}: {tail}", driver.log_name()) };
+            if running.exit.exited().is_none() {
+                if let Err(e) = super::stop::kill(
+                    &running.identity,
+                    &running.control_socket,
+                    super::stop::DEFAULT_TERM_GRACE,
+                    host_boot_id,
+                ) {
+                    tracing::debug!(pid, start_error = %reason, "a VMM that failed to start could not be stopped");
+                    return Err(e);
+                }
+            }
+            Err(HypervisorError::StartFailed { reason, api })
+        }
+    }
+}
+
+/// Polls `attempt` (backoff 5 ms doubling to 100 ms) until it answers `Ok`, the VMM exits
+/// (fails at once, naming the exit status) or `timeout` passes (fails with the last error).
+/// `what` names the wait in the error ("QMP on <socket>").
+pub fn wait_answering<T>(
+    vmm: &RunningVmm,
+    what: &str,
+    timeout: Duration,
+    mut attempt: impl FnMut(Duration) -> Result<T, String>,
+) -> Result<T, String> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut step = Duration::from_millis(5);
+    loop {
+        if let Some(status) = vmm.exit.exited() {
+            return Err(format!("the VMM exited during start ({status})"));
+        }
+        let remaining = deadline.saturating_duration_since(std::time::Instant::now());
+        match attempt(remaining.max(Duration::from_millis(100))) {
+            Ok(v) => return Ok(v),
+            Err(e) if std::time::Instant::now() >= deadline => {
+                return Err(format!("{what} did not answer within {} ms ({e})", timeout.as_millis()))
+            }
+            Err(_) => {}
+        }
+        // Sleep on the exit watch so an early exit ends the wait at once.
+        let _ = vmm.exit.wait_timeout(step);
+        step = (step * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// How long a probe of a VMM binary may take.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs `binary args` (stdin from `/dev/null`) and answers the first line of its output, or
+/// why it did not run: not found, not executable, a failing exit status, or no exit within
+/// [`PROBE_TIMEOUT`] (it is then killed).
+pub fn version_of(binary: &Path, args: &[&str]) -> Result<String, String> {
+    let mut child = Command::new(binary)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{} cannot be run: {e}", binary.display()))?;
+    let deadline = std::time::Instant::now() + PROBE_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "`{} {}` did not exit within {} s",
+                    binary.display(),
+                    args.join(" "),
+                    PROBE_TIMEOUT.as_secs()
+                ));
+            }
+            Err(e) => return Err(format!("waiting for {} failed: {e}", binary.display())),
+        }
+    };
+    let mut out = String::new();
+    if let Some(mut o) = child.stdout.take() {
+        let _ = o.read_to_string(&mut out);
+    }
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    if !status.success() {
+        return Err(format!("`{} {}` failed ({status}): {}", binary.display(), args.join(" "), err.trim()));
+    }
+    Ok(out.lines().next().unwrap_or("").trim().to_string())
+}
