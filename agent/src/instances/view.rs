@@ -57,6 +57,13 @@ pub struct VmmView {
     pub liveness: String,
     /// Why the liveness is unknown.
     pub reason: Option<String>,
+    /// `instance.get` only: the VM state as the VMM reports it now (QEMU `query-status`,
+    /// e.g. `running`; Cloud Hypervisor `vm.info`, e.g. `Running`). Absent from lists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_state: Option<String>,
+    /// `instance.get` only: why the VMM could not be asked for its state (within 1 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_state_error: Option<String>,
 }
 
 /// The GPU of an instance: its profile, and what its claim says.
@@ -475,6 +482,9 @@ impl PassReport {
     }
 }
 
+/// How long `instance.get` waits for the VMM to report its VM state.
+const VM_STATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Manager {
     /// The sysfs path of a claimed device: the VF, or the mdev.
     pub(crate) fn device_path(&self, c: &Claim) -> String {
@@ -503,6 +513,8 @@ impl Manager {
             control_socket: v.control_socket.display().to_string(),
             liveness: liveness.into(),
             reason,
+            vm_state: None,
+            vm_state_error: None,
         })
     }
 
@@ -597,7 +609,15 @@ impl Manager {
     /// `instance.get`.
     pub fn get(&self, r: &str) -> Result<InstanceView, ApiError> {
         let rec = self.find(r)?;
-        Ok(self.view_after(&rec))
+        let mut view = self.view_after(&rec);
+        if let Some(v) = view.vmm.as_mut().filter(|v| v.liveness == "alive") {
+            let socket = std::path::Path::new(&v.control_socket);
+            match rec.hypervisor.driver().vm_state(socket, VM_STATE_TIMEOUT) {
+                Ok(state) => v.vm_state = Some(state),
+                Err(e) => v.vm_state_error = Some(e),
+            }
+        }
+        Ok(view)
     }
 
     /// `instance.list`: every readable instance, and every record that cannot be read.

@@ -145,6 +145,11 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
     let show = r.a.cli(&["-o", "json", "show", "vm"]);
     let shown: Value = serde_json::from_slice(&show.stdout).unwrap();
     assert_eq!(shown["hypervisor"], hv.name());
+    // What the VMM itself says (QMP query-status; vm.info), in instance.get only.
+    let state = if hv == Hv::Qemu { "running" } else { "Running" };
+    assert_eq!(shown["vmm"]["vm_state"], state, "{shown}");
+    let listed = r.a.ok("instance.list", json!({}));
+    assert!(listed["instances"][0]["vmm"].get("vm_state").is_none(), "lists do not ask the VMMs: {listed}");
 
     if let Some(ch) = r.ch.as_ref().filter(|c| !c.real) {
         // Exactly what the driver sent: memory in bytes, the instance id as SMBIOS UUID, the
