@@ -46,6 +46,9 @@ impl Manager {
         // A claim left from an earlier failed release goes first, persisted.
         match self.claim_of(&rec)? {
             OwnedClaim::Claim(old) => {
+                // Nothing is released before the startup pass has a complete observation
+                // (I13): say `not_ready`, which is retryable, not `gpu_release_pending`.
+                self.require_ready()?;
                 let boot_id = self.boot_id()?;
                 let dead = self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
                     ApiError::vmm_liveness_unknown(&rec.name, &format!("its VMM is not provably dead ({l})"))

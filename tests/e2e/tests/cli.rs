@@ -51,8 +51,9 @@ fn an_instance_goes_through_create_ps_show_stop_start_and_rm() {
     assert!(ps.lines().next().unwrap().starts_with("NAME"), "{ps}");
     let r = row(&ps, "web-1").unwrap_or_else(|| panic!("no web-1 row: {ps}"));
     assert_eq!(r[1], "running", "{ps}");
-    assert_eq!(r[2], "L40S-1Q", "{ps}");
-    assert_eq!(r[3], "0000:41:00.4", "{ps}");
+    assert_eq!(r[2], "qemu", "{ps}");
+    assert_eq!(r[3], "L40S-1Q", "{ps}");
+    assert_eq!(r[4], "0000:41:00.4", "{ps}");
 
     // ps --output json parses and carries the labels.
     let v: Value = serde_json::from_str(&ok(a.cli(&["ps", "--output", "json"]))).expect("ps --output json is JSON");

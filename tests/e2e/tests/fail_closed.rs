@@ -742,6 +742,11 @@ fn an_mdev_entry_whose_name_is_not_a_uuid_is_named_and_counted() {
 /// writes to a simulator file whose writes are delayed: SIGKILL cannot end it until the
 /// write returns (FUSE `request_wait_answer`), like a QEMU stuck in the kernel.
 const STUCK_VMM: &str = r#"#!/usr/bin/env python3
+import sys
+if sys.argv[1:] == ["--version"]:
+    # The agent probes its QEMU at start.
+    print("QEMU emulator version 7.2.0 (test stand-in)")
+    sys.exit(0)
 import os, signal, time
 stuck = open(STUCK_PATH_FILE).read().strip()
 def on_term(signum, frame):
@@ -803,6 +808,11 @@ fn a_rollback_whose_vmm_would_not_die_names_vmm_kill_failed_in_the_cause() {
 /// on SIGTERM it frees the space and writes to a simulator file whose writes are delayed,
 /// where SIGKILL cannot reach it until the write returns.
 const FILLING_VMM: &str = r#"#!/usr/bin/env python3
+import sys
+if sys.argv[1:] == ["--version"]:
+    # The agent probes its QEMU at start.
+    print("QEMU emulator version 7.2.0 (test stand-in)")
+    sys.exit(0)
 import json, os, signal, socket, sys, threading, time
 args = sys.argv[1:]
 qmp = args[args.index("-qmp") + 1].split("unix:", 1)[1].split(",", 1)[0]

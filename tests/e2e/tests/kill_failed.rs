@@ -13,6 +13,11 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 const FAKE_VMM: &str = r#"#!/usr/bin/env python3
+import sys
+if sys.argv[1:] == ["--version"]:
+    # The agent probes its QEMU at start.
+    print("QEMU emulator version 7.2.0 (test stand-in)")
+    sys.exit(0)
 # A QMP-speaking stand-in for QEMU: answers the agent's QMP commands; on SIGTERM it writes
 # to STUCK_PATH (a delayed FUSE file), where SIGKILL cannot reach it until the write ends.
 import json, os, signal, socket, sys, threading
