@@ -5,7 +5,7 @@
 //! `plugin test`, which runs a plugin locally.
 
 use crate::config::{Config, VfioAttach};
-use crate::instances::request::{CreateRequest, DryRunParams, ImportParams, UnquarantineParams};
+use crate::instances::request::{CreateRequest, DryRunParams, GpuRequest, ImportParams, UnquarantineParams};
 use crate::instances::view::{GpuList, ImageList, InstanceList, InstanceView, PluginList, Resources};
 use crate::rpc::client::{self, ClientError};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -65,7 +65,8 @@ pub enum Command {
         name: String,
         #[arg(long)]
         image: String,
-        /// vGPU profile, e.g. L40S-2Q.
+        /// A vGPU profile (e.g. L40S-2Q), or a whole GPU: `passthrough` (any free one) or
+        /// `passthrough=<BDF>` (that one).
         #[arg(long)]
         gpu: Option<String>,
         /// key=value (repeatable).
@@ -104,7 +105,8 @@ pub enum Command {
     Profiles,
     /// resources.get (device counts and profiles).
     Resources,
-    /// What the placement plugin would choose for a profile (claims nothing).
+    /// What the placement plugin would choose for a profile, or for `passthrough` /
+    /// `passthrough=<BDF>` (claims nothing).
     DryRun {
         profile: String,
         #[arg(long = "label", value_parser = parse_label)]
@@ -216,6 +218,9 @@ pub struct ServeArgs {
     /// Serve `GET /metrics` on this loopback address (e.g. 127.0.0.1:9464).
     #[arg(long)]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// GPUs handed out whole (comma-separated PCI addresses; default none).
+    #[arg(long, value_delimiter = ',')]
+    pub passthrough_gpus: Option<Vec<String>>,
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -256,6 +261,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.metrics_listen {
             c.metrics_listen = Some(v);
+        }
+        if let Some(v) = &self.passthrough_gpus {
+            c.passthrough_gpus = v.iter().map(|g| g.to_ascii_lowercase()).collect();
         }
         if let Some(v) = &self.record_policy_inputs {
             c.record_policy_inputs = Some(v.clone());
@@ -301,7 +309,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
             let req = CreateRequest {
                 name: name.clone(),
                 image: image.clone(),
-                gpu: gpu.clone(),
+                gpu: gpu.as_deref().map(GpuRequest::from_flag),
                 labels: labels.iter().cloned().collect(),
                 vcpus: *vcpus,
                 memory_mib: *memory_mib,
@@ -329,7 +337,22 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Profiles | Command::Resources => ("resources.get", json!({})),
         Command::DryRun { profile, labels } => (
             "placement.dry_run",
-            to_params(&DryRunParams { profile: profile.clone(), name: None, labels: labels.iter().cloned().collect() }),
+            to_params(&match GpuRequest::from_flag(profile) {
+                GpuRequest::Spec(s) => DryRunParams {
+                    profile: None,
+                    passthrough: true,
+                    address: s.address,
+                    name: None,
+                    labels: labels.iter().cloned().collect(),
+                },
+                GpuRequest::Profile(p) => DryRunParams {
+                    profile: Some(p),
+                    passthrough: false,
+                    address: None,
+                    name: None,
+                    labels: labels.iter().cloned().collect(),
+                },
+            }),
         ),
         Command::Image { action: ImageAction::Import { name, kernel, initrd, cmdline } } => {
             let abs = |p: &PathBuf| {
@@ -546,12 +569,16 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
             }
             for g in &list.gpus {
                 println!(
-                    "\nGPU {}  {}  {} MiB  claimed {} MiB{}{}",
+                    "\nGPU {}  {}  {} MiB  claimed {} MiB{}{}{}",
                     g.address,
                     g.model,
                     opt(&g.framebuffer_mib),
                     g.claimed_framebuffer_mib,
                     if g.managed { "" } else { "  (not managed)" },
+                    match &g.passthrough {
+                        Some(p) => format!("  passthrough, IOMMU group {}", opt(&p.group)),
+                        None => String::new(),
+                    },
                     g.health
                         .as_ref()
                         .map(|h| format!("  health {}: {}", health_cell(Some(h)), h.detail))
@@ -584,6 +611,19 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                     })
                     .collect();
                 table(&["DEVICE", "STATE", "TYPE", "OWNER", "PROFILE", "CLAIM", "HEALTH"], rows);
+                if let Some(p) = &g.passthrough {
+                    let rows = p
+                        .functions
+                        .iter()
+                        .map(|f| vec![f.bdf.clone(), opt(&f.driver), opt(&f.original_driver)])
+                        .chain(p.bridges.iter().map(|b| vec![b.clone(), "(bridge, stays)".into(), "-".into()]))
+                        .chain(p.foreign.iter().map(|b| vec![b.clone(), "(not this GPU's)".into(), "-".into()]))
+                        .collect();
+                    table(&["FUNCTION", "DRIVER", "ORIGINAL"], rows);
+                    if let Some(why) = &p.problem {
+                        println!("  not offered: {why}");
+                    }
+                }
                 for d in &g.devices {
                     if let Some(m) = &d.type_mismatch {
                         println!("  {}: {m}", d.address);
@@ -617,6 +657,13 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                 })
                 .collect();
             table(&["PROFILE", "TYPE", "FB_MIB", "PLACEABLE"], rows);
+            let p = &r.passthrough;
+            if p.total > 0 {
+                println!(
+                    "passthrough GPUs: total {} claimed {} allocatable {} quarantined {} dirty {} refused {} unreadable {}",
+                    p.total, p.claimed, p.allocatable, p.quarantined, p.dirty, p.refused, p.unreadable
+                );
+            }
         }
         Command::Create { .. } | Command::Start { .. } | Command::Stop { .. } => {
             let Some(i) = decode::<InstanceView>(v) else { return exit::OK };

@@ -67,8 +67,18 @@ pub struct Config {
     pub accel: String,
     /// How VFIO devices reach QEMU.
     pub vfio_attach: VfioAttach,
-    /// PF addresses gpuvisor may touch; absent = every NVIDIA GPU found.
+    /// PF addresses gpuvisor may touch for vGPUs; absent = every NVIDIA GPU found (except
+    /// the passthrough GPUs).
     pub managed_gpus: Option<Vec<String>>,
+    /// GPU addresses gpuvisor may hand out whole (bound to `vfio-pci` with their IOMMU
+    /// group); none by default. A GPU is never both a vGPU parent and a passthrough GPU.
+    pub passthrough_gpus: Vec<String>,
+    /// A command (argv) that stops the host services holding a passthrough GPU through the
+    /// host driver (`/dev/nvidia*`: persistenced, DCGM) before the GPU leaves `nvidia`;
+    /// empty = none are stopped and a held GPU is refused with `gpu_busy`.
+    pub passthrough_stop_services: Vec<String>,
+    /// The command (argv) that starts those services again after the bind.
+    pub passthrough_start_services: Vec<String>,
     /// Directory of the default plugins (`placement-spread.wasm`, `hypervisor-default.wasm`,
     /// `grace-default.wasm`) used for slots not set under `[plugins]`.
     pub plugin_dir: PathBuf,
@@ -114,6 +124,9 @@ impl Default for Config {
             accel: "kvm".into(),
             vfio_attach: VfioAttach::Device,
             managed_gpus: None,
+            passthrough_gpus: Vec::new(),
+            passthrough_stop_services: Vec::new(),
+            passthrough_start_services: Vec::new(),
             plugin_dir: PathBuf::from("/usr/lib/gpuvisor/plugins"),
             plugins: Plugins::default(),
             reconcile_interval_s: 60,
@@ -143,7 +156,9 @@ impl Config {
 
     /// Parses TOML text.
     pub fn parse(text: &str) -> anyhow::Result<Config> {
-        let cfg: Config = toml::from_str(text)?;
+        let mut cfg: Config = toml::from_str(text)?;
+        // sysfs names PCI functions in lower case.
+        cfg.passthrough_gpus.iter_mut().for_each(|g| g.make_ascii_lowercase());
         cfg.validate()?;
         Ok(cfg)
     }
@@ -163,6 +178,19 @@ impl Config {
                     "managed_gpus: {g:?} is not a PCI address (domain:bus:device.function, e.g. 0000:41:00.0)"
                 );
             }
+        }
+        for g in &self.passthrough_gpus {
+            if !is_bdf(g) {
+                anyhow::bail!(
+                    "passthrough_gpus: {g:?} is not a PCI address (domain:bus:device.function, e.g. 0000:82:00.0)"
+                );
+            }
+            if self.managed_gpus.iter().flatten().any(|m| m.eq_ignore_ascii_case(g)) {
+                anyhow::bail!("{g} is in both managed_gpus and passthrough_gpus: a GPU is a vGPU parent or a passthrough GPU, never both");
+            }
+        }
+        if self.passthrough_start_services.is_empty() != self.passthrough_stop_services.is_empty() {
+            anyhow::bail!("passthrough_stop_services and passthrough_start_services are set together, or neither");
         }
         if let Some(a) = self.metrics_listen {
             if !a.ip().is_loopback() {
@@ -195,12 +223,21 @@ impl Config {
         Ok(())
     }
 
-    /// True when gpuvisor may touch devices of the GPU (PF) at `pf`.
+    /// True when gpuvisor may touch vGPU devices of the GPU (PF) at `pf` (never a
+    /// passthrough GPU).
     pub fn manages(&self, pf: &str) -> bool {
+        if self.is_passthrough_gpu(pf) {
+            return false;
+        }
         match &self.managed_gpus {
             None => true,
             Some(list) => list.iter().any(|g| g.eq_ignore_ascii_case(pf)),
         }
+    }
+
+    /// True when `bdf` is one of the `passthrough_gpus`.
+    pub fn is_passthrough_gpu(&self, bdf: &str) -> bool {
+        self.passthrough_gpus.iter().any(|g| g.eq_ignore_ascii_case(bdf))
     }
 
     /// The plugin path of a slot: `[plugins.<kind>].path`, else `<plugin_dir>/<default>.wasm`.

@@ -221,6 +221,57 @@ impl ApiError {
         e
     }
 
+    /// `device_unhealthy`: the device the request needs is quarantined (`reason`, `detail`).
+    pub fn device_unhealthy(device: &str, reason: &str, detail: &str) -> ApiError {
+        ApiError::new(
+            ErrorCode::DeviceUnhealthy,
+            format!("{device} is quarantined ({reason}: {detail}); see gpuvisor gpus, and gpuvisor gpus unquarantine once repaired"),
+        )
+        .with("device", device)
+        .with("reason", reason)
+    }
+
+    /// `iommu_group_conflict`: the passthrough GPU's IOMMU group holds `members`, which are
+    /// not functions of the GPU (and not bridges): the group cannot be moved whole.
+    pub fn iommu_group_conflict(gpu: &str, group: u32, members: &[String]) -> ApiError {
+        ApiError::new(
+            ErrorCode::IommuGroupConflict,
+            format!(
+                "the IOMMU group {group} of {gpu} also holds {}, which is not a function of this GPU; nothing was changed",
+                members.join(", ")
+            ),
+        )
+        .with("device", gpu)
+        .with("group", group)
+        .with("members", members.to_vec())
+    }
+
+    /// `gpu_busy`: host processes hold the passthrough GPU through the host driver.
+    pub fn gpu_busy(gpu: &str, node: &str, holders: &[String]) -> ApiError {
+        ApiError::new(
+            ErrorCode::GpuBusy,
+            format!(
+                "{gpu} is held through {node} by {} (e.g. nvidia-persistenced or DCGM); stop it, or configure \
+                 passthrough_stop_services; nothing was changed",
+                holders.join(", ")
+            ),
+        )
+        .with("device", gpu)
+        .with("holders", holders.to_vec())
+    }
+
+    /// `passthrough_bind_failed`: moving the group to `vfio-pci` failed (`binding`: what
+    /// the functions are bound to now, after the undo).
+    pub fn passthrough_bind_failed(gpu: &str, error: &str, binding: &str) -> ApiError {
+        ApiError::new(
+            ErrorCode::PassthroughBindFailed,
+            format!("{gpu} could not be bound to vfio-pci: {error}; every function was given back ({binding})"),
+        )
+        .with("device", gpu)
+        .with("error", error)
+        .with("binding", binding)
+    }
+
     /// `instance_cleanup_pending`: only `instance.delete` is allowed.
     pub fn instance_cleanup_pending(id: uuid::Uuid, name: &str) -> ApiError {
         ApiError::new(
@@ -261,11 +312,14 @@ impl ApiError {
         let release = json!({"code": c.release.code, "message": c.release.message});
         let (message, mut cause) = match &c.cause {
             Some(cause) => (
-                format!("{} and the vGPU could not be released ({}); {guidance}", cause.message, c.release.message),
+                format!(
+                    "{} and its GPU device could not be released ({}); {guidance}",
+                    cause.message, c.release.message
+                ),
                 cause.data(),
             ),
             None => (
-                format!("the vGPU could not be released ({}); {guidance}", c.release.message),
+                format!("the GPU device could not be released ({}); {guidance}", c.release.message),
                 json!({"code": "release_failed", "detail": c.release.message}),
             ),
         };

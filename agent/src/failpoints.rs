@@ -40,6 +40,9 @@
 //! | `reconcile_before_release` | reconciler: decisions made, nothing released |
 //! | `reconcile_after_release` | reconciler: one item released |
 //! | `retain_write` | rollback: the retention write fails (`return` = an I/O error) |
+//! | `pt_bind_after_unbind` | passthrough configure: a function was unbound from its driver, not yet probed to vfio-pci |
+//! | `pt_release_after_reset` | passthrough release: the GPU was reset, no function given back |
+//! | `pt_release_after_unbind` | passthrough release: a function was unbound from vfio-pci, not yet probed to its driver |
 
 /// The crash-matrix points (every persisted step).
 pub const ALL: &[&str] = &[
@@ -61,6 +64,9 @@ pub const ALL: &[&str] = &[
     "reconcile_before_release",
     "reconcile_after_release",
 ];
+
+/// The passthrough write sites (the crash tests of `tests/e2e/tests/passthrough.rs`).
+pub const PASSTHROUGH: &[&str] = &["pt_bind_after_unbind", "pt_release_after_reset", "pt_release_after_unbind"];
 
 /// Points where races matter, for pausing (they abort too when configured `return`).
 pub const RACE: &[&str] = &["claim_before_create", "configure_after_repair", "rollback_before_release"];
@@ -114,7 +120,12 @@ mod pause {
     fn registry() -> &'static (Mutex<BTreeMap<String, Point>>, Condvar) {
         static R: OnceLock<(Mutex<BTreeMap<String, Point>>, Condvar)> = OnceLock::new();
         R.get_or_init(|| {
-            let names = super::ALL.iter().chain(super::RACE).map(|n| (n.to_string(), Point::default())).collect();
+            let names = super::ALL
+                .iter()
+                .chain(super::RACE)
+                .chain(super::PASSTHROUGH)
+                .map(|n| (n.to_string(), Point::default()))
+                .collect();
             (Mutex::new(names), Condvar::new())
         })
     }

@@ -218,8 +218,18 @@ pub struct InstanceDefinition {
     pub gpu_profile: Option<String>,
     /// The GPU framework the profile was placed with, if any.
     pub gpu_framework: Option<Framework>,
+    /// A whole GPU (passthrough), if asked for: any free passthrough GPU, or the one named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_passthrough: Option<PassthroughWant>,
     /// Wall time, RFC 3339.
     pub created_at: String,
+}
+
+/// What a passthrough instance asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassthroughWant {
+    /// The GPU's address, when the request named one (kept across restarts); `None`: any.
+    pub address: Option<String>,
 }
 
 /// `instances/<id>/instance.json`: the definition (flattened: the file is one JSON object)
@@ -266,7 +276,7 @@ impl InstanceRecord {
 
     /// True when the record asks for a GPU.
     pub fn wants_gpu(&self) -> bool {
-        self.gpu_profile.is_some()
+        self.gpu_profile.is_some() || self.gpu_passthrough.is_some()
     }
 }
 
@@ -332,6 +342,27 @@ pub struct Claim {
     #[serde(default)]
     pub release_attempts: u32,
     pub last_error: Option<String>,
+    /// Passthrough: the IOMMU group and each function's original driver, recorded before
+    /// any driver changes (NVIDIA-HOST.md §7 Bind step 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passthrough: Option<PassthroughClaim>,
+}
+
+/// The passthrough part of a claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassthroughClaim {
+    /// The IOMMU group (`dev/vfio/<group>`).
+    pub group: u32,
+    /// Every endpoint function of the group, the GPU first.
+    pub functions: Vec<FunctionRecord>,
+}
+
+/// One function of a passthrough claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionRecord {
+    pub bdf: String,
+    /// The driver it was bound to before gpuvisor touched it (`None`: unbound).
+    pub original_driver: Option<String>,
 }
 
 impl Claim {
@@ -883,6 +914,7 @@ mod tests {
             state: ClaimState::Claimed,
             release_attempts: 0,
             last_error: None,
+            passthrough: None,
         }
     }
 
@@ -953,6 +985,7 @@ mod tests {
                 labels: Labels::new(),
                 gpu_profile: None,
                 gpu_framework: None,
+                gpu_passthrough: None,
                 created_at: "2026-01-01T00:00:00Z".into(),
             },
             InstanceState::Stopped,

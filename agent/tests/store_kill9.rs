@@ -22,6 +22,7 @@ fn record(id: Uuid, n: u64) -> InstanceRecord {
             labels: Default::default(),
             gpu_profile: Some("L40S-2Q".into()),
             gpu_framework: Some(Framework::VendorVfio),
+            gpu_passthrough: None,
             created_at: "2026-01-01T00:00:00Z".into(),
         },
         if n.is_multiple_of(2) { InstanceState::Running } else { InstanceState::Stopped },
@@ -49,6 +50,7 @@ fn claim(device: &str, id: Uuid, n: u64) -> Claim {
         state: ClaimState::ReleasePending,
         release_attempts: n as u32,
         last_error: Some("y".repeat((n % 3000) as usize)),
+        passthrough: None,
     }
 }
 

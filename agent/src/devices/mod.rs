@@ -1,7 +1,7 @@
 //! # devices — native device backends
 //!
-//! One backend per framework: [`vendor_vfio`] (type ids written to SR-IOV VFs) and
-//! [`mdev`] (mediated devices). [`scan`] reads the whole host once — framework detection
+//! One backend per framework: [`vendor_vfio`] (type ids written to SR-IOV VFs),
+//! [`mdev`] (mediated devices) and [`passthrough`] (whole GPUs bound to `vfio-pci`). [`scan`] reads the whole host once — framework detection
 //! (NVIDIA-HOST.md §1), every VF and its catalog, every mdev parent and mdev — reading each
 //! sysfs file once; nothing here is cached (catalogs shrink as GPUs fill).
 //!
@@ -15,6 +15,7 @@
 
 pub mod catalog;
 pub mod mdev;
+pub mod passthrough;
 pub mod vendor_vfio;
 
 use crate::host::HostRoot;

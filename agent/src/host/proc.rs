@@ -773,6 +773,14 @@ pub(crate) mod testutil {
     }
 }
 
+/// `pid <N> (<comm>)` for messages naming a holder (`pid <N>` when its name cannot be read).
+pub fn describe_pid(pid: i32) -> String {
+    match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+        Ok(c) => format!("pid {pid} ({})", c.trim()),
+        Err(_) => format!("pid {pid}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::testutil::in_private_proc;

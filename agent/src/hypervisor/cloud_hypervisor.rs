@@ -126,12 +126,14 @@ pub fn vm_config(spec: &VmSpec) -> Result<VmConfig, HypervisorError> {
     let mut devices = Vec::new();
     match &spec.vfio {
         None => {}
-        Some(VfioAttach::Device { sysfsdev }) => {
-            let mut path = path_string(sysfsdev);
-            if !path.ends_with('/') {
-                path.push('/');
+        Some(VfioAttach::Device { sysfsdevs }) => {
+            for (i, dev) in sysfsdevs.iter().enumerate() {
+                let mut path = path_string(dev);
+                if !path.ends_with('/') {
+                    path.push('/');
+                }
+                devices.push(Device { path, id: format!("gpu{i}") });
             }
-            devices.push(Device { path, id: "gpu0".into() });
         }
         Some(VfioAttach::HoldFd { node }) => {
             return Err(HypervisorError::start_failed(format!(
@@ -339,9 +341,21 @@ mod tests {
     #[test]
     fn a_vfio_device_goes_by_its_sysfs_path_and_a_held_fd_is_refused() {
         let mut s = spec();
-        s.vfio = Some(VfioAttach::Device { sysfsdev: "/sys/bus/pci/devices/0000:41:00.0".into() });
+        s.vfio = Some(VfioAttach::Device { sysfsdevs: vec!["/sys/bus/pci/devices/0000:41:00.0".into()] });
         let v = serde_json::to_value(vm_config(&s).unwrap()).unwrap();
         assert_eq!(v["devices"], json!([{"path": "/sys/bus/pci/devices/0000:41:00.0/", "id": "gpu0"}]));
+        // A passthrough group: one device per function.
+        s.vfio = Some(VfioAttach::Device {
+            sysfsdevs: vec!["/sys/bus/pci/devices/0000:82:00.0".into(), "/sys/bus/pci/devices/0000:82:00.1".into()],
+        });
+        let v = serde_json::to_value(vm_config(&s).unwrap()).unwrap();
+        assert_eq!(
+            v["devices"],
+            json!([
+                {"path": "/sys/bus/pci/devices/0000:82:00.0/", "id": "gpu0"},
+                {"path": "/sys/bus/pci/devices/0000:82:00.1/", "id": "gpu1"}
+            ])
+        );
         s.vfio = Some(VfioAttach::HoldFd { node: "/sim/dev/vfio/41".into() });
         assert!(vm_config(&s).unwrap_err().to_string().contains("sysfs path only"));
     }

@@ -198,12 +198,13 @@ impl From<ApiFailure> for StartFailure {
 /// How the VM gets its VFIO device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VfioAttach {
-    /// Production: the device's sysfs directory. For a VF:
+    /// Production: the device's sysfs directories. For a VF:
     /// `<host_root>/sys/bus/pci/devices/<VF>`; for an mdev:
-    /// `<host_root>/sys/bus/mdev/devices/<uuid>` (NVIDIA-HOST.md §8).
+    /// `<host_root>/sys/bus/mdev/devices/<uuid>`; for a passthrough GPU, every function of
+    /// its IOMMU group, the GPU first (NVIDIA-HOST.md §8).
     Device {
-        /// The device's sysfs directory.
-        sysfsdev: PathBuf,
+        /// The sysfs directories, one per VFIO device.
+        sysfsdevs: Vec<PathBuf>,
     },
     /// Simulated host: the VMM holds the VFIO group node `node` (`<host_root>/dev/vfio/<G>`)
     /// open for its whole life, opened in the child before exec.

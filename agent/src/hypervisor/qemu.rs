@@ -45,6 +45,9 @@ fn hold_fd_opaque(node: &Path) -> String {
 /// then the VFIO arguments: `-device vfio-pci,sysfsdev=<path>` or, for hold-fd,
 /// `-add-fd fd=3,set=1,opaque=vfio-group-<G>`. `-cpu host` only with `kvm` (TCG cannot
 /// emulate the host CPU).
+/// The guest PCI slot of a passthrough GPU's functions.
+const PASSTHROUGH_SLOT: u32 = 0x10;
+
 pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
@@ -71,8 +74,18 @@ pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
     push(&["-qmp", &format!("unix:{},server=on,wait=off", opt_escape(&path_str(&spec.control_socket())))]);
     match &spec.vfio {
         None => {}
-        Some(VfioAttach::Device { sysfsdev }) => {
-            push(&["-device", &format!("vfio-pci,sysfsdev={}", opt_escape(&path_str(sysfsdev)))])
+        Some(VfioAttach::Device { sysfsdevs }) if sysfsdevs.len() == 1 => {
+            push(&["-device", &format!("vfio-pci,sysfsdev={}", opt_escape(&path_str(&sysfsdevs[0])))])
+        }
+        // A passthrough group: every function in one guest slot, function 0 multifunction.
+        Some(VfioAttach::Device { sysfsdevs }) => {
+            for (f, dev) in sysfsdevs.iter().enumerate() {
+                let mf = if f == 0 { ",multifunction=on" } else { "" };
+                push(&[
+                    "-device",
+                    &format!("vfio-pci,sysfsdev={},addr=0x{PASSTHROUGH_SLOT:x}.{f}{mf}", opt_escape(&path_str(dev))),
+                ])
+            }
         }
         Some(VfioAttach::HoldFd { node }) => {
             push(&["-add-fd", &format!("fd={HOLD_FD_FDSET},set=1,opaque={}", opt_escape(&hold_fd_opaque(node)))])
@@ -197,16 +210,31 @@ mod tests {
 
     #[test]
     fn device_attach_passes_sysfsdev() {
-        let args =
-            qemu_command_line(&spec(Some(VfioAttach::Device { sysfsdev: "/sys/bus/pci/devices/0001:81:00.4".into() })));
+        let args = qemu_command_line(&spec(Some(VfioAttach::Device {
+            sysfsdevs: vec!["/sys/bus/pci/devices/0001:81:00.4".into()],
+        })));
 
         assert!(has_pair(&args, "-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0001:81:00.4"));
     }
 
     #[test]
+    fn a_passthrough_group_shares_one_multifunction_slot() {
+        let args = qemu_command_line(&spec(Some(VfioAttach::Device {
+            sysfsdevs: vec!["/sys/bus/pci/devices/0000:82:00.0".into(), "/sys/bus/pci/devices/0000:82:00.1".into()],
+        })));
+        assert!(has_pair(
+            &args,
+            "-device",
+            "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.0,addr=0x10.0,multifunction=on"
+        ));
+        assert!(has_pair(&args, "-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.1,addr=0x10.1"));
+    }
+
+    #[test]
     fn mdev_attach_passes_the_mdev_directory_and_escapes_commas() {
-        let args =
-            qemu_command_line(&spec(Some(VfioAttach::Device { sysfsdev: "/sim,1/sys/bus/mdev/devices/aa-bb".into() })));
+        let args = qemu_command_line(&spec(Some(VfioAttach::Device {
+            sysfsdevs: vec!["/sim,1/sys/bus/mdev/devices/aa-bb".into()],
+        })));
 
         assert!(has_pair(&args, "-device", "vfio-pci,sysfsdev=/sim,,1/sys/bus/mdev/devices/aa-bb"));
     }

@@ -8,12 +8,12 @@
 //! fault costs a few writes and one clear message, not a write on every VF.
 
 use super::health::{Verdict, WriteSite};
-use super::inventory::Candidate;
+use super::inventory::{Candidate, PASSTHROUGH};
 use super::policy_calls::PlacementAsk;
 use super::release::{Release, ReleaseError, Released};
 use super::{now_rfc3339, Manager};
-use crate::devices::{mdev, vendor_vfio};
-use crate::error::ApiError;
+use crate::devices::{mdev, passthrough, vendor_vfio};
+use crate::error::{ApiError, ErrorCode};
 use crate::host::proc;
 use crate::store::{Claim, ClaimState, Framework, InstanceRecord, MdevRecord, StoreError};
 use std::collections::BTreeSet;
@@ -48,17 +48,25 @@ struct Refusal {
     untouched: bool,
     /// A sysfs write was attempted (counts against [`MAX_CONFIGURE_FAILURES`]).
     wrote: bool,
+    /// The error to answer with instead of `no_capacity` (passthrough: the named GPU is
+    /// refused, or its bind failed).
+    error: Option<ApiError>,
 }
 
 impl Refusal {
     /// Refused before any write.
     fn untouched(why: impl Into<String>) -> Refusal {
-        Refusal { why: why.into(), verdict: Verdict::None, untouched: true, wrote: false }
+        Refusal { why: why.into(), verdict: Verdict::None, untouched: true, wrote: false, error: None }
     }
 
     /// A write was refused.
     fn write_failed(why: impl Into<String>, verdict: Verdict, untouched: bool) -> Refusal {
-        Refusal { why: why.into(), verdict, untouched, wrote: true }
+        Refusal { why: why.into(), verdict, untouched, wrote: true, error: None }
+    }
+
+    /// Refused before any write, with the error a request for this very GPU gets.
+    fn answer(e: ApiError) -> Refusal {
+        Refusal { why: e.message.clone(), verdict: Verdict::None, untouched: true, wrote: false, error: Some(e) }
     }
 }
 
@@ -78,7 +86,11 @@ impl Manager {
             owner_name: Some(rec.name.clone()),
             owner_labels: Some(rec.labels.clone()),
             gpu: c.gpu.clone(),
-            profile: rec.gpu_profile.clone().unwrap_or_default(),
+            profile: if c.passthrough.is_some() {
+                PASSTHROUGH.to_string()
+            } else {
+                rec.gpu_profile.clone().unwrap_or_default()
+            },
             type_id: None,
             mdev_uuid: c.mdev_type.as_ref().map(|_| Uuid::new_v4()),
             mdev_type: c.mdev_type.clone(),
@@ -89,6 +101,7 @@ impl Manager {
             state: ClaimState::Claimed,
             release_attempts: 0,
             last_error: None,
+            passthrough: c.passthrough.clone(),
         }
     }
 
@@ -97,14 +110,17 @@ impl Manager {
     pub(crate) fn claim_and_configure(&self, rec: &InstanceRecord) -> Result<Claim, ClaimFailure> {
         let fail = ClaimFailure::Nothing;
         self.require_ready().map_err(fail)?;
-        let profile = rec.gpu_profile.clone().unwrap_or_default();
+        let whole = rec.gpu_passthrough.as_ref();
+        let profile = match whole {
+            Some(_) => PASSTHROUGH.to_string(),
+            None => rec.gpu_profile.clone().unwrap_or_default(),
+        };
         let boot_id = self.boot_id().map_err(fail)?;
         let started = Instant::now();
         let ask = PlacementAsk { instance_id: rec.id, name: &rec.name, labels: &rec.labels, profile: &profile };
         let (obs, framework, ranked) = {
             let _a = self.alloc();
-            let obs = self.observe(Some(&profile)).map_err(fail)?;
-            let framework = obs.framework().map_err(fail)?;
+            let (obs, framework) = self.observe_candidates(&profile, whole).map_err(fail)?;
             let ranked = self.rank(&ask, framework, &obs).map_err(fail)?;
             (obs, framework, ranked)
         };
@@ -133,7 +149,7 @@ impl Manager {
             let result = match framework {
                 Framework::VendorVfio => self.configure_vf(&mut claim, &cand),
                 Framework::Mdev => self.configure_mdev(&mut claim, rec),
-                Framework::Passthrough => Err(Refusal::untouched("passthrough is not supported yet")),
+                Framework::Passthrough => self.configure_passthrough(&claim),
             };
             match result {
                 Ok(()) => {
@@ -158,13 +174,25 @@ impl Manager {
                         notes.push(format!("GPU {gpu}: the same error on several of its devices: a GPU- or driver-level fault; its other devices were not tried"));
                         faulty_gpus.insert(gpu.clone());
                     }
+                    let error = r.error.clone();
                     self.drop_refused_claim(rec, claim, r).map_err(|(c, e)| ClaimFailure::Held(c, e))?;
+                    // A named GPU, or a bind that failed (a host problem, not this GPU's
+                    // luck): the answer is that error, once the group is given back.
+                    if let Some(e) = error {
+                        let named = whole.is_some_and(|w| w.address.is_some());
+                        if named || e.code == ErrorCode::PassthroughBindFailed {
+                            return Err(fail(self.with_binding_now(e, &cand)));
+                        }
+                    }
                 }
             }
         }
         // The message stays one readable sentence on any host: the first notes, then a count
         // (every note is in `data.notes`).
-        let mut msg = format!("no device can take profile {profile} now");
+        let mut msg = match whole {
+            Some(_) => "no passthrough GPU is free now".to_string(),
+            None => format!("no device can take profile {profile} now"),
+        };
         if !notes.is_empty() {
             let shown: Vec<&str> = notes.iter().take(MESSAGE_NOTES).map(String::as_str).collect();
             let more = notes.len().saturating_sub(MESSAGE_NOTES);
@@ -267,6 +295,124 @@ impl Manager {
                 Err(Refusal::write_failed(m, Verdict::None, zero))
             }
         }
+    }
+
+    /// Moves a claimed passthrough GPU's group to `vfio-pci` (NVIDIA-HOST.md §7 Bind), under
+    /// the configure and device locks: the group must read as the claim recorded it (no
+    /// foreign member, the same drivers), no host process may hold the GPU through the host
+    /// driver (services are stopped only when configured, and started again afterwards),
+    /// then every function moves and `dev/vfio/<G>` must appear. Any failure leaves the
+    /// group to the release path (`untouched: false`), which gives every function back.
+    fn configure_passthrough(&self, claim: &Claim) -> Result<(), Refusal> {
+        let Some(pc) = &claim.passthrough else {
+            return Err(Refusal::untouched("the claim lacks its passthrough record"));
+        };
+        let _c = self.configure_lock();
+        let dev_lock = self.device_lock(&claim.device);
+        let _d = crate::sync::lock(&dev_lock);
+        let now = match passthrough::read_gpu(&self.host, &claim.device) {
+            Ok(Some(g)) => g,
+            Ok(None) => return Err(Refusal::untouched("the GPU is gone from the host")),
+            Err(e) => return Err(Refusal::untouched(format!("cannot be read: {e}"))),
+        };
+        if !now.foreign.is_empty() {
+            return Err(Refusal::answer(ApiError::iommu_group_conflict(&claim.device, now.group, &now.foreign)));
+        }
+        let recorded: Vec<(&str, Option<&str>)> =
+            pc.functions.iter().map(|f| (f.bdf.as_str(), f.original_driver.as_deref())).collect();
+        let current: Vec<(&str, Option<&str>)> =
+            now.functions.iter().map(|f| (f.bdf.as_str(), f.driver.as_deref())).collect();
+        if now.group != pc.group || recorded != current {
+            return Err(Refusal::untouched(format!("its group changed since it was observed ({})", now.binding())));
+        }
+        let stopped = self.free_from_host_driver(&claim.device, &now)?;
+        let r = self.bind_group(claim, pc);
+        if stopped {
+            self.host_services("start", &self.cfg.passthrough_start_services);
+        }
+        r
+    }
+
+    /// Makes sure no host process holds the GPU through `dev/nvidia<N>`. A holder with no
+    /// `passthrough_stop_services` configured is `gpu_busy`; with them, the services are
+    /// stopped first (`Ok(true)`: they must be started again).
+    fn free_from_host_driver(&self, gpu: &str, now: &passthrough::PtGpu) -> Result<bool, Refusal> {
+        let Some(minor) = now.nvidia_minor else { return Ok(false) };
+        let node = passthrough::nvidia_node(&self.host, minor);
+        let holders = || match proc::scan_open_handles(std::slice::from_ref(&node)) {
+            proc::HandleScan::Clean => Ok(vec![]),
+            proc::HandleScan::Held { pids } => Ok(pids),
+            proc::HandleScan::Unknown { reason } => {
+                Err(Refusal::untouched(format!("the holders of {} cannot be verified: {reason}", node.display())))
+            }
+        };
+        let mut pids = holders()?;
+        if pids.is_empty() {
+            return Ok(false);
+        }
+        let services = &self.cfg.passthrough_stop_services;
+        let stopped = !services.is_empty();
+        if stopped {
+            self.host_services("stop", services);
+            pids = holders()?;
+        }
+        if pids.is_empty() {
+            return Ok(stopped);
+        }
+        if stopped {
+            self.host_services("start", &self.cfg.passthrough_start_services);
+        }
+        let named: Vec<String> = pids.iter().map(|p| proc::describe_pid(*p)).collect();
+        Err(Refusal::answer(ApiError::gpu_busy(gpu, &node.display().to_string(), &named)))
+    }
+
+    /// Runs a `passthrough_*_services` command; a failure is logged (the bind's own checks
+    /// decide what happens next).
+    fn host_services(&self, what: &str, argv: &[String]) {
+        let Some((bin, args)) = argv.split_first() else { return };
+        match std::process::Command::new(bin).args(args).stdin(std::process::Stdio::null()).status() {
+            Ok(s) if s.success() => tracing::info!(command = %argv.join(" "), "host services {what}ed for passthrough"),
+            Ok(s) => tracing::warn!(command = %argv.join(" "), status = %s, "the host services {what} command failed"),
+            Err(e) => {
+                tracing::warn!(command = %argv.join(" "), error = %e, "the host services {what} command cannot run")
+            }
+        }
+    }
+
+    /// Moves every function of the group to `vfio-pci`, then requires `dev/vfio/<G>`.
+    fn bind_group(&self, claim: &Claim, pc: &crate::store::PassthroughClaim) -> Result<(), Refusal> {
+        let fail = |w: crate::devices::WriteError| {
+            let verdict = self.write_outcome(&claim.device, &claim.device, WriteSite::Bind, &Err(w.clone()));
+            let e = ApiError::passthrough_bind_failed(&claim.device, &w.message, "");
+            Refusal { why: w.message, verdict, untouched: false, wrote: true, error: Some(e) }
+        };
+        for f in &pc.functions {
+            passthrough::move_to_vfio(&self.host, &f.bdf).map_err(fail)?;
+        }
+        let node = self.host.vfio_group_node(pc.group);
+        if !node.exists() {
+            return Err(fail(crate::devices::WriteError::other(format!(
+                "{} did not appear after every function moved to vfio-pci",
+                node.display()
+            ))));
+        }
+        self.write_outcome(&claim.device, &claim.device, WriteSite::Bind, &Ok(()));
+        Ok(())
+    }
+
+    /// A `passthrough_bind_failed` answer carries the binding read after the release path
+    /// gave the group back.
+    fn with_binding_now(&self, e: ApiError, cand: &Candidate) -> ApiError {
+        if e.code != ErrorCode::PassthroughBindFailed {
+            return e;
+        }
+        let binding = match passthrough::read_gpu(&self.host, &cand.device) {
+            Ok(Some(g)) => g.binding(),
+            Ok(None) => "the GPU is gone".into(),
+            Err(x) => format!("cannot be read: {x}"),
+        };
+        let error = e.details().get("error").and_then(|v| v.as_str()).unwrap_or_default().to_string();
+        ApiError::passthrough_bind_failed(&cand.device, &error, &binding)
     }
 
     /// Creates the claim's mdev: records it in `mdevs/` first, then writes `create`.

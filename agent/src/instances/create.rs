@@ -3,13 +3,13 @@
 //! configure → spawn sequence that `start` shares.
 
 use super::claim::ClaimFailure;
-use super::request::CreateRequest;
+use super::request::{CreateRequest, GpuWant};
 use super::rollback::Rollback;
 use super::view::InstanceView;
 use super::{now_rfc3339, Manager, Who};
 use crate::error::{ApiError, ErrorCode};
 use crate::images;
-use crate::store::{InstanceDefinition, InstanceRecord, InstanceState, StoreError};
+use crate::store::{Framework, InstanceDefinition, InstanceRecord, InstanceState, PassthroughWant, StoreError};
 use crate::sync::lock;
 use uuid::Uuid;
 
@@ -22,7 +22,7 @@ impl Manager {
     }
 
     fn create_with_id(&self, id: Uuid, req: &CreateRequest) -> Result<InstanceView, ApiError> {
-        let (vcpus, memory_mib) = req.validate()?;
+        let (vcpus, memory_mib, gpu) = req.validate()?;
         images::load(&self.store.images_dir(), &req.image).map_err(|e| {
             if e.code == ErrorCode::NotFound {
                 ApiError::invalid_request(e.message)
@@ -30,13 +30,22 @@ impl Manager {
                 e
             }
         })?;
-        let framework = match &req.gpu {
-            Some(_) => Some(self.current_framework()?),
-            None => None,
+        let (framework, whole) = match &gpu {
+            None => (None, None),
+            Some(GpuWant::Profile(_)) => (Some(self.current_framework()?), None),
+            Some(GpuWant::Passthrough { address }) => {
+                self.check_passthrough_address(address.as_deref())?;
+                (Some(Framework::Passthrough), Some(PassthroughWant { address: address.clone() }))
+            }
         };
         // The capability gate runs before anything is allocated.
-        let hypervisor = self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework)?;
-        let profile = req.gpu.as_deref().map(|p| self.known_profile(p)).transpose()?;
+        let devices: Vec<String> = whole.iter().filter_map(|w| w.address.clone()).collect();
+        let hypervisor =
+            self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework, &devices)?;
+        let profile = match &gpu {
+            Some(GpuWant::Profile(p)) => Some(self.known_profile(p)?),
+            _ => None,
+        };
         let rec = InstanceRecord::new(
             InstanceDefinition {
                 id,
@@ -48,6 +57,7 @@ impl Manager {
                 labels: req.labels.clone(),
                 gpu_profile: profile,
                 gpu_framework: framework,
+                gpu_passthrough: whole,
                 created_at: now_rfc3339(),
             },
             InstanceState::Starting,
@@ -76,10 +86,31 @@ impl Manager {
             }
         }
         crate::crash_point!("create_after_record");
-        tracing::info!(instance.id = %id, instance.name = %rec.name,
-            profile = %rec.gpu_profile.as_deref().unwrap_or("-"), "creating instance");
+        let gpu = match (&rec.gpu_profile, &rec.gpu_passthrough) {
+            (Some(p), _) => p.clone(),
+            (None, Some(w)) => format!("passthrough {}", w.address.as_deref().unwrap_or("(any)")),
+            (None, None) => "-".into(),
+        };
+        tracing::info!(instance.id = %id, instance.name = %rec.name, profile = %gpu, "creating instance");
         let rec = self.boot(rec, Rollback::Remove)?;
         Ok(self.view_after(&rec))
+    }
+
+    /// A named passthrough GPU must be one of `passthrough_gpus` (`invalid_request`); with
+    /// none configured, no whole GPU can be asked for.
+    pub(crate) fn check_passthrough_address(&self, address: Option<&str>) -> Result<(), ApiError> {
+        let configured = &self.cfg.passthrough_gpus;
+        let listed = || if configured.is_empty() { "none".to_string() } else { configured.join(", ") };
+        match address {
+            _ if configured.is_empty() => Err(ApiError::invalid_request(
+                "this agent hands out no whole GPUs (passthrough_gpus is empty in its configuration)",
+            )),
+            Some(a) if !self.cfg.is_passthrough_gpu(a) => Err(ApiError::invalid_request(format!(
+                "{a} is not one of this agent's passthrough GPUs (passthrough_gpus: {})",
+                listed()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Claim, configure, spawn for a `starting` record; on failure roll back as `mode` says.

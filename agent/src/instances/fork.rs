@@ -52,6 +52,7 @@ impl Manager {
                 memory_mib: src.memory_mib,
                 labels: src.labels.clone(),
                 gpu_profile: src.gpu_profile.clone(),
+                gpu_passthrough: src.gpu_passthrough.clone(),
                 gpu_framework: src.gpu_framework,
                 created_at: now_rfc3339(),
             },

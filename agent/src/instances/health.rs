@@ -44,11 +44,15 @@ pub enum WriteSite {
     MdevCreate,
     /// An mdev `remove` (release).
     MdevRemove,
+    /// A passthrough group moved to `vfio-pci` (configure).
+    Bind,
+    /// A passthrough group given back to its drivers, or its reset (release).
+    Rebind,
 }
 
 impl WriteSite {
     fn at_create(self) -> bool {
-        matches!(self, WriteSite::SetType | WriteSite::MdevCreate)
+        matches!(self, WriteSite::SetType | WriteSite::MdevCreate | WriteSite::Bind)
     }
 }
 

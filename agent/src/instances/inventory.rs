@@ -14,14 +14,17 @@
 //!   observation).
 
 use super::{now_rfc3339, Manager};
-use crate::devices::{self, mdev, vendor_vfio, HostMode, UnreadableDevice};
+use crate::devices::{self, mdev, passthrough, vendor_vfio, HostMode, UnreadableDevice};
 use crate::error::ApiError;
-use crate::store::{Claim, ClaimState, Framework, HealthRecord, Listing, Store};
+use crate::store::{Claim, ClaimState, Framework, FunctionRecord, HealthRecord, Listing, PassthroughClaim, Store};
 use crate::sync::lock;
 use gpuvisor_sdk::{profile_framebuffer_mib, DeviceOwner, DeviceState, DeviceView, GpuView, Inventory};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;
+
+/// The profile name requests, claims and plugins use for a whole GPU.
+pub const PASSTHROUGH: &str = "passthrough";
 
 /// What `current_vgpu_type` of a device reads: a type id (`0`: none), or unknown.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,6 +84,17 @@ pub struct ObservedGpu {
     /// A GPU-level health mark (`health/<PF>.json`).
     pub health: Option<HealthRecord>,
     pub devices: Vec<ObservedDevice>,
+    /// A passthrough GPU (its one device is the GPU itself); `None` for a vGPU parent.
+    pub passthrough: Option<PassthroughObserved>,
+}
+
+/// What a passthrough GPU's group reads now.
+#[derive(Debug, Clone)]
+pub struct PassthroughObserved {
+    /// The group and its members (`None` when they cannot be read: the GPU is unreadable).
+    pub read: Option<passthrough::PtGpu>,
+    /// Why it cannot be handed out even when free (a foreign group member, VFs enabled).
+    pub problem: Option<String>,
 }
 
 /// What the store says about one device.
@@ -102,6 +116,9 @@ pub struct Candidate {
     pub dirty_type: Option<u32>,
     /// mdev: the type directory to create.
     pub mdev_type: Option<String>,
+    /// Passthrough: the group and every function's driver now (recorded in the claim as
+    /// the original drivers, before anything changes).
+    pub passthrough: Option<PassthroughClaim>,
 }
 
 /// The host and the store observed once.
@@ -157,12 +174,14 @@ impl Observation {
         }
     }
 
-    /// The placement inventory the plugins see: managed GPUs only.
-    pub fn inventory(&self) -> Inventory {
+    /// The placement inventory the plugins see for a request of `framework`: the managed
+    /// vGPU parents, or the passthrough GPUs.
+    pub fn inventory(&self, framework: Framework) -> Inventory {
+        let whole = framework == Framework::Passthrough;
         let gpus = self
             .gpus
             .iter()
-            .filter(|g| g.managed)
+            .filter(|g| g.managed && g.passthrough.is_some() == whole)
             .map(|g| GpuView {
                 address: g.address.clone(),
                 model: g.model.clone(),
@@ -201,9 +220,17 @@ impl Observation {
         Inventory { gpus }
     }
 
-    /// Every observed device of managed GPUs.
+    /// Every observed vGPU device (VF, mdev parent) of managed GPUs.
     pub fn devices(&self) -> impl Iterator<Item = (&ObservedGpu, &ObservedDevice)> {
-        self.gpus.iter().filter(|g| g.managed).flat_map(|g| g.devices.iter().map(move |d| (g, d)))
+        self.gpus
+            .iter()
+            .filter(|g| g.managed && g.passthrough.is_none())
+            .flat_map(|g| g.devices.iter().map(move |d| (g, d)))
+    }
+
+    /// Every passthrough GPU: the GPU, its one device, and its group.
+    pub fn passthrough(&self) -> impl Iterator<Item = (&ObservedGpu, &ObservedDevice, &PassthroughObserved)> {
+        self.gpus.iter().filter_map(|g| Some((g, g.devices.first()?, g.passthrough.as_ref()?)))
     }
 }
 
@@ -344,7 +371,7 @@ impl Manager {
             .scan_health()
             .map_err(|e| ApiError::not_ready(format!("health records cannot be listed: {e}")))?;
         let driver = scan.driver_version.clone();
-        for c in &claims.records {
+        for c in claims.records.iter().filter(|c| c.framework != Framework::Passthrough) {
             if let (Some(id), true) = (c.type_id, c.driver_version == driver) {
                 self.book.learn_type(&driver, &c.gpu, id, &c.profile);
             }
@@ -367,6 +394,7 @@ impl Manager {
             // A probe error still shows every VF that was found (each unreadable one named).
             _ => self.observe_vendor(&scan, profile, &mut obs),
         }
+        self.observe_passthrough(&mut obs);
         if profile.is_some() {
             let dirty: Vec<String> = obs
                 .devices()
@@ -383,6 +411,11 @@ impl Manager {
         }
         let mut problems: BTreeSet<String> =
             obs.unreadable.iter().map(|u| format!("{}: {}", u.address, u.reason)).collect();
+        for (_, d, _) in obs.passthrough() {
+            if let Some(u) = &d.unreadable {
+                problems.insert(format!("{}: {u}", d.address));
+            }
+        }
         for (_, d) in obs.devices() {
             for line in &d.catalog_skipped {
                 problems.insert(format!("{}: creatable_vgpu_types line skipped: {line:?}", d.address));
@@ -533,6 +566,7 @@ impl Manager {
                             dirty: d.state == DeviceState::Dirty,
                             dirty_type: d.current_type.id().filter(|t| *t != 0 && d.state == DeviceState::Dirty),
                             mdev_type: None,
+                            passthrough: None,
                         });
                     }
                 }
@@ -548,6 +582,7 @@ impl Manager {
                 health: self.gpu_mark(obs, &g.bdf),
                 devices,
                 address: g.bdf.clone(),
+                passthrough: None,
             });
         }
     }
@@ -607,6 +642,7 @@ impl Manager {
                             dirty: false,
                             dirty_type: None,
                             mdev_type: Some(t.dir.clone()),
+                            passthrough: None,
                         });
                     }
                 }
@@ -637,8 +673,187 @@ impl Manager {
                 health: self.gpu_mark(obs, &pf),
                 devices,
                 address: pf,
+                passthrough: None,
             });
         }
+    }
+
+    /// The configured passthrough GPUs (`passthrough_gpus`) the host has: each one GPU
+    /// whose one device is the GPU itself. States: claimed; quarantined; unreadable (its
+    /// group or a driver link cannot be read); dirty (a function on `vfio-pci`, or the
+    /// functions split between drivers, with no claim: not gpuvisor's binding, never
+    /// touched); free otherwise. A free GPU with a [`PassthroughObserved::problem`] is not
+    /// a candidate.
+    fn observe_passthrough(&self, obs: &mut Observation) {
+        for bdf in &self.cfg.passthrough_gpus {
+            let (read, unreadable) = match passthrough::read_gpu(&self.host, bdf) {
+                Ok(Some(g)) => (Some(g), None),
+                Ok(None) => {
+                    obs.notes.push(format!("passthrough_gpus names {bdf}, which this host does not have"));
+                    continue;
+                }
+                Err(e) => (None, Some(e)),
+            };
+            let problem = read.as_ref().and_then(|g| {
+                if !g.foreign.is_empty() {
+                    Some(format!(
+                        "its IOMMU group {} also holds {}, which is not a function of this GPU",
+                        g.group,
+                        g.foreign.join(", ")
+                    ))
+                } else if g.numvfs > 0 {
+                    Some(format!("it has {} SR-IOV VFs enabled (a vGPU parent)", g.numvfs))
+                } else {
+                    None
+                }
+            });
+            let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } =
+                self.device_records(obs, bdf);
+            let state = if claim.is_some() || claim_unreadable.is_some() {
+                DeviceState::Claimed
+            } else if health.as_ref().is_some_and(|h| h.quarantined) {
+                DeviceState::Quarantined
+            } else if unreadable.is_some() {
+                DeviceState::Unreadable
+            } else if read.as_ref().is_some_and(|g| !g.on_host_drivers()) {
+                DeviceState::Dirty
+            } else {
+                DeviceState::Free
+            };
+            let device_id = read.as_ref().map(|g| g.device_id.clone()).unwrap_or_default();
+            let fb = devices::framebuffer_by_device_id(&device_id);
+            obs.gpus.push(ObservedGpu {
+                address: bdf.clone(),
+                model: devices::model_by_device_id(&device_id).unwrap_or("NVIDIA GPU").to_string(),
+                framebuffer_mib: fb,
+                numa_node: read.as_ref().and_then(|g| g.numa_node),
+                claimed_framebuffer_mib: if state == DeviceState::Claimed { fb.unwrap_or(0) } else { 0 },
+                load_known: fb.is_some() || state != DeviceState::Claimed,
+                managed: true,
+                health: None,
+                devices: vec![ObservedDevice {
+                    address: bdf.clone(),
+                    state,
+                    current_type: TypeReading::Id(0),
+                    creatable: vec![],
+                    claim,
+                    claim_unreadable,
+                    claim_unreadable_owner,
+                    owner_labels,
+                    health,
+                    unreadable,
+                    catalog_skipped: vec![],
+                    type_mismatch: None,
+                }],
+                passthrough: Some(PassthroughObserved { read, problem }),
+            });
+        }
+    }
+
+    /// The observation with the legal candidates of a request: a vGPU `profile`, or a
+    /// whole GPU (`whole`), and the framework the claim uses.
+    pub(crate) fn observe_candidates(
+        &self,
+        profile: &str,
+        whole: Option<&crate::store::PassthroughWant>,
+    ) -> Result<(Observation, Framework), ApiError> {
+        match whole {
+            Some(w) => {
+                let mut obs = self.observe(None)?;
+                obs.candidates = self.passthrough_candidates(&mut obs, w.address.as_deref())?;
+                Ok((obs, Framework::Passthrough))
+            }
+            None => {
+                let obs = self.observe(Some(profile))?;
+                let framework = obs.framework()?;
+                Ok((obs, framework))
+            }
+        }
+    }
+
+    /// The legal passthrough candidates: free GPUs without a problem, or only the one at
+    /// `address`. A named GPU that cannot be given now is an error that says why
+    /// (`iommu_group_conflict`, `device_unhealthy`, `no_capacity`); for "any GPU" the
+    /// others are notes.
+    pub(crate) fn passthrough_candidates(
+        &self,
+        obs: &mut Observation,
+        address: Option<&str>,
+    ) -> Result<Vec<Candidate>, ApiError> {
+        let mut out = Vec::new();
+        let mut notes = Vec::new();
+        let mut found = false;
+        for (g, d, pt) in obs.passthrough() {
+            if address.is_some_and(|a| !a.eq_ignore_ascii_case(&g.address)) {
+                continue;
+            }
+            found = true;
+            let why = match (d.state, &pt.problem, &pt.read) {
+                (DeviceState::Free, None, Some(r)) => {
+                    out.push(Candidate {
+                        device: g.address.clone(),
+                        gpu: g.address.clone(),
+                        dirty: false,
+                        dirty_type: None,
+                        mdev_type: None,
+                        passthrough: Some(PassthroughClaim {
+                            group: r.group,
+                            functions: r
+                                .functions
+                                .iter()
+                                .map(|f| FunctionRecord { bdf: f.bdf.clone(), original_driver: f.driver.clone() })
+                                .collect(),
+                        }),
+                    });
+                    continue;
+                }
+                (DeviceState::Free, Some(p), Some(r)) => {
+                    if address.is_some() && !r.foreign.is_empty() {
+                        return Err(ApiError::iommu_group_conflict(&g.address, r.group, &r.foreign));
+                    }
+                    p.clone()
+                }
+                (DeviceState::Quarantined, _, _) => {
+                    let h = d.health.as_ref();
+                    if address.is_some() {
+                        return Err(ApiError::device_unhealthy(
+                            &g.address,
+                            h.map(|h| h.reason.as_str()).unwrap_or("-"),
+                            h.map(|h| h.detail.as_str()).unwrap_or("-"),
+                        ));
+                    }
+                    format!("quarantined ({})", h.map(|h| h.reason.as_str()).unwrap_or("-"))
+                }
+                (DeviceState::Claimed, _, _) => match &d.claim {
+                    Some(c) => format!(
+                        "claimed by instance {}",
+                        c.owner_name.clone().unwrap_or_else(|| c.instance_id.to_string())
+                    ),
+                    None => "its claim record cannot be read".into(),
+                },
+                (DeviceState::Dirty, _, Some(r)) => {
+                    format!("bound to vfio-pci with no claim ({}): not gpuvisor's binding", r.binding())
+                }
+                (_, _, _) => format!("cannot be read: {}", d.unreadable.clone().unwrap_or_default()),
+            };
+            notes.push(format!("{}: {why}", g.address));
+        }
+        if let (Some(a), false) = (address, found) {
+            return Err(ApiError::invalid_request(format!(
+                "{a} is not a passthrough GPU of this host (passthrough_gpus: {})",
+                if self.cfg.passthrough_gpus.is_empty() { "none".into() } else { self.cfg.passthrough_gpus.join(", ") }
+            )));
+        }
+        if let (Some(_), true) = (address, out.is_empty()) {
+            return Err(ApiError::no_capacity(
+                format!("the passthrough GPU {}", notes.join("; ")),
+                PASSTHROUGH,
+                notes,
+                None,
+            ));
+        }
+        obs.notes.extend(notes);
+        Ok(out)
     }
 
     /// The claimed framebuffer of a GPU's devices (from claims, not sysfs) and whether every

@@ -103,7 +103,7 @@ impl Manager {
                 framebuffer_mib: self.book.profile_fb(ask.profile),
                 profile: ask.profile.to_string(),
             },
-            inventory: obs.inventory(),
+            inventory: obs.inventory(framework),
             params: slot.params.clone(),
         };
         let answer = self
@@ -190,6 +190,7 @@ impl Manager {
         labels: &Labels,
         requested: Option<&str>,
         framework: Option<Framework>,
+        devices: &[String],
     ) -> Result<HypervisorKind, ApiError> {
         let sdk_framework = framework.map(Into::into);
         if let Some(kind) = requested.and_then(HypervisorKind::from_name) {
@@ -206,7 +207,7 @@ impl Manager {
                 labels: labels.clone(),
                 requested_hypervisor: requested.map(str::to_string),
                 framework: sdk_framework,
-                devices: vec![],
+                devices: devices.to_vec(),
             },
             hypervisors: hypervisors.clone(),
             params: slot.params.clone(),

@@ -24,7 +24,7 @@
 //!    through the release path, and the report counts what was actually done.
 
 use super::release::{scan, Release, Released};
-use super::view::{FailedItem, PassReport, RecordChange, ReleasedItem};
+use super::view::{DeletedItem, FailedItem, PassReport, RecordChange, ReleasedItem};
 use super::vmm::Dead;
 use super::Manager;
 use crate::devices::{mdev, vendor_vfio};
@@ -161,6 +161,7 @@ impl Manager {
                     eligible.extend(self.orphan_vfs(obs, &mut report));
                     eligible.extend(self.orphan_mdevs(Some(&obs.claims.records), false, &boot_id, &mut report));
                     self.decide_and_release(eligible, &boot_id, &mut report);
+                    self.finish_deletes(&boot_id, &mut report);
                 } else {
                     let why = obs.mode.as_ref().err().cloned().unwrap_or_default();
                     report.errors.push(format!(
@@ -207,6 +208,37 @@ impl Manager {
                 failed = report.failed.len(), complete, errors = %report.errors.join("; "), "{msg}");
         }
         report
+    }
+
+    /// Interrupted deletes (a `deleting` record no operation holds, its VMM provably dead,
+    /// no claim naming it — its device was released, by this pass or an earlier one) are
+    /// finished: the record and its directory are removed. Nothing is removed while any
+    /// claim record cannot be read (it may be this instance's).
+    fn finish_deletes(&self, boot_id: &str, report: &mut PassReport) {
+        let (Ok(instances), Ok(claims)) = (self.store().scan_instances(), self.store().scan_claims()) else { return };
+        if !claims.unreadable.is_empty() {
+            return;
+        }
+        for rec in instances.records.iter().filter(|r| r.state() == InstanceState::Deleting) {
+            let ilock = self.instance_lock(rec.id);
+            let Ok(_i) = ilock.try_lock() else { continue };
+            let Ok(Some(rec)) = self.store().read_instance(rec.id) else { continue };
+            if rec.state() != InstanceState::Deleting
+                || claims.records.iter().any(|c| c.instance_id == rec.id)
+                || !matches!(self.liveness_at(&rec, boot_id), Liveness::Dead)
+            {
+                continue;
+            }
+            match self.store().remove_instance(rec.id) {
+                Ok(()) => {
+                    self.forget_instance_lock(rec.id);
+                    tracing::info!(instance.id = %rec.id, instance.name = %rec.name,
+                        "interrupted delete finished by the reconciler");
+                    report.deleted.push(DeletedItem { instance: rec.id.to_string(), name: rec.name.clone() });
+                }
+                Err(e) => report.errors.push(format!("cannot finish the delete of {}: {e}", rec.name)),
+            }
+        }
     }
 
     /// Step 2: records whose VMM is provably dead move to `stopped`; a live control-socket

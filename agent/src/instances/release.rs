@@ -12,26 +12,32 @@
 //!    other placements): ownership checked again, then a fresh scan of every
 //!    `/proc/<pid>/fd` for the device's nodes; a holder → `in_use`, an incomplete scan →
 //!    `scan_incomplete`;
-//! 4. write (`0`, or the mdev `remove`) and read back; a type gpuvisor did not write →
+//! 4. write (`0`, the mdev `remove`, or — passthrough — the reset and every function given
+//!    back to its recorded driver) and read back; a type gpuvisor did not write →
 //!    quarantined (`foreign_write`), never cleared;
 //! 5. the write's outcome goes to the health accounting;
 //! 6. the claim is removed (re-read under the allocation lock first).
 //!
 //! Nothing is released until the startup pass had a complete observation (INVARIANTS.md
 //! I13). A failed release of a claim keeps the claim, `release_pending`, with the attempt
-//! count and the last error. Nothing else in the tree calls [`vendor_vfio::clear`] or
-//! [`mdev::remove`] (a test checks it).
+//! count and the last error. Nothing else in the tree calls [`vendor_vfio::clear`],
+//! [`mdev::remove`], [`passthrough::reset`] or [`passthrough::give_back`] (a test checks
+//! it).
 
 use super::health::WriteSite;
 use super::vmm::Dead;
 use super::Manager;
-use crate::devices::{self, mdev, vendor_vfio, WriteError};
+use crate::devices::{self, mdev, passthrough, vendor_vfio, WriteError};
 use crate::error::ReleaseFailure;
 use crate::host::proc::{self, HandleScan};
 use crate::store::{Claim, ClaimState, Framework, MdevRecord};
 use crate::sync::lock;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+/// The health reason of a passthrough GPU whose reset failed (NVIDIA-HOST.md §7): it is
+/// never reset again until an operator clears the mark.
+pub const RESET_FAILED: &str = "reset_failed";
 
 /// What to release.
 #[derive(Debug, Clone, Copy)]
@@ -235,8 +241,12 @@ impl Manager {
             vendor_vfio::vf_targets(&self.host, &info)
         };
         match r {
-            Release::Claim(c, _) => match (c.framework, c.mdev_uuid) {
-                (Framework::Mdev, Some(u)) => mdev::targets(&self.host, &u.to_string()),
+            Release::Claim(c, _) => match (c.framework, c.mdev_uuid, &c.passthrough) {
+                (Framework::Mdev, Some(u), _) => mdev::targets(&self.host, &u.to_string()),
+                (Framework::Passthrough, _, Some(pc)) => Ok(vec![self.host.vfio_group_node(pc.group)]),
+                (Framework::Passthrough, _, None) => {
+                    Err(format!("the passthrough claim of {} names no group", c.device))
+                }
                 _ => vf(&c.device, &c.gpu),
             },
             Release::Repair { claim, .. } => vf(&claim.device, &claim.gpu),
@@ -260,6 +270,7 @@ impl Manager {
         let (vf, gpu, expected) = match r {
             Release::Claim(c, _) => match (c.framework, c.mdev_uuid) {
                 (Framework::Mdev, Some(u)) => return mdev_remove(u, &c.device, &c.gpu),
+                (Framework::Passthrough, _) => return self.give_back_group(c),
                 _ => (c.device.as_str(), c.gpu.as_str(), c.type_id),
             },
             Release::OrphanMdev(m) => return mdev_remove(m.uuid, &m.parent, &pf_of(self, &m.parent)),
@@ -285,6 +296,56 @@ impl Manager {
                 Err(ReleaseError::Failed(w))
             }
         }
+    }
+
+    /// Passthrough (NVIDIA-HOST.md §7 Give back): the optional reset of the GPU while it is
+    /// still on `vfio-pci` (a wedged GPU is quarantined — `reset_failed` — and never reset
+    /// again; its functions are still given back), then every function back to the driver
+    /// the claim recorded, companions first. A failure names the binding observed.
+    fn give_back_group(&self, c: &crate::store::Claim) -> Result<(), ReleaseError> {
+        let Some(pc) = &c.passthrough else {
+            return Err(ReleaseError::Failed(WriteError::other("the passthrough claim names no functions")));
+        };
+        let observed = || {
+            let fns: Vec<passthrough::Function> = pc
+                .functions
+                .iter()
+                .map(|f| passthrough::Function {
+                    bdf: f.bdf.clone(),
+                    driver: passthrough::driver_of(&self.host, &f.bdf).unwrap_or(Some("unreadable".into())),
+                })
+                .collect();
+            passthrough::binding_line(&fns)
+        };
+        let failed = |w: WriteError| {
+            self.write_outcome(&c.device, &c.device, WriteSite::Rebind, &Err(w.clone()));
+            let original: Vec<String> = pc
+                .functions
+                .iter()
+                .map(|f| format!("{}={}", f.bdf, f.original_driver.as_deref().unwrap_or("none")))
+                .collect();
+            ReleaseError::Failed(WriteError {
+                message: format!("{}; bound now: {}; original: {}", w.message, observed(), original.join(" ")),
+                errno: w.errno,
+            })
+        };
+        let wedged_before = self.store.read_health(&c.device).ok().flatten().is_some_and(|h| h.reason == RESET_FAILED);
+        let gpu_fn = pc.functions.first().map(|f| f.bdf.as_str()).unwrap_or(c.device.as_str());
+        let on_vfio =
+            passthrough::driver_of(&self.host, gpu_fn).ok().flatten().as_deref() == Some(passthrough::VFIO_PCI);
+        if on_vfio && !wedged_before {
+            match passthrough::reset(&self.host, gpu_fn) {
+                passthrough::ResetOutcome::Done => {}
+                passthrough::ResetOutcome::Wedged(why) => self.quarantine(&c.device, RESET_FAILED, &why),
+                passthrough::ResetOutcome::Failed(w) => return Err(failed(w)),
+            }
+            crate::crash_point!("pt_release_after_reset");
+        }
+        for f in pc.functions.iter().rev() {
+            passthrough::give_back(&self.host, &f.bdf, f.original_driver.as_deref()).map_err(failed)?;
+        }
+        self.write_outcome(&c.device, &c.device, WriteSite::Rebind, &Ok(()));
+        Ok(())
     }
 
     /// One attempt of the sequence (see the module docs).
@@ -332,8 +393,8 @@ pub(crate) fn pf_of(m: &Manager, parent: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    /// Nothing outside this module clears a device: the two clearing primitives are called
-    /// here only (their definitions live in `devices`).
+    /// Nothing outside this module clears a device: the clearing primitives (type `0`, mdev
+    /// remove, passthrough reset and give-back) are called here only (their definitions live in `devices`).
     #[test]
     fn only_the_release_module_clears_devices() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
@@ -352,7 +413,11 @@ mod tests {
                 let text = std::fs::read_to_string(&p).unwrap();
                 for (i, line) in text.lines().enumerate() {
                     let code = line.split("//").next().unwrap_or("");
-                    if code.contains("vendor_vfio::clear(") || code.contains("mdev::remove(") {
+                    if code.contains("vendor_vfio::clear(")
+                        || code.contains("mdev::remove(")
+                        || code.contains("passthrough::give_back(")
+                        || code.contains("passthrough::reset(")
+                    {
                         offenders.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
                     }
                     // The only write of "0" to a type file is in vendor_vfio::clear.

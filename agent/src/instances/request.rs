@@ -64,9 +64,11 @@ pub struct CreateRequest {
     pub name: String,
     /// An image under `<data-dir>/images/`.
     pub image: String,
-    /// vGPU profile, e.g. `L40S-2Q` (with or without the `NVIDIA ` prefix).
+    /// The GPU: a vGPU profile, e.g. `"L40S-2Q"` (with or without the `NVIDIA ` prefix), or
+    /// `{"profile": "L40S-2Q"}`, or a whole GPU: `{"passthrough": true}` (any free
+    /// passthrough GPU) or `{"passthrough": true, "address": "0000:82:00.0"}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gpu: Option<String>,
+    pub gpu: Option<GpuRequest>,
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
     #[schemars(schema_with = "labels_schema")]
     pub labels: Labels,
@@ -84,13 +86,106 @@ pub struct CreateRequest {
     pub hypervisor: Option<String>,
 }
 
+/// The `gpu` of a create request.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum GpuRequest {
+    /// A vGPU profile name.
+    Profile(String),
+    /// A vGPU profile or a whole GPU.
+    Spec(GpuSpec),
+}
+
+impl<'de> Deserialize<'de> for GpuRequest {
+    /// A string is a profile, an object a [`GpuSpec`] (its own errors name the field).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<GpuRequest, D::Error> {
+        use serde::de::Error;
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(s) => Ok(GpuRequest::Profile(s)),
+            v @ serde_json::Value::Object(_) => {
+                serde_json::from_value(v).map(GpuRequest::Spec).map_err(|e| D::Error::custom(format!("gpu: {e}")))
+            }
+            _ => Err(D::Error::custom("gpu must be a profile name or an object ({\"passthrough\": true, ...})")),
+        }
+    }
+}
+
+/// `{"profile": ...}` or `{"passthrough": true, "address"?: ...}`.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSpec {
+    /// vGPU profile, e.g. `L40S-2Q`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// A whole GPU (one of the agent's `passthrough_gpus`), bound to `vfio-pci`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub passthrough: bool,
+    /// With `passthrough`: this GPU (its PCI address), not any free one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+}
+
+/// What a validated `gpu` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuWant {
+    /// A vGPU of this profile (as given; the catalog's spelling is looked up later).
+    Profile(String),
+    /// A whole GPU: any, or the one at `address` (lower case).
+    Passthrough { address: Option<String> },
+}
+
+impl GpuRequest {
+    /// `gpu` from the CLI's `--gpu`: `passthrough`, `passthrough=<BDF>`, or a profile.
+    pub fn from_flag(s: &str) -> GpuRequest {
+        match s.strip_prefix("passthrough") {
+            Some("") => GpuRequest::Spec(GpuSpec { passthrough: true, ..Default::default() }),
+            Some(rest) if rest.starts_with('=') => GpuRequest::Spec(GpuSpec {
+                passthrough: true,
+                address: Some(rest[1..].to_string()),
+                ..Default::default()
+            }),
+            _ => GpuRequest::Profile(s.to_string()),
+        }
+    }
+
+    /// Checks the shape; errors are `invalid_request`.
+    pub fn want(&self) -> Result<GpuWant, ApiError> {
+        let profile = |p: &str| {
+            if gpuvisor_sdk::canonical_profile(p).is_empty() {
+                Err(ApiError::invalid_request("gpu profile is empty"))
+            } else {
+                Ok(GpuWant::Profile(p.to_string()))
+            }
+        };
+        match self {
+            GpuRequest::Profile(p) => profile(p),
+            GpuRequest::Spec(GpuSpec { profile: Some(_), passthrough: true, .. }) => {
+                Err(ApiError::invalid_request("gpu: a profile (vGPU) or passthrough (a whole GPU), not both"))
+            }
+            GpuRequest::Spec(GpuSpec { profile: Some(p), passthrough: false, address: None }) => profile(p),
+            GpuRequest::Spec(GpuSpec { passthrough: false, address: Some(_), .. }) => {
+                Err(ApiError::invalid_request("gpu.address names a whole GPU: it needs \"passthrough\": true"))
+            }
+            GpuRequest::Spec(GpuSpec { profile: None, passthrough: false, .. }) => {
+                Err(ApiError::invalid_request("gpu needs a profile, or \"passthrough\": true"))
+            }
+            GpuRequest::Spec(GpuSpec { passthrough: true, address, .. }) => match address {
+                Some(a) if !crate::config::is_bdf(&a.to_ascii_lowercase()) => Err(ApiError::invalid_request(format!(
+                    "gpu.address {a:?} is not a PCI address (domain:bus:device.function, e.g. 0000:82:00.0)"
+                ))),
+                a => Ok(GpuWant::Passthrough { address: a.as_ref().map(|a| a.to_ascii_lowercase()) }),
+            },
+        }
+    }
+}
+
 fn hypervisor_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({ "type": "string", "enum": ["qemu", "cloud-hypervisor"] })
 }
 
 impl CreateRequest {
     /// Checks every limit; errors are `invalid_request` naming the field.
-    pub fn validate(&self) -> Result<(u32, u64), ApiError> {
+    pub fn validate(&self) -> Result<(u32, u64, Option<GpuWant>), ApiError> {
         check_instance_name(&self.name)?;
         check_labels(&self.labels)?;
         let vcpus = self.vcpus.unwrap_or(DEFAULT_VCPUS);
@@ -110,10 +205,8 @@ impl CreateRequest {
                 )));
             }
         }
-        if self.gpu.as_deref().is_some_and(|g| gpuvisor_sdk::canonical_profile(g).is_empty()) {
-            return Err(ApiError::invalid_request("gpu profile is empty"));
-        }
-        Ok((vcpus, memory_mib))
+        let gpu = self.gpu.as_ref().map(GpuRequest::want).transpose()?;
+        Ok((vcpus, memory_mib, gpu))
     }
 }
 
@@ -216,8 +309,15 @@ pub struct SaveStateParams {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DryRunParams {
-    /// vGPU profile, e.g. `L40S-2Q`.
-    pub profile: String,
+    /// vGPU profile, e.g. `L40S-2Q`; absent with `passthrough`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// Ask for a whole GPU (any free passthrough GPU, or `address`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub passthrough: bool,
+    /// With `passthrough`: this GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
     /// The instance name the plugin sees (default `dry-run`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "optional_name_schema")]
@@ -317,6 +417,34 @@ mod tests {
         assert!(check_labels(&l("k", "a\nb")).is_err(), "control characters are refused");
         let many: Labels = (0..65).map(|i| (format!("k{i}"), String::new())).collect();
         assert!(check_labels(&many).is_err());
+    }
+
+    #[test]
+    fn gpu_requests_are_a_profile_or_a_whole_gpu() {
+        let want = |j: &str| {
+            serde_json::from_str::<GpuRequest>(j)
+                .map_err(|e| e.to_string())
+                .and_then(|g| g.want().map_err(|e| e.message))
+        };
+        assert_eq!(want(r#""L40S-2Q""#), Ok(GpuWant::Profile("L40S-2Q".into())));
+        assert_eq!(want(r#"{"profile":"L40S-2Q"}"#), Ok(GpuWant::Profile("L40S-2Q".into())));
+        assert_eq!(want(r#"{"passthrough":true}"#), Ok(GpuWant::Passthrough { address: None }));
+        assert_eq!(
+            want(r#"{"passthrough":true,"address":"0000:82:00.0"}"#),
+            Ok(GpuWant::Passthrough { address: Some("0000:82:00.0".into()) })
+        );
+        assert!(want(r#"{"passthrough":true,"profile":"L40S-2Q"}"#).unwrap_err().contains("not both"));
+        assert!(want(r#"{"address":"0000:82:00.0"}"#).unwrap_err().contains("passthrough"));
+        assert!(want(r#"{"passthrough":true,"address":"82:00.0"}"#).unwrap_err().contains("not a PCI address"));
+        assert!(want("{}").is_err());
+        assert!(want(r#"{"passthrough":true,"bogus":1}"#).is_err());
+        assert!(want("\"\"").is_err());
+        assert_eq!(GpuRequest::from_flag("passthrough").want(), Ok(GpuWant::Passthrough { address: None }));
+        assert_eq!(
+            GpuRequest::from_flag("passthrough=0000:83:00.0").want(),
+            Ok(GpuWant::Passthrough { address: Some("0000:83:00.0".into()) })
+        );
+        assert_eq!(GpuRequest::from_flag("L40S-2Q").want(), Ok(GpuWant::Profile("L40S-2Q".into())));
     }
 
     #[test]

@@ -69,7 +69,15 @@ pub struct VmmView {
 /// The GPU of an instance: its profile, and what its claim says.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct GpuAssignment {
+    /// The vGPU profile, or `passthrough` for a whole GPU.
     pub profile: Option<String>,
+    /// The passthrough GPU the request named (kept across restarts), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passthrough_address: Option<String>,
+    /// Passthrough: every function of the claimed group, its driver now and the one it
+    /// goes back to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub functions: Vec<FunctionView>,
     pub framework: Option<Framework>,
     /// The claimed device (VF / mdev parent).
     pub device: Option<String>,
@@ -226,6 +234,34 @@ pub struct GpuEntry {
     /// The framework probe failed: this GPU is not usable now.
     pub probe_error: Option<String>,
     pub devices: Vec<DeviceEntry>,
+    /// A whole GPU for passthrough (its one device is the GPU itself): its IOMMU group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passthrough: Option<PassthroughGroupView>,
+}
+
+/// The IOMMU group of a passthrough GPU as read now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PassthroughGroupView {
+    /// `None` when the group cannot be read.
+    pub group: Option<u32>,
+    /// The GPU's own functions, the GPU first.
+    pub functions: Vec<FunctionView>,
+    /// PCI bridges in the group (never moved).
+    pub bridges: Vec<String>,
+    /// Other devices in the group: the GPU cannot be handed out while they are there.
+    pub foreign: Vec<String>,
+    /// Why a free GPU is not offered (a foreign group member, SR-IOV VFs enabled).
+    pub problem: Option<String>,
+}
+
+/// One function of a passthrough GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct FunctionView {
+    pub bdf: String,
+    /// The driver bound now (`None`: unbound).
+    pub driver: Option<String>,
+    /// The driver its claim recorded before gpuvisor moved it (claimed GPUs only).
+    pub original_driver: Option<String>,
 }
 
 /// `gpu.list`.
@@ -281,8 +317,28 @@ pub struct Resources {
     /// vGPU claims can be made now.
     pub ready: bool,
     pub error: Option<String>,
+    /// vGPU devices (VFs, mdev parents) of the managed GPUs; `allocatable` counts only
+    /// free devices that can take at least one profile now.
     pub devices: DeviceCounts,
     pub profiles: Vec<ProfileCapacity>,
+    /// Whole GPUs (`passthrough_gpus`): `allocatable` is how many passthrough instances
+    /// can be placed now.
+    pub passthrough: PassthroughCounts,
+}
+
+/// The passthrough GPUs of `resources.get`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct PassthroughCounts {
+    pub total: u64,
+    pub claimed: u64,
+    /// Free, with a group that can be moved whole.
+    pub allocatable: u64,
+    pub quarantined: u64,
+    /// On vfio-pci (or split between drivers) with no claim: not offered.
+    pub dirty: u64,
+    /// Free, but refused (a foreign device in its IOMMU group, VFs enabled).
+    pub refused: u64,
+    pub unreadable: u64,
 }
 
 /// One device a dry run would try.
@@ -458,8 +514,18 @@ pub struct PassReport {
     pub released: Vec<ReleasedItem>,
     pub failed: Vec<FailedItem>,
     pub records: Vec<RecordChange>,
+    /// Interrupted deletes this pass finished (the VMM dead, the device released).
+    #[serde(default)]
+    pub deleted: Vec<DeletedItem>,
     /// Problems that did not stop the pass.
     pub errors: Vec<String>,
+}
+
+/// An instance whose interrupted delete a reconcile pass finished.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct DeletedItem {
+    pub instance: String,
+    pub name: String,
 }
 
 impl PassReport {
@@ -527,8 +593,8 @@ impl Manager {
             .iter()
             .find(|u| u.owner == Some(rec.id) || (claim.is_none() && u.owner.is_none() && rec.wants_gpu()))
             .map(|u| format!("{}: {}", u.path.display(), u.error));
-        let gpu = match (&rec.gpu_profile, claim, &unreadable) {
-            (None, None, None) => None,
+        let gpu = match (rec.wants_gpu(), claim, &unreadable) {
+            (false, None, None) => None,
             _ => {
                 let current =
                     claim.filter(|c| c.framework == Framework::VendorVfio).map(
@@ -549,7 +615,26 @@ impl Manager {
                     _ => None,
                 };
                 Some(GpuAssignment {
-                    profile: rec.gpu_profile.clone().or_else(|| claim.map(|c| c.profile.clone())),
+                    profile: rec
+                        .gpu_profile
+                        .clone()
+                        .or_else(|| rec.gpu_passthrough.as_ref().map(|_| super::inventory::PASSTHROUGH.to_string()))
+                        .or_else(|| claim.map(|c| c.profile.clone())),
+                    passthrough_address: rec.gpu_passthrough.as_ref().and_then(|w| w.address.clone()),
+                    functions: claim
+                        .and_then(|c| c.passthrough.as_ref())
+                        .map(|pc| {
+                            pc.functions
+                                .iter()
+                                .map(|f| FunctionView {
+                                    bdf: f.bdf.clone(),
+                                    driver: crate::devices::passthrough::driver_of(&self.host, &f.bdf)
+                                        .unwrap_or_else(|_| Some("unreadable".into())),
+                                    original_driver: f.original_driver.clone(),
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
                     framework: rec.gpu_framework.or(claim.map(|c| c.framework)),
                     device: claim.map(|c| c.device.clone()),
                     gpu: claim.map(|c| c.gpu.clone()),
@@ -693,6 +778,31 @@ impl Manager {
                         catalog_skipped_lines: d.catalog_skipped.clone(),
                     })
                     .collect(),
+                passthrough: g.passthrough.as_ref().map(|pt| {
+                    let recorded =
+                        g.devices.first().and_then(|d| d.claim.as_ref()).and_then(|c| c.passthrough.as_ref());
+                    let original = |bdf: &str| {
+                        recorded
+                            .and_then(|r| r.functions.iter().find(|f| f.bdf == bdf))
+                            .and_then(|f| f.original_driver.clone())
+                    };
+                    PassthroughGroupView {
+                        group: pt.read.as_ref().map(|r| r.group),
+                        functions: pt
+                            .read
+                            .iter()
+                            .flat_map(|r| &r.functions)
+                            .map(|f| FunctionView {
+                                bdf: f.bdf.clone(),
+                                driver: f.driver.clone(),
+                                original_driver: original(&f.bdf),
+                            })
+                            .collect(),
+                        bridges: pt.read.as_ref().map(|r| r.bridges.clone()).unwrap_or_default(),
+                        foreign: pt.read.as_ref().map(|r| r.foreign.clone()).unwrap_or_default(),
+                        problem: pt.problem.clone(),
+                    }
+                }),
             })
             .collect();
         let unreadable_records =
@@ -717,6 +827,7 @@ impl Manager {
                     error: Some(e.message),
                     devices: DeviceCounts::default(),
                     profiles: vec![],
+                    passthrough: PassthroughCounts::default(),
                 })
             }
         };
@@ -735,7 +846,7 @@ impl Manager {
             // An unreadable mdev counts as its parent (the device placement uses).
             .map(|u| u.parent.as_ref().unwrap_or(&u.address).to_ascii_lowercase())
             .collect();
-        for (_, d) in obs.devices() {
+        for (g, d) in obs.devices() {
             c.total += 1;
             // A device can be claimed and quarantined, or claimed and unreadable, at once:
             // those counts come from the facts, not from the one state shown.
@@ -748,35 +859,44 @@ impl Manager {
             c.catalog_skipped_lines += d.catalog_skipped.len() as u64;
             match d.state {
                 S::Claimed => c.claimed += 1,
-                S::Free => c.allocatable += 1,
+                // Only a device that can take at least one profile now is allocatable.
+                S::Free if d.creatable.iter().any(|p| self.gpu_slots(g, p) > 0) => c.allocatable += 1,
+                S::Free => {}
                 S::Dirty => c.dirty += 1,
                 S::Quarantined | S::Unreadable => {}
             }
         }
         c.unreadable = unreadable.len() as u64;
         // Profiles: every name seen; placeable per GPU = free VFs listing it, capped by the
-        // slots left under the equal-size rule (GPU framebuffer / profile framebuffer).
+        // slots left under the equal-size rule.
         let mut profiles = Vec::new();
         for (name, fb) in self.book.all() {
             let mut placeable = 0u64;
-            for g in obs.gpus.iter().filter(|g| g.managed) {
+            for g in obs.gpus.iter().filter(|g| g.managed && g.passthrough.is_none()) {
                 let listing = g
                     .devices
                     .iter()
                     .filter(|d| d.state == S::Free && d.creatable.iter().any(|c| c.eq_ignore_ascii_case(&name)))
                     .count() as u64;
-                if listing == 0 {
-                    continue;
-                }
-                let active = g.devices.iter().filter(|d| matches!(d.state, S::Claimed | S::Dirty)).count() as u64;
-                let cap = match (g.framebuffer_mib, fb) {
-                    (Some(gfb), Some(pfb)) if pfb > 0 => (gfb / pfb).saturating_sub(active),
-                    _ => listing,
-                };
-                placeable += listing.min(cap);
+                placeable += listing.min(self.gpu_slots(g, &name));
             }
             let type_id = if obs.mode == Ok(HostMode::VendorVfio) { self.type_id_in(obs, &name) } else { None };
             profiles.push(ProfileCapacity { profile: name, type_id, framebuffer_mib: fb, placeable });
+        }
+        let mut pt = PassthroughCounts::default();
+        for (_, d, p) in obs.passthrough() {
+            pt.total += 1;
+            if d.health.as_ref().is_some_and(|h| h.quarantined) {
+                pt.quarantined += 1;
+            }
+            match d.state {
+                S::Claimed => pt.claimed += 1,
+                S::Free if p.problem.is_none() => pt.allocatable += 1,
+                S::Free => pt.refused += 1,
+                S::Dirty => pt.dirty += 1,
+                S::Unreadable => pt.unreadable += 1,
+                S::Quarantined => {}
+            }
         }
         Resources {
             mode: obs.mode_name().to_string(),
@@ -784,6 +904,27 @@ impl Manager {
             error: obs.mode.as_ref().err().cloned(),
             devices: c,
             profiles,
+            passthrough: pt,
+        }
+    }
+
+    /// How many more vGPUs of `profile` the GPU `g` can take under the equal-size rule
+    /// (its framebuffer over the profile's, less its active vGPUs); the number of free
+    /// devices listing it when a size is unknown.
+    fn gpu_slots(&self, g: &super::inventory::ObservedGpu, profile: &str) -> u64 {
+        use gpuvisor_sdk::DeviceState as S;
+        let listing = g
+            .devices
+            .iter()
+            .filter(|d| d.state == S::Free && d.creatable.iter().any(|c| c.eq_ignore_ascii_case(profile)))
+            .count() as u64;
+        if listing == 0 {
+            return 0;
+        }
+        let active = g.devices.iter().filter(|d| matches!(d.state, S::Claimed | S::Dirty)).count() as u64;
+        match (g.framebuffer_mib, self.book.profile_fb(profile)) {
+            (Some(gfb), Some(pfb)) if pfb > 0 => (gfb / pfb).saturating_sub(active),
+            _ => listing,
         }
     }
 
@@ -794,7 +935,15 @@ impl Manager {
             super::request::check_instance_name(n)?;
         }
         super::request::check_labels(&p.labels)?;
-        let profile = self.known_profile(&p.profile)?;
+        let spec =
+            super::request::GpuSpec { profile: p.profile.clone(), passthrough: p.passthrough, address: p.address };
+        let (profile, whole) = match super::request::GpuRequest::Spec(spec).want()? {
+            super::request::GpuWant::Profile(x) => (self.known_profile(&x)?, None),
+            super::request::GpuWant::Passthrough { address } => {
+                self.check_passthrough_address(address.as_deref())?;
+                (super::inventory::PASSTHROUGH.to_string(), Some(crate::store::PassthroughWant { address }))
+            }
+        };
         let name = p.name.unwrap_or_else(|| "dry-run".into());
         let ask = super::policy_calls::PlacementAsk {
             instance_id: uuid::Uuid::nil(),
@@ -803,8 +952,7 @@ impl Manager {
             profile: &profile,
         };
         let _a = self.alloc();
-        let obs = self.observe(Some(&profile))?;
-        let framework = obs.framework()?;
+        let (obs, framework) = self.observe_candidates(&profile, whole.as_ref())?;
         let ranked = self.rank(&ask, framework, &obs)?;
         Ok(DryRun {
             profile,
@@ -905,7 +1053,7 @@ impl Manager {
         if let Ok(list) = self.store.scan_claims() {
             unreadable_records += list.unreadable.len() as i64;
             let mut by: BTreeMap<(&'static str, &'static str), i64> = BTreeMap::new();
-            for fw in [Framework::VendorVfio, Framework::Mdev] {
+            for fw in [Framework::VendorVfio, Framework::Mdev, Framework::Passthrough] {
                 for st in ClaimState::ALL {
                     by.insert((fw.as_str(), st.as_str()), 0);
                 }

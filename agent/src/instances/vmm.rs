@@ -89,18 +89,21 @@ impl Manager {
         let vfio = match claim {
             None => None,
             Some(c) => {
-                let (sysfsdev, group) = match c.mdev_uuid {
-                    Some(u) => {
+                let (sysfsdevs, group) = match (c.mdev_uuid, &c.passthrough) {
+                    (Some(u), _) => {
                         let d = mdev::read_device(&self.host, &u.to_string()).ok().flatten();
-                        (self.host.mdev_device(&u.to_string()), d.and_then(|d| d.iommu_group))
+                        (vec![self.host.mdev_device(&u.to_string())], d.and_then(|d| d.iommu_group))
                     }
-                    None => {
+                    (None, Some(pc)) => {
+                        (pc.functions.iter().map(|f| self.host.pci_device(&f.bdf)).collect(), Some(pc.group))
+                    }
+                    (None, None) => {
                         let info = vendor_vfio::read_vf(&self.host, &c.device, c.gpu.clone());
-                        (self.host.pci_device(&c.device), info.iommu_group)
+                        (vec![self.host.pci_device(&c.device)], info.iommu_group)
                     }
                 };
                 Some(match self.cfg.vfio_attach {
-                    VfioAttach::Device => hypervisor::VfioAttach::Device { sysfsdev },
+                    VfioAttach::Device => hypervisor::VfioAttach::Device { sysfsdevs },
                     VfioAttach::HoldFd => {
                         let g = group.ok_or_else(|| {
                             ApiError::vmm_start_failed(format!("{} has no IOMMU group", c.device), None)

@@ -44,7 +44,7 @@ pub struct FaultArgs {
     pub always: bool,
 }
 
-/// Control commands (§10.5). DEV is a VF/PF BDF or an mdev UUID.
+/// Control commands (§10.5). DEV is a VF/PF BDF, a passthrough GPU's BDF or an mdev UUID.
 #[derive(Debug, Subcommand, Clone)]
 pub enum CtlCmd {
     /// Answer with the state dump (§10.6) under `state`.
@@ -68,19 +68,20 @@ pub enum CtlCmd {
     },
     /// Remove every pending fault and delay.
     ClearFaults,
-    /// Set the wedged flag of a VF.
+    /// Wedge a VF (a flag only) or a passthrough GPU (`reset` EIO, `power_state` D3cold,
+    /// `config` all-ones).
     Wedge {
-        /// VF BDF.
+        /// VF or passthrough GPU BDF.
         dev: String,
     },
-    /// Clear the wedged flag of a VF.
+    /// Undo `wedge`.
     Unwedge {
-        /// VF BDF.
+        /// VF or passthrough GPU BDF.
         dev: String,
     },
-    /// Set the teardown lag of one device (VF BDF or mdev UUID).
+    /// Set the teardown lag of one device (VF BDF, passthrough GPU BDF or mdev UUID).
     ReleaseDelay {
-        /// VF BDF or mdev UUID.
+        /// VF BDF, passthrough GPU BDF or mdev UUID.
         dev: String,
         /// Lag in milliseconds.
         ms: u64,
@@ -101,6 +102,30 @@ pub enum CtlCmd {
         type_: String,
         /// Hyphenated UUID.
         uuid: String,
+    },
+    /// The function's driver will not come back: `drivers_probe` (and `bind`) of its boot
+    /// driver leave it unbound.
+    StuckDriver {
+        /// Passthrough function or group member BDF.
+        bdf: String,
+    },
+    /// Undo `stuck-driver`.
+    UnstuckDriver {
+        /// Passthrough function or group member BDF.
+        bdf: String,
+    },
+    /// A foreign tool binds a passthrough function to DRIVER (replacing any binding, no
+    /// rule checks). Logged as `bind-host`.
+    BindHost {
+        /// Passthrough function or group member BDF.
+        bdf: String,
+        /// Driver name, e.g. `vfio-pci` or `nvidia`.
+        driver: String,
+    },
+    /// A foreign tool unbinds a passthrough function (no rule checks). Logged as `unbind-host`.
+    UnbindHost {
+        /// Passthrough function or group member BDF.
+        bdf: String,
     },
     /// Like `sriov-manage -e PF`: VFs appear after the delay (default: the model's).
     EnableVfs {

@@ -22,7 +22,7 @@ struct Cli {
 enum Cmd {
     /// Mount the simulated host on DIR and serve it until SIGTERM/SIGINT.
     Mount {
-        /// Preset name (l40s-2x16, h200-1x8, l40s-mdev) or path to a model TOML file.
+        /// Preset name (l40s-2x16, h200-1x8, l40s-mdev, pt-2, l40s-pt) or path to a model TOML file.
         #[arg(long)]
         model: String,
         /// Mount point (an existing directory).

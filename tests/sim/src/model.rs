@@ -1,6 +1,6 @@
 //! Host models: the TOML format of NVIDIA-HOST.md §10.2 and the built-in presets of §10.7.
 //!
-//! A model is either a preset name (`l40s-2x16`, `h200-1x8`, `l40s-mdev`) or TOML text.
+//! A model is either a preset name (see [`PRESETS`]) or TOML text.
 //! Type tables named `l40s` and `h200` are built in, so a small test model may omit
 //! `[[type_table]]` and just say `type_table = "l40s"`; a table defined in the TOML replaces
 //! the built-in one of the same name.
@@ -17,7 +17,7 @@ pub enum Framework {
     VendorVfio,
     /// Legacy mdev: every VF is an mdev parent.
     Mdev,
-    /// Whole-GPU passthrough (not implemented by this simulator yet).
+    /// Whole-GPU passthrough: every GPU is a whole GPU (no VFs), moved to `vfio-pci` on demand.
     Passthrough,
 }
 
@@ -83,14 +83,17 @@ pub struct GpuModel {
     /// `vendor:device` in hex, e.g. `10de:26b9`.
     #[serde(default = "default_pci_id")]
     pub pci_id: String,
-    /// PCI class, e.g. `0x030200`.
-    #[serde(default = "default_class")]
+    /// PCI class, e.g. `0x030200`. Default (filled in by [`Model::from_toml`]): `0x030200`
+    /// for a GPU with VFs, `0x030000` for a passthrough GPU.
+    #[serde(default)]
     pub class: String,
     /// Total framebuffer in MiB.
     #[serde(default = "default_fb")]
     pub framebuffer_mib: u64,
-    /// `sriov_totalvfs`; also the number of VFs `enable-vfs` creates.
-    pub vf_count: u32,
+    /// `sriov_totalvfs`; also the number of VFs `enable-vfs` creates. Required for a GPU
+    /// with VFs; absent or 0 for a passthrough GPU (see [`GpuModel::vfs`]).
+    #[serde(default)]
+    pub vf_count: Option<u32>,
     /// VF i has routing id `PF rid + vf_offset + i`.
     #[serde(default = "default_vf_offset")]
     pub vf_offset: u32,
@@ -102,12 +105,79 @@ pub struct GpuModel {
     /// Content of `numa_node`.
     #[serde(default)]
     pub numa_node: i32,
-    /// Passthrough only; accepted and ignored.
+    /// In a vendor-vfio or mdev model: this GPU is a whole GPU for passthrough (no VFs).
+    /// Every GPU of a `framework = "passthrough"` model is one (see [`Model::is_passthrough`]).
     #[serde(default)]
-    pub companions: Vec<toml::Value>,
-    /// Passthrough only; accepted and ignored.
+    pub passthrough: bool,
+    /// Passthrough GPUs: the driver the GPU function boots on (default `nvidia`).
     #[serde(default)]
-    pub group_extra: Vec<toml::Value>,
+    pub boot_driver: Option<String>,
+    /// Passthrough GPUs: other functions of the card (same bus and device), in its IOMMU group.
+    #[serde(default)]
+    pub companions: Vec<Companion>,
+    /// Passthrough GPUs: other devices in the GPU's IOMMU group (a bridge, an unrelated NIC).
+    #[serde(default)]
+    pub group_extra: Vec<GroupExtra>,
+}
+
+impl GpuModel {
+    /// The number of VFs (`vf_count`, 0 when absent).
+    pub fn vfs(&self) -> u32 {
+        self.vf_count.unwrap_or(0)
+    }
+}
+
+/// Another function of a passthrough GPU's card, e.g. its HDMI audio function `.1`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Companion {
+    /// PCI function number (0..8), on the GPU's bus and device.
+    #[serde(rename = "fn")]
+    pub func: u8,
+    /// PCI class, e.g. `0x040300`.
+    pub class: String,
+    /// `vendor:device`; default `10de:0000`.
+    #[serde(default)]
+    pub pci_id: Option<String>,
+    /// Boot driver; default `pcieport` for a bridge (class `0x0604xx`), none otherwise.
+    #[serde(default)]
+    pub driver: Option<String>,
+}
+
+/// A device in a passthrough GPU's IOMMU group that is not a function of the GPU.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct GroupExtra {
+    /// Address with domain.
+    pub bdf: String,
+    /// PCI class, e.g. `0x060400` (a bridge) or `0x020000` (a NIC).
+    pub class: String,
+    /// `vendor:device`; default `8086:0000`.
+    #[serde(default)]
+    pub pci_id: Option<String>,
+    /// Boot driver; default `pcieport` for a bridge (class `0x0604xx`), none otherwise.
+    #[serde(default)]
+    pub driver: Option<String>,
+}
+
+/// Whether a class (`0x060400`) is a PCI-to-PCI bridge (`0x0604xx`).
+pub fn is_bridge_class(class: u32) -> bool {
+    class >> 8 == 0x0604
+}
+
+/// The boot driver of a companion or group member: the given one, else `pcieport` for a
+/// bridge, else none.
+pub fn member_boot_driver(class: u32, driver: &Option<String>) -> Option<String> {
+    driver.clone().or_else(|| is_bridge_class(class).then(|| "pcieport".to_string()))
+}
+
+/// Parses a PCI class `0x030000` (or `030000`) into its 24-bit value.
+pub fn parse_class(s: &str) -> anyhow::Result<u32> {
+    let h = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")).unwrap_or(s);
+    match u32::from_str_radix(h, 16) {
+        Ok(v) if !h.is_empty() && v <= 0xff_ffff => Ok(v),
+        _ => bail!("bad PCI class {s:?} (want 0xccsspp)"),
+    }
 }
 
 /// A named list of vGPU types.
@@ -151,9 +221,6 @@ fn default_gpu_model() -> String {
 }
 fn default_pci_id() -> String {
     "10de:26b9".into()
-}
-fn default_class() -> String {
-    "0x030200".into()
 }
 fn default_fb() -> u64 {
     49152
@@ -205,13 +272,40 @@ fn l40s_gpu(bdf: &str, group: u32, numa: i32) -> GpuModel {
         pci_id: "10de:26b9".into(),
         class: "0x030200".into(),
         framebuffer_mib: 49152,
-        vf_count: 16,
+        vf_count: Some(16),
         vf_offset: 4,
         iommu_group: group,
         type_table: "l40s".into(),
         numa_node: numa,
+        passthrough: false,
+        boot_driver: None,
         companions: vec![],
         group_extra: vec![],
+    }
+}
+
+/// An RTX 6000 Ada Generation for passthrough with its HDMI audio function `.1`.
+fn pt_gpu(bdf: &str, group: u32, numa: i32, group_extra: Vec<GroupExtra>) -> GpuModel {
+    GpuModel {
+        bdf: bdf.into(),
+        model: "NVIDIA RTX 6000 Ada Generation".into(),
+        pci_id: "10de:26b1".into(),
+        class: "0x030000".into(),
+        framebuffer_mib: 49152,
+        vf_count: None,
+        vf_offset: default_vf_offset(),
+        iommu_group: group,
+        type_table: default_table(),
+        numa_node: numa,
+        passthrough: true,
+        boot_driver: None,
+        companions: vec![Companion {
+            func: 1,
+            class: "0x040300".into(),
+            pci_id: Some("10de:22ba".into()),
+            driver: Some("snd_hda_intel".into()),
+        }],
+        group_extra,
     }
 }
 
@@ -232,7 +326,7 @@ fn base(name: &str, framework: Framework, gpu: Vec<GpuModel>) -> Model {
 }
 
 /// Names of the presets [`Model::preset`] knows.
-pub const PRESETS: &[&str] = &["l40s-2x16", "h200-1x8", "l40s-mdev"];
+pub const PRESETS: &[&str] = &["l40s-2x16", "h200-1x8", "l40s-mdev", "pt-2", "l40s-pt"];
 
 impl Model {
     /// A preset of §10.7, or `None` for an unknown name.
@@ -250,14 +344,57 @@ impl Model {
                     pci_id: "10de:2335".into(),
                     class: "0x030200".into(),
                     framebuffer_mib: 144384,
-                    vf_count: 8,
+                    vf_count: Some(8),
                     vf_offset: 4,
                     iommu_group: 20,
                     type_table: "h200".into(),
                     numa_node: 0,
+                    passthrough: false,
+                    boot_driver: None,
                     companions: vec![],
                     group_extra: vec![],
                 }],
+            )),
+            "pt-2" => Some(Model {
+                release_delay_ms: 300,
+                ..base(
+                    name,
+                    Framework::Passthrough,
+                    vec![
+                        pt_gpu(
+                            "0000:82:00.0",
+                            40,
+                            0,
+                            vec![GroupExtra {
+                                bdf: "0000:80:01.0".into(),
+                                class: "0x060400".into(),
+                                pci_id: None,
+                                driver: Some("pcieport".into()),
+                            }],
+                        ),
+                        pt_gpu("0000:83:00.0", 41, 0, vec![]),
+                        pt_gpu(
+                            "0000:84:00.0",
+                            42,
+                            1,
+                            vec![GroupExtra {
+                                bdf: "0000:85:00.0".into(),
+                                class: "0x020000".into(),
+                                pci_id: Some("8086:1533".into()),
+                                driver: Some("igb".into()),
+                            }],
+                        ),
+                    ],
+                )
+            }),
+            "l40s-pt" => Some(base(
+                name,
+                Framework::VendorVfio,
+                vec![
+                    l40s_gpu("0000:41:00.0", 40, 0),
+                    pt_gpu("0000:82:00.0", 80, 1, vec![]),
+                    pt_gpu("0000:83:00.0", 81, 1, vec![]),
+                ],
             )),
             _ => None,
         }
@@ -265,7 +402,13 @@ impl Model {
 
     /// Parses TOML model text and validates it.
     pub fn from_toml(text: &str) -> anyhow::Result<Model> {
-        let m: Model = toml::from_str(text).context("parsing model TOML")?;
+        let mut m: Model = toml::from_str(text).context("parsing model TOML")?;
+        for i in 0..m.gpu.len() {
+            if m.gpu[i].class.is_empty() {
+                let pt = m.is_passthrough(&m.gpu[i]);
+                m.gpu[i].class = if pt { "0x030000" } else { "0x030200" }.into();
+            }
+        }
         m.validate()?;
         Ok(m)
     }
@@ -289,18 +432,104 @@ impl Model {
             .or_else(|| builtin_tables().into_iter().find(|t| t.name == name))
     }
 
-    /// Checks addresses, tables and the framework.
+    /// Whether `g` is a whole GPU for passthrough: every GPU of a passthrough model, and a
+    /// GPU with `passthrough = true` in the others.
+    pub fn is_passthrough(&self, g: &GpuModel) -> bool {
+        self.framework == Framework::Passthrough || g.passthrough
+    }
+
+    /// Checks addresses, tables, classes and the passthrough keys.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.framework == Framework::Passthrough {
-            bail!("framework \"passthrough\" is not implemented by this simulator");
-        }
         if self.gpu.is_empty() {
             bail!("model has no [[gpu]]");
         }
         for g in &self.gpu {
             parse_bdf(&g.bdf)?;
             parse_pci_id(&g.pci_id)?;
+            if self.is_passthrough(g) {
+                self.validate_passthrough(g)?;
+                continue;
+            }
+            if g.vf_count.is_none() {
+                bail!("gpu {}: missing field `vf_count`", g.bdf);
+            }
+            if !g.companions.is_empty() || !g.group_extra.is_empty() {
+                bail!("gpu {}: companions and group_extra need a passthrough GPU (passthrough = true)", g.bdf);
+            }
+            if g.boot_driver.as_deref().is_some_and(|d| d != "nvidia") {
+                bail!("gpu {}: boot_driver needs a passthrough GPU (a GPU with VFs boots on nvidia)", g.bdf);
+            }
             self.table(&g.type_table).ok_or_else(|| anyhow!("gpu {}: unknown type_table {:?}", g.bdf, g.type_table))?;
+        }
+        self.validate_unique()
+    }
+
+    fn validate_passthrough(&self, g: &GpuModel) -> anyhow::Result<()> {
+        let b = &g.bdf;
+        if g.vfs() != 0 {
+            bail!("gpu {b}: a passthrough GPU has no VFs (vf_count must be 0 or absent)");
+        }
+        parse_class(&g.class).with_context(|| format!("gpu {b}"))?;
+        let driver_ok = |d: &str| !d.is_empty() && d != "(null)" && !d.contains(['/', ' ', '\n']);
+        if let Some(d) = &g.boot_driver {
+            if !driver_ok(d) {
+                bail!("gpu {b}: bad boot_driver {d:?}");
+            }
+        }
+        let gpu = parse_bdf(b)?;
+        for c in &g.companions {
+            if c.func > 7 || c.func == gpu.func {
+                bail!("gpu {b}: companion fn {} must be 0..7 and differ from the GPU's function", c.func);
+            }
+            parse_class(&c.class).with_context(|| format!("gpu {b}: companion fn {}", c.func))?;
+            parse_pci_id(c.pci_id.as_deref().unwrap_or("10de:0000"))?;
+            if c.driver.as_deref().is_some_and(|d| !driver_ok(d)) {
+                bail!("gpu {b}: companion fn {}: bad driver {:?}", c.func, c.driver);
+            }
+        }
+        for e in &g.group_extra {
+            parse_bdf(&e.bdf).with_context(|| format!("gpu {b}: group_extra"))?;
+            parse_class(&e.class).with_context(|| format!("gpu {b}: group_extra {}", e.bdf))?;
+            parse_pci_id(e.pci_id.as_deref().unwrap_or("8086:0000"))?;
+            if e.driver.as_deref().is_some_and(|d| !driver_ok(d)) {
+                bail!("gpu {b}: group_extra {}: bad driver {:?}", e.bdf, e.driver);
+            }
+        }
+        Ok(())
+    }
+
+    /// Passthrough addresses and groups must not collide with any other device or group.
+    fn validate_unique(&self) -> anyhow::Result<()> {
+        let mut bdfs: Vec<(String, bool)> = Vec::new();
+        let mut groups: Vec<(u32, bool)> = Vec::new();
+        for g in &self.gpu {
+            let pf = parse_bdf(&g.bdf)?;
+            let pt = self.is_passthrough(g);
+            bdfs.push((pf.to_string(), pt));
+            groups.push((g.iommu_group, pt));
+            if pt {
+                for c in &g.companions {
+                    bdfs.push((Bdf { func: c.func, ..pf }.to_string(), true));
+                }
+                for e in &g.group_extra {
+                    bdfs.push((parse_bdf(&e.bdf)?.to_string(), true));
+                }
+            } else {
+                for i in 0..g.vfs() {
+                    bdfs.push((pf.with_rid(pf.rid() + g.vf_offset + i).to_string(), false));
+                    groups.push((g.iommu_group + 1 + i, false));
+                }
+            }
+        }
+        for (i, (b, pt)) in bdfs.iter().enumerate() {
+            if bdfs[..i].iter().any(|(o, opt)| o == b && (*pt || *opt)) {
+                bail!("PCI address {b} is used twice");
+            }
+        }
+        for (i, (gr, pt)) in groups.iter().enumerate() {
+            if groups[..i].iter().any(|(o, opt)| o == gr && (*pt || *opt)) {
+                bail!("IOMMU group {gr} of a passthrough GPU is used twice");
+            }
         }
         Ok(())
     }
@@ -378,5 +607,69 @@ mod tests {
         for p in PRESETS {
             Model::preset(p).unwrap().validate().unwrap();
         }
+    }
+
+    #[test]
+    fn passthrough_keys_parse_and_validate() {
+        let m = Model::from_toml(
+            r#"
+framework = "passthrough"
+[[gpu]]
+bdf = "0000:82:00.0"
+class = "0x030000"
+iommu_group = 40
+vf_count = 0
+boot_driver = "nouveau"
+companions = [{ fn = 1, class = "0x040300", pci_id = "10de:22ba", driver = "snd_hda_intel" }, { fn = 2, class = "0x0c0330" }]
+group_extra = [{ bdf = "0000:80:01.0", class = "0x060400" }, { bdf = "0000:85:00.0", class = "0x020000", driver = "igb" }]
+"#,
+        )
+        .unwrap();
+        let g = &m.gpu[0];
+        assert!(m.is_passthrough(g));
+        assert_eq!(g.companions[1], Companion { func: 2, class: "0x0c0330".into(), pci_id: None, driver: None });
+        assert_eq!(
+            member_boot_driver(parse_class(&g.group_extra[0].class).unwrap(), &None).as_deref(),
+            Some("pcieport")
+        );
+        assert_eq!(member_boot_driver(0x020000, &None), None);
+        // Mixed host: passthrough = true next to a GPU with VFs.
+        let mixed = "[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n\
+                     [[gpu]]\nbdf = \"0000:82:00.0\"\npassthrough = true\niommu_group = 80\n";
+        let m = Model::from_toml(mixed).unwrap();
+        assert!(!m.is_passthrough(&m.gpu[0]) && m.is_passthrough(&m.gpu[1]));
+    }
+
+    #[test]
+    fn passthrough_validation_errors() {
+        let bad = |text: &str, want: &str| {
+            let e = format!("{:#}", Model::from_toml(text).unwrap_err());
+            assert!(e.contains(want), "{e:?} does not contain {want:?}");
+        };
+        bad("[[gpu]]\nbdf = \"0000:41:00.0\"\niommu_group = 40\n", "missing field `vf_count`");
+        bad(
+            "framework = \"passthrough\"\n[[gpu]]\nbdf = \"0000:82:00.0\"\nvf_count = 2\niommu_group = 40\n",
+            "has no VFs",
+        );
+        bad(
+            "[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\ncompanions = [{ fn = 1, class = \"0x040300\" }]\n",
+            "need a passthrough GPU",
+        );
+        bad(
+            "framework = \"passthrough\"\n[[gpu]]\nbdf = \"0000:82:00.0\"\niommu_group = 40\ncompanions = [{ fn = 0, class = \"0x040300\" }]\n",
+            "differ from the GPU",
+        );
+        bad(
+            "framework = \"passthrough\"\n[[gpu]]\nbdf = \"0000:82:00.0\"\niommu_group = 40\ngroup_extra = [{ bdf = \"0000:80:01.0\", class = \"bridge\" }]\n",
+            "bad PCI class",
+        );
+        bad(
+            "[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n[[gpu]]\nbdf = \"0000:82:00.0\"\npassthrough = true\niommu_group = 42\n",
+            "IOMMU group 42",
+        );
+        bad(
+            "framework = \"passthrough\"\n[[gpu]]\nbdf = \"0000:82:00.0\"\niommu_group = 40\n[[gpu]]\nbdf = \"0000:82:00.0\"\niommu_group = 41\n",
+            "used twice",
+        );
     }
 }

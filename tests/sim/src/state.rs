@@ -2,7 +2,8 @@
 //!
 //! All methods run under the one mutex that wraps [`State`], which serialises every rule
 //! evaluation like the driver's lock. Time is milliseconds since the simulator started and
-//! is evaluated lazily: [`State::tick`] runs at the start of every operation.
+//! is evaluated lazily: [`State::tick`] runs at the start of every operation. Whole-GPU
+//! passthrough (rules 9–10) lives in the `passthrough` submodule.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -14,6 +15,10 @@ use serde_json::{json, Value};
 use crate::ctl::{errno_name, parse_errno, CtlCmd, CtlLine, CtlRequest, FaultArgs};
 use crate::model::{parse_bdf, parse_pci_id, Framework, GpuModel, Model, TypeDef};
 use crate::tree::{aliases, display, DevRef, FileKind, Node, Tree};
+
+mod passthrough;
+
+pub use passthrough::{FnDump, PciFn, PtDump, PtGpu, NVIDIA, VFIO_PCI};
 
 /// An errno value (`libc::E*`).
 pub type Errno = i32;
@@ -184,6 +189,10 @@ pub struct State {
     pub gpus: Vec<Gpu>,
     /// Mdevs in creation order.
     pub mdevs: Vec<Mdev>,
+    /// Passthrough GPUs in model order (their index is the `dev/nvidia<N>` minor).
+    pub pt: Vec<PtGpu>,
+    /// PCI functions of the passthrough GPUs and their IOMMU groups.
+    pub pcifns: Vec<PciFn>,
     /// Open handles by fh.
     pub handles: BTreeMap<u64, Handle>,
     next_fh: u64,
@@ -220,6 +229,8 @@ impl State {
             boot_id: uuid::Uuid::new_v4().to_string(),
             gpus: Vec::new(),
             mdevs: Vec::new(),
+            pt: Vec::new(),
+            pcifns: Vec::new(),
             handles: BTreeMap::new(),
             next_fh: 1,
             next_uid: 1,
@@ -250,6 +261,7 @@ impl State {
             .model
             .gpu
             .iter()
+            .filter(|g| !self.model.is_passthrough(g))
             .map(|g| {
                 let bdf = parse_bdf(&g.bdf).map(|b| format!("pci{:04x}:{:02x}", b.domain, b.bus));
                 Gpu {
@@ -262,6 +274,7 @@ impl State {
             })
             .collect();
         self.mdevs.clear();
+        self.boot_pt();
         self.next_cdev = 0;
         self.faults.clear();
         self.release_delays.clear();
@@ -297,7 +310,7 @@ impl State {
         let gm = self.gpus[g].model.clone();
         let Ok(pf) = parse_bdf(&gm.bdf) else { return };
         let mut vfs = Vec::new();
-        for i in 0..gm.vf_count {
+        for i in 0..gm.vfs() {
             let cdev = vendor.then(|| {
                 self.next_cdev += 1;
                 self.next_cdev - 1
@@ -359,7 +372,7 @@ impl State {
     /// Rule 1: the types GPU `g` can create now on a free VF.
     pub fn free_catalog(&self, g: usize) -> Vec<TypeDef> {
         let fbs = self.active_fbs(g);
-        let vf_count = self.gpus[g].model.vf_count;
+        let vf_count = self.gpus[g].model.vfs();
         self.gpus[g]
             .table
             .iter()
@@ -434,8 +447,8 @@ impl State {
         t.dir("sys/bus/pci/devices");
         t.dir("sys/kernel/iommu_groups");
         t.dir("sys/class/mdev_bus");
-        t.file("sys/bus/pci/drivers/nvidia/bind", FileKind::DriverBind, 0o200);
-        t.file("sys/bus/pci/drivers/nvidia/unbind", FileKind::DriverUnbind, 0o200);
+        t.file("sys/bus/pci/drivers/nvidia/bind", FileKind::DriverBind(NVIDIA.into()), 0o200);
+        t.file("sys/bus/pci/drivers/nvidia/unbind", FileKind::DriverUnbind(NVIDIA.into()), 0o200);
         t.file("sys/bus/pci/drivers_probe", FileKind::DriversProbe, 0o200);
         t.file("dev/vfio/vfio", FileKind::Node(DevRef::Container), 0o666);
         t.dir("dev/vfio/devices");
@@ -458,7 +471,7 @@ impl State {
             };
             common(&mut t, &pfd, gm.iommu_group);
             t.link(&format!("{pfd}/driver"), "../../../bus/pci/drivers/nvidia");
-            t.text(&format!("{pfd}/sriov_totalvfs"), format!("{}\n", gm.vf_count));
+            t.text(&format!("{pfd}/sriov_totalvfs"), format!("{}\n", gm.vfs()));
             t.file(&format!("{pfd}/sriov_numvfs"), FileKind::SriovNumvfs(g), 0o644);
             if self.model.pf_catalog {
                 t.file(&format!("{pfd}/nvidia/creatable_vgpu_types"), FileKind::Catalog(u64::MAX - g as u64), 0o444);
@@ -543,6 +556,7 @@ impl State {
                 }
             }
         }
+        self.build_pt_tree(&mut t);
         // Overrides: absent ones remove, content ones add missing literal paths.
         for o in &self.overrides {
             let matching: Vec<String> =
@@ -671,12 +685,13 @@ impl State {
                 }
                 Ok(())
             }
-            DevRef::MdevGroup(_) => {
+            DevRef::MdevGroup(_) | DevRef::PtGroup(_) => {
                 if self.dev_handles(dev).next().is_some() {
                     return Err(libc::EBUSY);
                 }
                 Ok(())
             }
+            DevRef::Nvidia(_) => Ok(()),
         }
     }
 
@@ -702,6 +717,7 @@ impl State {
                     m.last_release = Some(now);
                 }
             }
+            FileKind::Node(DevRef::PtGroup(g)) => self.pt_released(g),
             _ => {}
         }
     }
@@ -730,6 +746,9 @@ impl State {
             if let Some(c) = &o.content {
                 return Ok(c.clone().into_bytes());
             }
+        }
+        if let Some(data) = self.pt_read(&h.kind) {
+            return Ok(data);
         }
         let s = match &h.kind {
             FileKind::Static(s) => s.clone(),
@@ -791,11 +810,13 @@ impl State {
                 let start = h.cursor.min(out.len());
                 return Ok(out[start..].to_vec());
             }
-            FileKind::DriverBind
-            | FileKind::DriverUnbind
+            FileKind::DriverBind(_)
+            | FileKind::DriverUnbind(_)
             | FileKind::DriversProbe
+            | FileKind::PtReset(_)
             | FileKind::MdevCreate(..)
             | FileKind::MdevRemove(_) => return Err(libc::EACCES),
+            FileKind::PtOverride(_) | FileKind::PtPowerState(_) | FileKind::PtConfig(_) => return Err(libc::EIO),
         };
         Ok(s.into_bytes())
     }
@@ -868,41 +889,61 @@ impl State {
                 vf.broken = true;
                 Ok(())
             }
-            FileKind::DriverUnbind => {
+            FileKind::DriverUnbind(d) => {
                 let b = v.trim();
-                if let Some((g, i)) = self.vf_by_bdf(b) {
+                if let Some(i) = self.pt_fn(b) {
+                    self.pt_unbind(d, i)
+                } else if let Some((g, i)) = self.vf_by_bdf(b) {
                     let vf = &mut self.gpus[g].vfs[i];
-                    if vf.unbound {
+                    if vf.unbound || d != NVIDIA {
                         return Err(libc::ENODEV);
                     }
                     vf.unbound = true;
                     vf.broken = true;
                     Ok(())
-                } else if self.gpu_by_bdf(b).is_some() {
+                } else if self.gpu_by_bdf(b).is_some() && d == NVIDIA {
                     Ok(())
                 } else {
                     Err(libc::ENODEV)
                 }
             }
-            FileKind::DriverBind | FileKind::DriversProbe => {
+            FileKind::DriverBind(d) => {
                 let b = v.trim();
-                if let Some((g, i)) = self.vf_by_bdf(b) {
+                if let Some(i) = self.pt_fn(b) {
+                    self.pt_bind(d, i)
+                } else if let Some((g, i)) = self.vf_by_bdf(b) {
                     let vf = &mut self.gpus[g].vfs[i];
                     if !vf.unbound {
-                        return if matches!(kind, FileKind::DriverBind) { Err(libc::EBUSY) } else { Ok(()) };
-                    }
-                    vf.unbound = false;
-                    Ok(())
-                } else if self.gpu_by_bdf(b).is_some() {
-                    if matches!(kind, FileKind::DriverBind) {
                         Err(libc::EBUSY)
-                    } else {
+                    } else if d == NVIDIA {
+                        vf.unbound = false;
                         Ok(())
+                    } else if d == VFIO_PCI {
+                        Err(libc::EINVAL) // vfio-pci cannot probe these VFs (§2)
+                    } else {
+                        Err(libc::ENODEV)
                     }
+                } else if self.gpu_by_bdf(b).is_some() {
+                    Err(libc::EBUSY)
                 } else {
                     Err(libc::ENODEV)
                 }
             }
+            FileKind::DriversProbe => {
+                let b = v.trim();
+                if let Some(i) = self.pt_fn(b) {
+                    self.pt_probe(i)
+                } else if let Some((g, i)) = self.vf_by_bdf(b) {
+                    self.gpus[g].vfs[i].unbound = false;
+                    Ok(())
+                } else if self.gpu_by_bdf(b).is_some() {
+                    Ok(())
+                } else {
+                    Err(libc::ENODEV)
+                }
+            }
+            FileKind::PtOverride(i) => self.pt_write_override(*i, value),
+            FileKind::PtReset(i) => self.pt_reset(*i, v),
             FileKind::MdevCreate(uid, id) => self.mdev_create(*uid, *id, v.trim(), false),
             FileKind::MdevRemove(u) => {
                 if v.trim() != "1" {
@@ -1104,13 +1145,17 @@ impl State {
             }
             CtlCmd::Wedge { dev } | CtlCmd::Unwedge { dev } => {
                 let wedge = argv.first().map(String::as_str) == Some("wedge");
-                let (g, i) = self.find_vf(&dev)?;
+                if self.pt_wedge(&dev, wedge) {
+                    return Ok(vec![]);
+                }
+                let (g, i) = self.find_vf(&dev).map_err(|_| format!("no VF or passthrough GPU {dev}"))?;
                 self.gpus[g].vfs[i].wedged = wedge;
                 Ok(vec![])
             }
             CtlCmd::ReleaseDelay { dev, ms } => {
                 let known = self.vf_by_bdf(&dev).is_some()
                     || self.gpu_by_bdf(&dev).is_some()
+                    || self.pt_gpu(&dev).is_some()
                     || self.mdevs.iter().any(|m| m.uuid == dev);
                 if !known {
                     return Err(format!("no device {dev}"));
@@ -1145,6 +1190,10 @@ impl State {
                 r.map_err(errno_name)?;
                 Ok(vec![])
             }
+            CtlCmd::StuckDriver { bdf } => self.pt_stuck(&bdf, true).map(|()| vec![]),
+            CtlCmd::UnstuckDriver { bdf } => self.pt_stuck(&bdf, false).map(|()| vec![]),
+            CtlCmd::BindHost { bdf, driver } => self.pt_bind_host(&bdf, &driver, pid).map(|()| vec![]),
+            CtlCmd::UnbindHost { bdf } => self.pt_unbind_host(&bdf, pid).map(|()| vec![]),
             CtlCmd::EnableVfs { pf, delay } => {
                 let g = self.find_pf(&pf)?;
                 if !self.gpus[g].vfs.is_empty() || self.gpus[g].vfs_at.is_some() {
@@ -1268,6 +1317,7 @@ impl State {
             })
             .collect();
         let other_handles = handles_of(&[DevRef::Container]);
+        let passthrough = self.pt_dump(&handles_of);
         Dump {
             boot_id: self.boot_id.clone(),
             driver_version: self.driver_version.clone(),
@@ -1275,7 +1325,7 @@ impl State {
             t_ms: now,
             gpus,
             mdevs,
-            passthrough: Vec::new(),
+            passthrough,
             container_handles: other_handles,
             faults: self
                 .faults
@@ -1305,7 +1355,7 @@ pub struct Dump {
     pub boot_id: String,
     /// Current driver version.
     pub driver_version: String,
-    /// `vendor-vfio` or `mdev`.
+    /// `vendor-vfio`, `mdev` or `passthrough`.
     pub framework: &'static str,
     /// Now, in ms since start.
     pub t_ms: u64,
@@ -1313,8 +1363,8 @@ pub struct Dump {
     pub gpus: Vec<GpuDump>,
     /// Mdevs.
     pub mdevs: Vec<MdevDump>,
-    /// Always empty (passthrough is not modelled).
-    pub passthrough: Vec<Value>,
+    /// Passthrough GPUs.
+    pub passthrough: Vec<PtDump>,
     /// Handles on `dev/vfio/vfio`.
     pub container_handles: Vec<HandleDump>,
     /// Pending faults.

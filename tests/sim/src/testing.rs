@@ -60,8 +60,9 @@ pub fn sim_binary() -> anyhow::Result<PathBuf> {
 }
 
 impl SimMount {
-    /// Starts a simulator. `model` is a preset name (`l40s-2x16`, `h200-1x8`, `l40s-mdev`)
-    /// or TOML model text (anything containing a newline or `=`), or a path to a model file.
+    /// Starts a simulator. `model` is a preset name (`l40s-2x16`, `h200-1x8`, `l40s-mdev`,
+    /// `pt-2`, `l40s-pt`) or TOML model text (anything containing a newline or `=`), or a
+    /// path to a model file.
     /// Returns once the mount has printed its ready line (or fails after 30 s).
     pub fn start(model: &str) -> anyhow::Result<SimMount> {
         let dir =

@@ -14,6 +14,10 @@ pub enum DevRef {
     VfCdev(u64),
     /// The group node of the mdev with this UUID.
     MdevGroup(String),
+    /// The group node `dev/vfio/<G>` of the passthrough GPU with this index.
+    PtGroup(usize),
+    /// `dev/nvidia<N>` of the passthrough GPU with this index.
+    Nvidia(usize),
 }
 
 /// What a regular file is; decides its read and write behaviour.
@@ -37,10 +41,18 @@ pub enum FileKind {
     WarmUpdate(u64),
     /// A VF's `driver_override`.
     DriverOverride(u64),
-    /// `sys/bus/pci/drivers/nvidia/bind`.
-    DriverBind,
-    /// `sys/bus/pci/drivers/nvidia/unbind`.
-    DriverUnbind,
+    /// `sys/bus/pci/drivers/<driver>/bind`.
+    DriverBind(String),
+    /// `sys/bus/pci/drivers/<driver>/unbind`.
+    DriverUnbind(String),
+    /// `driver_override` of a passthrough function or group member (index).
+    PtOverride(usize),
+    /// `reset` of a passthrough GPU function or companion (index into `State::pcifns`).
+    PtReset(usize),
+    /// `power_state` of a passthrough function or group member (index).
+    PtPowerState(usize),
+    /// `config` of a passthrough function or group member (index): 64 bytes.
+    PtConfig(usize),
     /// `sys/bus/pci/drivers_probe`.
     DriversProbe,
     /// `mdev_supported_types/nvidia-<id>/available_instances` of a parent VF (uid, type id).

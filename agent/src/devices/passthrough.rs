@@ -1,0 +1,348 @@
+//! Whole-GPU passthrough (NVIDIA-HOST.md §7): a physical GPU and the endpoint functions of
+//! its IOMMU group bound to `vfio-pci`.
+//!
+//! [`read_gpu`] observes one configured passthrough GPU: its group, the group's members
+//! (the card's own functions, PCI bridges, and anything else — a device gpuvisor does not
+//! manage), their drivers, SR-IOV state and the `dev/nvidia<N>` node of the host driver.
+//! The primitives [`move_to_vfio`] (configure) and [`give_back`] / [`reset`] (release)
+//! write sysfs; the two that undo a binding are called only by the release path
+//! (`instances::release`) and by the configure step's own undo of what it just moved.
+//!
+//! Every write goes through [`write_bounded`]: unbinding a vfio-pci device whose group is
+//! open **blocks** in the kernel until the user lets go, so a write that has not returned
+//! after [`WRITE_TIMEOUT`] is reported as failed (the thread is left to finish).
+
+use super::{errno_name, link_basename, list_dir, read_attr, write_attr, WriteError};
+use crate::host::HostRoot;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The driver passthrough functions are moved to.
+pub const VFIO_PCI: &str = "vfio-pci";
+
+/// How long one sysfs write of a rebind may block before it counts as failed.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One endpoint function of a passthrough GPU's card (the GPU, its audio function, …).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Function {
+    pub bdf: String,
+    /// The driver bound now (`None`: unbound).
+    pub driver: Option<String>,
+}
+
+/// One configured passthrough GPU as read now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PtGpu {
+    /// The GPU function's address.
+    pub bdf: String,
+    /// PCI device id (`0x26b1`).
+    pub device_id: String,
+    pub numa_node: Option<i32>,
+    /// Its IOMMU group.
+    pub group: u32,
+    /// The card's endpoint functions in the group, GPU first, then by address.
+    pub functions: Vec<Function>,
+    /// PCI bridges in the group (class `0x0604xx`): they stay on their drivers.
+    pub bridges: Vec<String>,
+    /// Other devices in the group: a group holding one cannot be handed out.
+    pub foreign: Vec<String>,
+    /// `sriov_numvfs` (a GPU with VFs enabled is a vGPU parent, never passthrough).
+    pub numvfs: u32,
+    /// `N` of the host driver's `dev/nvidia<N>` (from procfs), when the GPU is on `nvidia`.
+    pub nvidia_minor: Option<u32>,
+}
+
+impl PtGpu {
+    /// Every function is bound to `vfio-pci`.
+    pub fn on_vfio(&self) -> bool {
+        self.functions.iter().all(|f| f.driver.as_deref() == Some(VFIO_PCI))
+    }
+
+    /// No function is bound to `vfio-pci` (every one is on a host driver, or unbound).
+    pub fn on_host_drivers(&self) -> bool {
+        self.functions.iter().all(|f| f.driver.as_deref() != Some(VFIO_PCI))
+    }
+
+    /// One line: each function and its binding (`0000:82:00.0=vfio-pci 0000:82:00.1=none`).
+    pub fn binding(&self) -> String {
+        binding_line(&self.functions)
+    }
+}
+
+/// `bdf=driver` for each function, `none` when unbound.
+pub fn binding_line(fns: &[Function]) -> String {
+    fns.iter().map(|f| format!("{}={}", f.bdf, f.driver.as_deref().unwrap_or("none"))).collect::<Vec<_>>().join(" ")
+}
+
+/// The bus and device part of a BDF (`0000:82:00`): functions of one card share it.
+fn slot_of(bdf: &str) -> &str {
+    bdf.rsplit_once('.').map(|(s, _)| s).unwrap_or(bdf)
+}
+
+/// Whether a PCI class (`0x060400`) is a PCI-to-PCI bridge.
+fn is_bridge(class: &str) -> bool {
+    let h = class.trim().trim_start_matches("0x");
+    u32::from_str_radix(h, 16).is_ok_and(|c| c >> 8 == 0x0604)
+}
+
+/// The driver bound to a function now: `None` when unbound. Errors: the link cannot be read.
+pub fn driver_of(host: &HostRoot, bdf: &str) -> io::Result<Option<String>> {
+    match link_basename(&host.pci_device(bdf).join("driver")) {
+        Ok(d) => Ok(Some(d)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn read_u32(path: &Path) -> io::Result<u32> {
+    let s = read_attr(path)?;
+    s.parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("{} reads {s:?}", path.display())))
+}
+
+/// Reads one configured passthrough GPU. `Ok(None)`: the host has no such PCI function.
+/// Errors: one sentence naming what could not be read (the GPU is then unreadable, never
+/// free).
+pub fn read_gpu(host: &HostRoot, bdf: &str) -> Result<Option<PtGpu>, String> {
+    let d = host.pci_device(bdf);
+    match std::fs::symlink_metadata(&d) {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{} cannot be read: {}", d.display(), errno_name(&e))),
+    }
+    let group: u32 = link_basename(&d.join("iommu_group"))
+        .map_err(|e| format!("its iommu_group link cannot be read: {}", errno_name(&e)))?
+        .parse()
+        .map_err(|_| "its iommu_group link does not name a group number".to_string())?;
+    let members = list_dir(&host.iommu_group_dir(group).join("devices")).map_err(|e| e.to_string())?;
+    let mut functions = Vec::new();
+    let mut bridges = Vec::new();
+    let mut foreign = Vec::new();
+    for m in members {
+        let class = read_attr(&host.pci_device(&m).join("class"))
+            .map_err(|e| format!("the class of group member {m} cannot be read: {}", errno_name(&e)))?;
+        if is_bridge(&class) {
+            bridges.push(m);
+        } else if slot_of(&m).eq_ignore_ascii_case(slot_of(bdf)) {
+            let driver = driver_of(host, &m)
+                .map_err(|e| format!("the driver link of {m} cannot be read: {}", errno_name(&e)))?;
+            functions.push(Function { bdf: m, driver });
+        } else {
+            foreign.push(m);
+        }
+    }
+    // The GPU function first (it is function 0 of its slot: the guest's multifunction slot).
+    functions.sort_by_key(|f| (!f.bdf.eq_ignore_ascii_case(bdf), f.bdf.clone()));
+    if functions.first().is_none_or(|f| !f.bdf.eq_ignore_ascii_case(bdf)) {
+        return Err(format!("its IOMMU group {group} does not list it"));
+    }
+    let numvfs = match read_u32(&d.join("sriov_numvfs")) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(format!("sriov_numvfs cannot be read: {e}")),
+    };
+    let nvidia_minor = if functions[0].driver.as_deref() == Some("nvidia") { nvidia_minor(host, bdf)? } else { None };
+    Ok(Some(PtGpu {
+        bdf: bdf.to_string(),
+        device_id: read_attr(&d.join("device")).unwrap_or_default(),
+        numa_node: read_attr(&d.join("numa_node")).ok().and_then(|s| s.parse().ok()),
+        group,
+        functions,
+        bridges,
+        foreign,
+        numvfs,
+        nvidia_minor,
+    }))
+}
+
+/// `Device Minor` of `proc/driver/nvidia/gpus/<BDF>/information` (absent file: `None`).
+fn nvidia_minor(host: &HostRoot, bdf: &str) -> Result<Option<u32>, String> {
+    let p = host.root().join("proc/driver/nvidia/gpus").join(bdf.to_ascii_lowercase()).join("information");
+    let text = match std::fs::read_to_string(&p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{} cannot be read: {}", p.display(), errno_name(&e))),
+    };
+    text.lines()
+        .find_map(|l| l.split_once(':').filter(|(k, _)| k.trim() == "Device Minor").map(|(_, v)| v.trim().to_string()))
+        .map(|v| v.parse().map_err(|_| format!("{}: Device Minor reads {v:?}", p.display())))
+        .transpose()
+}
+
+/// The host driver's node `dev/nvidia<N>` whose holders (persistenced, DCGM, any NVML
+/// client) keep the GPU from leaving `nvidia`.
+pub fn nvidia_node(host: &HostRoot, minor: u32) -> PathBuf {
+    host.root().join("dev").join(format!("nvidia{minor}"))
+}
+
+/// Writes `value` to `path` on a helper thread; a write that has not returned within
+/// [`WRITE_TIMEOUT`] is an error (the thread is left to finish in the kernel).
+pub fn write_bounded(path: &Path, value: &str) -> io::Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (p, v) = (path.to_path_buf(), value.to_string());
+    std::thread::Builder::new().name("sysfs-write".into()).spawn(move || {
+        let _ = tx.send(write_attr(&p, &v));
+    })?;
+    rx.recv_timeout(WRITE_TIMEOUT).unwrap_or_else(|_| {
+        Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the write did not return within {} s", WRITE_TIMEOUT.as_secs()),
+        ))
+    })
+}
+
+fn write(what: &str, path: &Path, value: &str) -> Result<(), WriteError> {
+    write_bounded(path, value).map_err(|e| WriteError::from_io(&format!("{what} ({})", path.display()), &e))
+}
+
+fn probe(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
+    write("drivers_probe", &host.root().join("sys/bus/pci/drivers_probe"), bdf)
+}
+
+fn unbind(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
+    write("unbind", &host.pci_device(bdf).join("driver/unbind"), bdf)
+}
+
+fn read_driver(host: &HostRoot, bdf: &str) -> Result<Option<String>, WriteError> {
+    driver_of(host, bdf)
+        .map_err(|e| WriteError::other(format!("the driver link of {bdf} cannot be read: {}", errno_name(&e))))
+}
+
+/// Moves one function to `vfio-pci` (NVIDIA-HOST.md §7 Bind step 4): `driver_override`,
+/// unbind from its driver when bound, `drivers_probe`, and require `vfio-pci` read back.
+pub fn move_to_vfio(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
+    write("driver_override", &host.pci_device(bdf).join("driver_override"), VFIO_PCI)?;
+    match read_driver(host, bdf)? {
+        Some(d) if d == VFIO_PCI => return Ok(()),
+        Some(_) => {
+            unbind(host, bdf)?;
+            crate::crash_point!("pt_bind_after_unbind");
+        }
+        None => {}
+    }
+    probe(host, bdf)?;
+    match read_driver(host, bdf)? {
+        Some(d) if d == VFIO_PCI => Ok(()),
+        other => Err(WriteError::other(format!(
+            "{bdf} is bound to {} after the probe, not {VFIO_PCI}",
+            other.as_deref().unwrap_or("no driver")
+        ))),
+    }
+}
+
+/// Gives one function back to the driver it had (NVIDIA-HOST.md §7 Give back step 2):
+/// clears `driver_override`, unbinds it when bound to another driver, probes, and
+/// requires `original` read back (`None`: it had no driver, and stays unbound).
+pub fn give_back(host: &HostRoot, bdf: &str, original: Option<&str>) -> Result<(), WriteError> {
+    let override_path = host.pci_device(bdf).join("driver_override");
+    // An unset override reads `(null)`; one that cannot be read is cleared anyway.
+    let set = read_attr(&override_path).map(|v| !v.is_empty() && v != "(null)").unwrap_or(true);
+    if set {
+        write("driver_override", &override_path, "\n")?;
+    }
+    let now = read_driver(host, bdf)?;
+    if now.as_deref() == original {
+        return Ok(());
+    }
+    if now.is_some() {
+        unbind(host, bdf)?;
+        crate::crash_point!("pt_release_after_unbind");
+    }
+    if original.is_some() {
+        probe(host, bdf)?;
+    }
+    match read_driver(host, bdf)? {
+        d if d.as_deref() == original => Ok(()),
+        d => Err(WriteError::other(format!(
+            "{bdf} is bound to {} after the probe, not its original {}",
+            d.as_deref().unwrap_or("no driver"),
+            original.unwrap_or("no driver")
+        ))),
+    }
+}
+
+/// Why a GPU's state says it is wedged (config space all ones, `power_state` D3cold), or
+/// `None`.
+pub fn wedged(host: &HostRoot, bdf: &str) -> Option<String> {
+    let d = host.pci_device(bdf);
+    if let Ok(cfg) = std::fs::read(d.join("config")) {
+        if cfg.len() >= 4 && cfg[..4].iter().all(|b| *b == 0xff) {
+            return Some("its config space reads all ones".into());
+        }
+    }
+    match read_attr(&d.join("power_state")) {
+        Ok(s) if s.eq_ignore_ascii_case("D3cold") => Some("power_state reads D3cold".into()),
+        _ => None,
+    }
+}
+
+/// What [`reset`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResetOutcome {
+    /// `reset` was written (or the function has none) and the GPU reads healthy.
+    Done,
+    /// The GPU is wedged: the reset failed with EIO, or it reads all ones / D3cold.
+    Wedged(String),
+    /// The write failed for another reason (transient: retried with the release).
+    Failed(WriteError),
+}
+
+/// The optional reset of the GPU function before it is given back (NVIDIA-HOST.md §7 Give
+/// back step 1): writes `1` to `reset` when the file exists.
+pub fn reset(host: &HostRoot, bdf: &str) -> ResetOutcome {
+    let p = host.pci_device(bdf).join("reset");
+    if p.exists() {
+        if let Err(w) = write("reset", &p, "1") {
+            if w.eio() {
+                return ResetOutcome::Wedged(format!("reset failed with EIO{}", wedged_suffix(host, bdf)));
+            }
+            return ResetOutcome::Failed(w);
+        }
+    }
+    match wedged(host, bdf) {
+        Some(why) => ResetOutcome::Wedged(format!("after reset {why}")),
+        None => ResetOutcome::Done,
+    }
+}
+
+fn wedged_suffix(host: &HostRoot, bdf: &str) -> String {
+    wedged(host, bdf).map(|w| format!("; {w}")).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn functions_of_one_card_share_bus_and_device() {
+        assert_eq!(slot_of("0000:82:00.1"), "0000:82:00");
+        assert!(is_bridge("0x060400"));
+        assert!(!is_bridge("0x030000"));
+        assert!(!is_bridge("0x040300"));
+        assert!(!is_bridge("junk"));
+    }
+
+    #[test]
+    fn the_binding_line_names_every_function() {
+        let f = vec![
+            Function { bdf: "0000:82:00.0".into(), driver: Some("vfio-pci".into()) },
+            Function { bdf: "0000:82:00.1".into(), driver: None },
+        ];
+        assert_eq!(binding_line(&f), "0000:82:00.0=vfio-pci 0000:82:00.1=none");
+    }
+
+    #[test]
+    fn a_write_that_blocks_times_out() {
+        // A FIFO with no reader blocks open(2) for writing: the bounded write gives up.
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("f");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let t0 = std::time::Instant::now();
+        let e = write_bounded(&fifo, "1").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(t0.elapsed() >= WRITE_TIMEOUT);
+        // Let the blocked thread go.
+        let _ = std::fs::File::open(&fifo);
+    }
+}
