@@ -23,7 +23,7 @@ pub mod exit {
     pub const USAGE: i32 = 2;
     /// No agent answers on the socket.
     pub const UNREACHABLE: i32 = 3;
-    /// The operation is done, but a vGPU release is pending (`release_pending`,
+    /// The operation is done, but a GPU release is pending (`release_pending`,
     /// `vgpu_cleanup_pending`): the device is still blocked and the agent retries.
     pub const RELEASE_PENDING: i32 = 4;
 }
@@ -390,9 +390,9 @@ pub async fn run_client(cli: &Cli) -> i32 {
     };
     let announce = match &cli.command {
         Command::Stop { name, .. } => {
-            Some(format!("stopping {name} (guest power-off, then the kill path; then its vGPU is released)..."))
+            Some(format!("stopping {name} (guest power-off, then the kill path; then its GPU device is released)..."))
         }
-        Command::Rm { name } => Some(format!("deleting {name} (the kill path, then its vGPU is released)...")),
+        Command::Rm { name } => Some(format!("deleting {name} (the kill path, then its GPU device is released)...")),
         _ => None,
     };
     if let Some(a) =
@@ -490,7 +490,7 @@ fn decode<T: DeserializeOwned>(v: &Value) -> Option<T> {
     }
 }
 
-/// Prints one instance after create/start/stop; says so when its vGPU release is pending.
+/// Prints one instance after create/start/stop; says so when its GPU release is pending.
 fn print_instance(i: &InstanceView) -> i32 {
     let gpu = i.gpu.as_ref();
     println!(
@@ -595,7 +595,8 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                                 .ok()
                                 .and_then(|v| v.as_str().map(String::from))
                                 .unwrap_or_default(),
-                            d.current_type.to_string(),
+                            // A whole GPU has no vGPU type.
+                            if g.passthrough.is_some() { "-".into() } else { d.current_type.to_string() },
                             match c {
                                 Some(c) if c.unreadable.is_some() => "unreadable".into(),
                                 Some(c) => opt(&c.instance_name.clone().or(c.instance_id.clone())),
@@ -647,15 +648,19 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
             if let Some(e) = &r.error {
                 println!("error: {e}");
             }
-            let rows = r
-                .profiles
-                .iter()
-                .map(|p| {
-                    // A profile whose name carries no size: its framebuffer is unknown.
-                    let fb = p.framebuffer_mib.map(|f| f.to_string()).unwrap_or_else(|| "unknown".into());
-                    vec![p.profile.clone(), opt(&p.type_id), fb, p.placeable.to_string()]
-                })
-                .collect();
+            let rows =
+                r.profiles
+                    .iter()
+                    .map(|p| {
+                        // A profile whose name carries no size: its framebuffer is unknown.
+                        let fb = p.framebuffer_mib.map(|f| f.to_string()).unwrap_or_else(|| "unknown".into());
+                        vec![p.profile.clone(), opt(&p.type_id), fb, p.placeable.to_string()]
+                    })
+                    // Whole GPUs: one row, as many as can be placed now.
+                    .chain((r.passthrough.total > 0).then(|| {
+                        vec!["passthrough".into(), "-".into(), "-".into(), r.passthrough.allocatable.to_string()]
+                    }))
+                    .collect();
             table(&["PROFILE", "TYPE", "FB_MIB", "PLACEABLE"], rows);
             let p = &r.passthrough;
             if p.total > 0 {

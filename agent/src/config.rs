@@ -179,7 +179,10 @@ impl Config {
                 );
             }
         }
-        for g in &self.passthrough_gpus {
+        for (i, g) in self.passthrough_gpus.iter().enumerate() {
+            if self.passthrough_gpus[..i].iter().any(|x| x.eq_ignore_ascii_case(g)) {
+                anyhow::bail!("passthrough_gpus: {g} is listed twice");
+            }
             if !is_bdf(g) {
                 anyhow::bail!(
                     "passthrough_gpus: {g:?} is not a PCI address (domain:bus:device.function, e.g. 0000:82:00.0)"

@@ -107,8 +107,10 @@ impl HostScan {
 }
 
 /// Reads the host once (NVIDIA-HOST.md §1: mdev probe, vendor-VFIO probe, decide; then the
-/// inventory of the detected framework). Never fails: a probe error is in `mode`.
-pub fn scan(host: &HostRoot) -> HostScan {
+/// inventory of the detected framework). Never fails: a probe error is in `mode`. The
+/// passthrough GPUs (`whole`) and their VFs are not vGPU devices: skipped.
+pub fn scan(host: &HostRoot, whole: &[String]) -> HostScan {
+    let is_whole = |bdf: &str| whole.iter().any(|w| w.eq_ignore_ascii_case(bdf));
     let driver_version = read_attr(&host.nvidia_version_path()).ok();
     let mut unreadable = Vec::new();
     let out = |mode, vendor, parents, mdevs, unreadable| HostScan {
@@ -154,7 +156,7 @@ pub fn scan(host: &HostRoot) -> HostScan {
     let mut vendor: Vec<vendor_vfio::GpuInfo> = Vec::new();
     let mut vfs_seen = 0usize;
     let mut pfs = Vec::new();
-    for bdf in &pci {
+    for bdf in pci.iter().filter(|b| !is_whole(b)) {
         let d = host.pci_device(bdf);
         match read_attr(&d.join("vendor")) {
             Ok(v) if v == NVIDIA_VENDOR => {}
@@ -186,6 +188,9 @@ pub fn scan(host: &HostRoot) -> HostScan {
                 continue;
             }
         };
+        if is_whole(&pf) {
+            continue;
+        }
         let current_type = match vendor_vfio::read_current_type(host, bdf) {
             // No nvidia/ directory: not a vendor-VFIO VF (e.g. an mdev parent).
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,

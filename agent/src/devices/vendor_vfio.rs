@@ -89,6 +89,14 @@ fn write_type(host: &HostRoot, vf: &str, id: NonZeroU32) -> io::Result<()> {
 /// Reads one VF whose type has already been read (`current_type`): its VFIO paths and its
 /// catalog.
 pub(crate) fn read_vf_with_type(host: &HostRoot, bdf: &str, pf: String, current_type: TypeReading) -> VfInfo {
+    let (iommu_group, cdevs, targets_error) = vfio_paths(host, bdf);
+    let catalog = read_catalog(host, bdf).map_err(|e| errno_or_msg(&e));
+    VfInfo { bdf: bdf.to_string(), pf, iommu_group, cdevs, targets_error, current_type, catalog }
+}
+
+/// The VFIO nodes of any PCI function (a VF, a passthrough function): its IOMMU group
+/// number and its `vfio-dev/` (iommufd cdev) entries, or why they cannot be read.
+fn vfio_paths(host: &HostRoot, bdf: &str) -> (Option<u32>, Vec<String>, Option<String>) {
     let d = host.pci_device(bdf);
     let mut targets_error = None;
     let iommu_group = match link_basename(&d.join("iommu_group")) {
@@ -113,8 +121,21 @@ pub(crate) fn read_vf_with_type(host: &HostRoot, bdf: &str, pf: String, current_
         Err(e) => targets_error = Some(format!("{bdf}/vfio-dev: {}", errno_or_msg(&e))),
     }
     cdevs.sort();
-    let catalog = read_catalog(host, bdf).map_err(|e| errno_or_msg(&e));
-    VfInfo { bdf: bdf.to_string(), pf, iommu_group, cdevs, targets_error, current_type, catalog }
+    (iommu_group, cdevs, targets_error)
+}
+
+/// The device nodes whose holders use the PCI function `bdf`: `dev/vfio/<group>` and its
+/// `dev/vfio/devices/<vfio-dev entry>`s (NVIDIA-HOST.md §5). Errors as [`vf_targets`].
+pub fn function_targets(host: &HostRoot, bdf: &str) -> Result<Vec<PathBuf>, String> {
+    let (iommu_group, cdevs, error) = vfio_paths(host, bdf);
+    if let Some(e) = error {
+        return Err(format!("the VFIO paths of {bdf} cannot be read: {e}"));
+    }
+    Ok(iommu_group
+        .map(|g| host.vfio_group_node(g))
+        .into_iter()
+        .chain(cdevs.iter().map(|c| host.vfio_cdev_node(c)))
+        .collect())
 }
 
 /// Reads one VF now (type, VFIO paths, catalog).

@@ -37,6 +37,9 @@ fn hold_fd_opaque(node: &Path) -> String {
     format!("vfio-group-{g}")
 }
 
+/// The guest PCI slot of a passthrough GPU's functions.
+const PASSTHROUGH_SLOT: u32 = 0x10;
+
 /// QEMU's arguments for `spec` (without the binary itself). Pure.
 ///
 /// Shape: `-machine q35,accel=<accel> -cpu max|host -m <MiB> -smp <n> -nodefaults
@@ -44,10 +47,8 @@ fn hold_fd_opaque(node: &Path) -> String {
 /// [-append ..]] -serial file:<run_dir>/serial.log -qmp unix:<run_dir>/qmp.sock,server=on,wait=off`
 /// then the VFIO arguments: `-device vfio-pci,sysfsdev=<path>` or, for hold-fd,
 /// `-add-fd fd=3,set=1,opaque=vfio-group-<G>`. `-cpu host` only with `kvm` (TCG cannot
-/// emulate the host CPU).
-/// The guest PCI slot of a passthrough GPU's functions.
-const PASSTHROUGH_SLOT: u32 = 0x10;
-
+/// emulate the host CPU). A passthrough group gets one `-device` per function in guest
+/// slot 0x10 (`addr=0x10.<fn>`, `multifunction=on` on function 0).
 pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));

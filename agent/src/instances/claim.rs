@@ -25,6 +25,9 @@ use uuid::Uuid;
 /// in use — does not count) and answers `no_capacity`.
 pub const MAX_CONFIGURE_FAILURES: usize = 4;
 
+/// How long a `passthrough_*_services` command may run.
+const SERVICE_COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// At most this many notes (devices tried or skipped) are spelled out in a `no_capacity`
 /// message.
 const MESSAGE_NOTES: usize = 6;
@@ -175,7 +178,11 @@ impl Manager {
                         faulty_gpus.insert(gpu.clone());
                     }
                     let error = r.error.clone();
-                    self.drop_refused_claim(rec, claim, r).map_err(|(c, e)| ClaimFailure::Held(c, e))?;
+                    // A failed bind whose one-shot undo failed goes on to the rollback with its
+                    // own error (not the undo's), so the answer names the bind.
+                    let bind_failed = error.clone().filter(|e| e.code == ErrorCode::PassthroughBindFailed);
+                    self.drop_refused_claim(rec, claim, r)
+                        .map_err(|(c, e)| ClaimFailure::Held(c, bind_failed.unwrap_or(e)))?;
                     // A named GPU, or a bind that failed (a host problem, not this GPU's
                     // luck): the answer is that error, once the group is given back.
                     if let Some(e) = error {
@@ -366,16 +373,35 @@ impl Manager {
         Err(Refusal::answer(ApiError::gpu_busy(gpu, &node.display().to_string(), &named)))
     }
 
-    /// Runs a `passthrough_*_services` command; a failure is logged (the bind's own checks
-    /// decide what happens next).
+    /// Runs a `passthrough_*_services` command, killed after [`SERVICE_COMMAND_TIMEOUT`]
+    /// (it runs under the configure lock); a failure is logged (the bind's own checks decide
+    /// what happens next).
     fn host_services(&self, what: &str, argv: &[String]) {
         let Some((bin, args)) = argv.split_first() else { return };
-        match std::process::Command::new(bin).args(args).stdin(std::process::Stdio::null()).status() {
-            Ok(s) if s.success() => tracing::info!(command = %argv.join(" "), "host services {what}ed for passthrough"),
-            Ok(s) => tracing::warn!(command = %argv.join(" "), status = %s, "the host services {what} command failed"),
+        let command = argv.join(" ");
+        let mut child = match std::process::Command::new(bin).args(args).stdin(std::process::Stdio::null()).spawn() {
+            Ok(c) => c,
             Err(e) => {
-                tracing::warn!(command = %argv.join(" "), error = %e, "the host services {what} command cannot run")
+                return tracing::warn!(command = %command, error = %e, "the host services {what} command cannot run")
             }
+        };
+        let deadline = Instant::now() + SERVICE_COMMAND_TIMEOUT;
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break Ok(s),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break Err(format!("killed after {} s", SERVICE_COMMAND_TIMEOUT.as_secs()));
+                }
+                Err(e) => break Err(e.to_string()),
+            }
+        };
+        match status {
+            Ok(s) if s.success() => tracing::info!(command = %command, "host services {what}ed for passthrough"),
+            Ok(s) => tracing::warn!(command = %command, status = %s, "the host services {what} command failed"),
+            Err(e) => tracing::warn!(command = %command, error = %e, "the host services {what} command did not finish"),
         }
     }
 

@@ -73,7 +73,7 @@ impl Manager {
     /// retained; a later delete (or the reconciler) retries.
     fn retain_on_delete(&self, mut rec: InstanceRecord, claim: Option<&Claim>, why: ReleaseFailure) -> ApiError {
         rec.vmm = None;
-        rec.last_error = Some(format!("vGPU release failed: {}", why.message));
+        rec.last_error = Some(format!("GPU release failed: {}", why.message));
         let retained = rec.transition(InstanceState::CleanupPending).is_ok() && self.store.write_instance(&rec).is_ok();
         ApiError::vgpu_cleanup_pending(CleanupPending {
             instance_id: rec.id,

@@ -70,6 +70,32 @@ pub struct ObservedDevice {
     pub type_mismatch: Option<String>,
 }
 
+impl ObservedDevice {
+    /// A device with no type file (an mdev parent, a passthrough GPU), from its records.
+    fn without_type(
+        address: &str,
+        state: DeviceState,
+        creatable: Vec<String>,
+        r: DeviceRecords,
+        unreadable: Option<String>,
+    ) -> ObservedDevice {
+        ObservedDevice {
+            address: address.to_string(),
+            state,
+            current_type: TypeReading::Id(0),
+            creatable,
+            claim: r.claim,
+            claim_unreadable: r.claim_unreadable,
+            claim_unreadable_owner: r.claim_unreadable_owner,
+            owner_labels: r.owner_labels,
+            health: r.health,
+            unreadable,
+            catalog_skipped: vec![],
+            type_mismatch: None,
+        }
+    }
+}
+
 /// One managed GPU (PF) as observed.
 #[derive(Debug, Clone)]
 pub struct ObservedGpu {
@@ -182,6 +208,9 @@ impl Observation {
             .gpus
             .iter()
             .filter(|g| g.managed && g.passthrough.is_some() == whole)
+            // A whole GPU that can never be handed out (a foreign device in its group, VFs
+            // enabled) is not shown to plugins: it is not a candidate in any state.
+            .filter(|g| g.passthrough.as_ref().is_none_or(|p| p.problem.is_none()))
             .map(|g| GpuView {
                 address: g.address.clone(),
                 model: g.model.clone(),
@@ -361,7 +390,7 @@ impl Manager {
     /// when the claim or health directories cannot be listed at all (an unreadable record
     /// only blocks what it names).
     pub(crate) fn observe(&self, profile: Option<&str>) -> Result<Observation, ApiError> {
-        let scan = devices::scan(&self.host);
+        let scan = devices::scan(&self.host, &self.cfg.passthrough_gpus);
         let claims = self
             .store
             .scan_claims()
@@ -600,8 +629,7 @@ impl Manager {
             let managed = self.cfg.manages(&pf);
             let mut devices = Vec::new();
             for p in parents {
-                let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } =
-                    self.device_records(obs, &p.bdf);
+                let recs = self.device_records(obs, &p.bdf);
                 // An mdev on a parent without a claim is another tool's (or an orphan): the
                 // parent is occupied (shown dirty), and only the sweep may remove our own.
                 let occupied = scan.mdevs.iter().any(|d| d.parent == p.bdf);
@@ -612,9 +640,9 @@ impl Manager {
                         .find(|u| u.parent.as_deref() == Some(p.bdf.as_str()))
                         .map(|u| format!("an mdev on it cannot be read: {}", u.reason))
                 });
-                let state = if claim.is_some() || claim_unreadable.is_some() {
+                let state = if recs.claim.is_some() || recs.claim_unreadable.is_some() {
                     DeviceState::Claimed
-                } else if health.as_ref().is_some_and(|h| h.quarantined) {
+                } else if recs.health.as_ref().is_some_and(|h| h.quarantined) {
                     DeviceState::Quarantined
                 } else if unreadable.is_some() {
                     DeviceState::Unreadable
@@ -646,20 +674,7 @@ impl Manager {
                         });
                     }
                 }
-                devices.push(ObservedDevice {
-                    address: p.bdf.clone(),
-                    state,
-                    current_type: TypeReading::Id(0),
-                    creatable,
-                    claim,
-                    claim_unreadable,
-                    claim_unreadable_owner,
-                    owner_labels,
-                    health,
-                    unreadable,
-                    catalog_skipped: vec![],
-                    type_mismatch: None,
-                });
+                devices.push(ObservedDevice::without_type(&p.bdf, state, creatable, recs, unreadable));
             }
             let device_id = devices::read_attr(&self.host.pci_device(&pf).join("device")).unwrap_or_default();
             let (claimed_framebuffer_mib, load_known) = self.load_of(&devices);
@@ -707,15 +722,16 @@ impl Manager {
                     None
                 }
             });
-            let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } =
-                self.device_records(obs, bdf);
-            let state = if claim.is_some() || claim_unreadable.is_some() {
+            let recs = self.device_records(obs, bdf);
+            let state = if recs.claim.is_some() || recs.claim_unreadable.is_some() {
                 DeviceState::Claimed
-            } else if health.as_ref().is_some_and(|h| h.quarantined) {
+            } else if recs.health.as_ref().is_some_and(|h| h.quarantined) {
                 DeviceState::Quarantined
             } else if unreadable.is_some() {
                 DeviceState::Unreadable
-            } else if read.as_ref().is_some_and(|g| !g.on_host_drivers()) {
+            } else if read.as_ref().is_some_and(|g| !g.on_host_drivers() || g.functions[0].driver.is_none()) {
+                // On vfio-pci, split between drivers, or the GPU itself driverless: not a
+                // binding gpuvisor made or can give back (a driverless GPU is never free).
                 DeviceState::Dirty
             } else {
                 DeviceState::Free
@@ -731,20 +747,7 @@ impl Manager {
                 load_known: fb.is_some() || state != DeviceState::Claimed,
                 managed: true,
                 health: None,
-                devices: vec![ObservedDevice {
-                    address: bdf.clone(),
-                    state,
-                    current_type: TypeReading::Id(0),
-                    creatable: vec![],
-                    claim,
-                    claim_unreadable,
-                    claim_unreadable_owner,
-                    owner_labels,
-                    health,
-                    unreadable,
-                    catalog_skipped: vec![],
-                    type_mismatch: None,
-                }],
+                devices: vec![ObservedDevice::without_type(bdf, state, vec![], recs, unreadable)],
                 passthrough: Some(PassthroughObserved { read, problem }),
             });
         }
@@ -837,6 +840,16 @@ impl Manager {
                 (_, _, _) => format!("cannot be read: {}", d.unreadable.clone().unwrap_or_default()),
             };
             notes.push(format!("{}: {why}", g.address));
+        }
+        if let (Some(a), false, true) = (address, found, address.is_some_and(|a| self.cfg.is_passthrough_gpu(a))) {
+            return Err(ApiError::no_capacity(
+                format!(
+                    "the passthrough GPU {a} is configured but this host does not show it (sys/bus/pci/devices/{a})"
+                ),
+                PASSTHROUGH,
+                vec![],
+                None,
+            ));
         }
         if let (Some(a), false) = (address, found) {
             return Err(ApiError::invalid_request(format!(

@@ -112,12 +112,18 @@ impl Manager {
         let ranked = match answer {
             PlacementAnswer::Ranked(r) => r,
             PlacementAnswer::Reject(reason) => {
+                // What the agent knows about the devices it did not offer goes with it.
+                let why = match obs.notes.len() {
+                    0 => String::new(),
+                    n if n <= 6 => format!(" ({})", obs.notes.join("; ")),
+                    n => format!(" ({}; and {} more in data.notes)", obs.notes[..6].join("; "), n - 6),
+                };
                 return Err(ApiError::no_capacity(
-                    format!("the placement policy rejected the request: {reason}"),
+                    format!("the placement policy rejected the request: {reason}{why}"),
                     ask.profile,
-                    vec![],
+                    obs.notes.clone(),
                     Some(&reason),
-                ))
+                ));
             }
         };
         let mut out: Vec<Candidate> = Vec::new();

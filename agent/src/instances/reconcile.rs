@@ -176,7 +176,7 @@ impl Manager {
                 report.errors.push(format!("inventory incomplete: {e}"));
                 self.metrics().reconcile_failure(PassStage::Inventory);
                 // Only gpuvisor's own, old, idle mdevs (their holders protect live VMs).
-                if self.startup_observed() && crate::devices::scan(self.host()).complete() {
+                if self.startup_observed() && crate::devices::scan(self.host(), &self.cfg.passthrough_gpus).complete() {
                     let eligible = self.orphan_mdevs(None, true, &boot_id, &mut report);
                     self.decide_and_release(eligible, &boot_id, &mut report);
                 }
@@ -376,10 +376,10 @@ impl Manager {
     }
 
     /// After the reconciler released an instance's retained claim, its record no longer
-    /// says "vGPU release pending" (the owner's instance lock is held by the caller).
+    /// says "GPU release pending" (the owner's instance lock is held by the caller).
     fn clear_release_pending_note(&self, id: Uuid) {
         if let Ok(Some(mut rec)) = self.store().read_instance(id) {
-            if rec.last_error.as_deref().is_some_and(|e| e.starts_with("vGPU release pending")) {
+            if rec.last_error.as_deref().is_some_and(|e| e.starts_with("GPU release pending")) {
                 rec.last_error = None;
                 if let Err(e) = self.store().write_instance(&rec) {
                     tracing::warn!(instance.id = %id, instance.name = %rec.name, error = %e, "cannot clear the release-pending note");

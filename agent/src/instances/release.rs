@@ -243,7 +243,16 @@ impl Manager {
         match r {
             Release::Claim(c, _) => match (c.framework, c.mdev_uuid, &c.passthrough) {
                 (Framework::Mdev, Some(u), _) => mdev::targets(&self.host, &u.to_string()),
-                (Framework::Passthrough, _, Some(pc)) => Ok(vec![self.host.vfio_group_node(pc.group)]),
+                // The group node, and every function's iommufd cdev.
+                (Framework::Passthrough, _, Some(pc)) => {
+                    let mut t = vec![self.host.vfio_group_node(pc.group)];
+                    for f in &pc.functions {
+                        t.extend(vendor_vfio::function_targets(&self.host, &f.bdf)?);
+                    }
+                    t.sort();
+                    t.dedup();
+                    Ok(t)
+                }
                 (Framework::Passthrough, _, None) => {
                     Err(format!("the passthrough claim of {} names no group", c.device))
                 }

@@ -160,18 +160,18 @@ impl GpuRequest {
         match self {
             GpuRequest::Profile(p) => profile(p),
             GpuRequest::Spec(GpuSpec { profile: Some(_), passthrough: true, .. }) => {
-                Err(ApiError::invalid_request("gpu: a profile (vGPU) or passthrough (a whole GPU), not both"))
+                Err(ApiError::invalid_request("a profile (vGPU) or passthrough (a whole GPU), not both"))
             }
             GpuRequest::Spec(GpuSpec { profile: Some(p), passthrough: false, address: None }) => profile(p),
             GpuRequest::Spec(GpuSpec { passthrough: false, address: Some(_), .. }) => {
-                Err(ApiError::invalid_request("gpu.address names a whole GPU: it needs \"passthrough\": true"))
+                Err(ApiError::invalid_request("address names a whole GPU: it needs \"passthrough\": true"))
             }
             GpuRequest::Spec(GpuSpec { profile: None, passthrough: false, .. }) => {
-                Err(ApiError::invalid_request("gpu needs a profile, or \"passthrough\": true"))
+                Err(ApiError::invalid_request("a GPU request needs a profile, or \"passthrough\": true"))
             }
             GpuRequest::Spec(GpuSpec { passthrough: true, address, .. }) => match address {
                 Some(a) if !crate::config::is_bdf(&a.to_ascii_lowercase()) => Err(ApiError::invalid_request(format!(
-                    "gpu.address {a:?} is not a PCI address (domain:bus:device.function, e.g. 0000:82:00.0)"
+                    "address {a:?} is not a PCI address (domain:bus:device.function, e.g. 0000:82:00.0)"
                 ))),
                 a => Ok(GpuWant::Passthrough { address: a.as_ref().map(|a| a.to_ascii_lowercase()) }),
             },

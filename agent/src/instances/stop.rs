@@ -58,19 +58,19 @@ impl Manager {
         match self.claim_of(&rec) {
             Ok(OwnedClaim::Claim(c)) => {
                 if let Err(e) = self.release(Release::Claim(&c, dead), Duration::from_secs(self.cfg.release_retry_s)) {
-                    rec.last_error = Some(format!("vGPU release pending: {e}"));
+                    rec.last_error = Some(format!("GPU release pending: {e}"));
                 }
             }
             Ok(OwnedClaim::None) => {}
             Ok(OwnedClaim::Unreadable(u)) => {
                 rec.last_error = Some(format!(
-                    "vGPU release pending: the claim record {} cannot be read: {}",
+                    "GPU release pending: the claim record {} cannot be read: {}",
                     u.path.display(),
                     u.error
                 ));
             }
             Err(e) => {
-                rec.last_error = Some(format!("vGPU release pending: the claim records cannot be read: {}", e.message));
+                rec.last_error = Some(format!("GPU release pending: the claim records cannot be read: {}", e.message));
             }
         }
         rec.vmm = None;

@@ -983,7 +983,7 @@ impl Manager {
                 }
             }
         }
-        let mode = crate::devices::scan(&self.host).mode;
+        let mode = crate::devices::scan(&self.host, &self.cfg.passthrough_gpus).mode;
         if let Err(e) = &mode {
             problems.push(format!("GPU framework probe failed: {e}"));
         }

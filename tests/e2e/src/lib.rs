@@ -1068,6 +1068,35 @@ pub fn sim_ctl_sh(sim: &SimMount, args: &[&str]) -> String {
     s + " >/dev/null 2>&1"
 }
 
+/// `(function, driver)` pairs, sorted (`none` for an unbound function): how tests write the
+/// binding of a passthrough GPU's IOMMU group.
+pub fn bindings(x: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = x.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+    v.sort();
+    v
+}
+
+impl Agent {
+    /// The binding of every member of the passthrough GPU `gpu`'s IOMMU group, from the
+    /// simulator's state dump, as [`bindings`].
+    pub fn pt_drivers(&self, gpu: &str) -> Vec<(String, String)> {
+        let st = self.state();
+        let e = st["passthrough"]
+            .as_array()
+            .and_then(|a| a.iter().find(|g| g["bdf"] == gpu))
+            .cloned()
+            .unwrap_or_else(|| panic!("no passthrough GPU {gpu} in {st}"));
+        let mut v: Vec<(String, String)> = e["functions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|f| (f["bdf"].as_str().unwrap_or("").to_string(), f["driver"].as_str().unwrap_or("none").to_string()))
+            .collect();
+        v.sort();
+        v
+    }
+}
+
 /// `/proc/<pid>/stat` field 22 (start time in clock ticks).
 pub fn proc_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

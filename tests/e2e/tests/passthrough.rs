@@ -41,23 +41,12 @@ fn pt_entry(state: &Value, bdf: &str) -> Value {
         .unwrap_or_else(|| panic!("no passthrough GPU {bdf} in {state}"))
 }
 
-/// Function → driver (`none` when unbound) of every member of `gpu`'s group, sorted.
 fn drivers(a: &Agent, gpu: &str) -> Vec<(String, String)> {
-    let e = pt_entry(&a.state(), gpu);
-    let mut v: Vec<(String, String)> = e["functions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| (f["bdf"].as_str().unwrap().to_string(), f["driver"].as_str().unwrap_or("none").to_string()))
-        .collect();
-    v.sort();
-    v
+    a.pt_drivers(gpu)
 }
 
 fn pairs(x: &[(&str, &str)]) -> Vec<(String, String)> {
-    let mut v: Vec<(String, String)> = x.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
-    v.sort();
-    v
+    bindings(x)
 }
 
 fn boot_p0() -> Vec<(String, String)> {
@@ -487,27 +476,58 @@ fn passthrough_capacity_equals_what_fits_while_filling_and_emptying() {
     }
 }
 
-/// `resources.get` on a vGPU host: `devices.allocatable` counts only free VFs that can take
-/// at least one profile now, and a profile's `placeable` equals the creates that succeed.
-/// One L40S with 4 VFs filled with 16Q (3 per GPU): after three, the fourth VF is free but
-/// can take nothing, and is not allocatable.
-#[test]
-fn vgpu_capacity_counts_only_devices_that_can_take_a_profile() {
-    let a = Agent::start_with(AgentOptions { model: HOST_V, ..Default::default() }).unwrap();
-    let placeable = |a: &Agent| {
+/// `resources.get` on a vGPU host of `model` (one L40S, 4 VFs or mdev parents) filled with
+/// 16Q (3 fit under the equal-size rule): at every step a profile's `placeable` equals the
+/// creates that still succeed, and `devices.allocatable` counts only free devices that can
+/// take at least one profile now — after three, the fourth device is free but can take
+/// nothing, and is not allocatable. Emptying gives the capacity back.
+fn vgpu_capacity_equals_what_fits(model: &str) {
+    let a = Agent::start_with(AgentOptions { model, ..Default::default() }).unwrap();
+    let counts = |a: &Agent| {
         let r = resources(a);
         let p = r["profiles"].as_array().unwrap().iter().find(|p| p["profile"] == "L40S-16Q").cloned().unwrap();
         (p["placeable"].as_u64().unwrap(), r["devices"]["allocatable"].as_u64().unwrap())
     };
-    assert_eq!(placeable(&a), (3, 4), "three 16Q fit; every VF can take some profile");
-    for (i, want) in [(2, 3), (1, 2), (0, 0)].into_iter().enumerate() {
-        a.create_gpu(&format!("v{i}"), "L40S-16Q").unwrap();
-        assert_eq!(placeable(&a), want, "after {} creates", i + 1);
+    assert_eq!(counts(&a), (3, 4), "three 16Q fit; every device can take some profile");
+    let mut made = Vec::new();
+    loop {
+        let (placeable, allocatable) = counts(&a);
+        assert_eq!(allocatable > 0, placeable > 0, "allocatable {allocatable} with placeable {placeable}");
+        let name = format!("v{}", made.len());
+        match a.create_gpu(&name, "L40S-16Q") {
+            Ok(_) => {
+                assert!(placeable > 0, "a create succeeded with placeable 0");
+                made.push(name);
+                assert_eq!(counts(&a).0, placeable - 1, "placeable drops by one per create");
+            }
+            Err(e) => {
+                assert_eq!(placeable, 0, "placeable {placeable}, yet the create failed: {e}");
+                assert_eq!(e.data_code, "no_capacity", "{e}");
+                break;
+            }
+        }
     }
-    let e = a.create_gpu("v3", "L40S-16Q").unwrap_err();
-    assert_eq!(e.data_code, "no_capacity", "{e}");
-    a.ok("instance.delete", json!({"ref": "v0"}));
-    assert_eq!(placeable(&a), (1, 2));
+    assert_eq!(made.len(), 3);
+    assert_eq!(counts(&a), (0, 0), "the fourth device is free but can take nothing");
+    for (i, n) in made.iter().enumerate() {
+        a.ok("instance.delete", json!({"ref": n}));
+        let (placeable, allocatable) = counts(&a);
+        assert_eq!(placeable, i as u64 + 1, "after {} deletes", i + 1);
+        assert!(allocatable >= placeable);
+    }
+    assert_eq!(counts(&a), (3, 4));
+}
+
+#[test]
+fn vendor_vfio_capacity_equals_what_fits_while_filling_and_emptying() {
+    vgpu_capacity_equals_what_fits(HOST_V);
+}
+
+#[test]
+fn mdev_capacity_equals_what_fits_while_filling_and_emptying() {
+    vgpu_capacity_equals_what_fits(
+        "framework = \"mdev\"\nrelease_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n",
+    );
 }
 
 /// `placement.dry_run` answers for passthrough: the ranked free GPUs, and for a named GPU
@@ -717,4 +737,58 @@ fn the_cli_creates_lists_and_counts_passthrough_gpus() {
     let e = a.cli(&["create", "y", "--image", "demo", "--gpu", &format!("passthrough={P1}")]);
     assert!(!e.status.success());
     assert!(String::from_utf8_lossy(&e.stderr).contains("no_capacity"), "{}", String::from_utf8_lossy(&e.stderr));
+}
+
+/// A mixed host (`l40s-pt`: an L40S with 16 VFs and two passthrough GPUs): vGPUs and
+/// whole GPUs side by side, each counted in its own kind; a passthrough GPU is never a
+/// vGPU parent, and `managed_gpus` naming one is refused at start.
+#[test]
+fn a_mixed_host_runs_vgpus_and_whole_gpus_side_by_side() {
+    let a = Agent::start_with(AgentOptions {
+        model: "l40s-pt",
+        extra: "passthrough_gpus = [\"0000:82:00.0\", \"0000:83:00.0\"]\n",
+        ..Default::default()
+    })
+    .unwrap();
+    let r = resources(&a);
+    assert_eq!(r["mode"], "vendor_vfio", "{r}");
+    assert_eq!((r["devices"]["total"].as_u64(), r["devices"]["allocatable"].as_u64()), (Some(16), Some(16)), "{r}");
+    assert_eq!(
+        (r["passthrough"]["total"].as_u64(), r["passthrough"]["allocatable"].as_u64()),
+        (Some(2), Some(2)),
+        "{r}"
+    );
+    let v = a.create_gpu("v", "L40S-2Q").unwrap();
+    assert_eq!(v["gpu"]["gpu"], "0000:41:00.0", "{v}");
+    let p = create_pt(&a, "p", None).unwrap();
+    assert_eq!(p["gpu"]["device"], P0, "{p}");
+    let r = resources(&a);
+    assert_eq!(r["devices"]["claimed"], 1, "{r}");
+    assert_eq!(
+        (r["passthrough"]["claimed"].as_u64(), r["passthrough"]["allocatable"].as_u64()),
+        (Some(1), Some(1)),
+        "{r}"
+    );
+    let g = a.ok("gpu.list", json!({}));
+    let kinds: Vec<(String, bool)> = g["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| (x["address"].as_str().unwrap().to_string(), x["passthrough"].is_object()))
+        .collect();
+    assert_eq!(kinds, vec![("0000:41:00.0".into(), false), (P0.into(), true), (P1.into(), true)], "{g}");
+    // A GPU is a vGPU parent or a passthrough GPU, never both.
+    let cfg = a.dir.path().join("both.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "host_root = {:?}\ndata_dir = {:?}\nsocket = {:?}\nmanaged_gpus = [\"{P0}\"]\npassthrough_gpus = [\"{P0}\"]\n",
+            a.sim.path(),
+            a.dir.path().join("d2"),
+            a.dir.path().join("s2.sock")
+        ),
+    )
+    .unwrap();
+    let (st, out) = serve_expecting_exit(&cfg, Duration::from_secs(30)).unwrap();
+    assert!(!st.success() && out.contains("never both"), "{st}: {out}");
 }

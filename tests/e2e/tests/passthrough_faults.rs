@@ -68,25 +68,11 @@ impl Site {
 }
 
 fn boot_p0() -> Vec<(String, String)> {
-    let mut v: Vec<(String, String)> = [(P0, "nvidia"), (P0A, "snd_hda_intel"), (BRIDGE, "pcieport")]
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    v.sort();
-    v
+    bindings(&[(P0, "nvidia"), (P0A, "snd_hda_intel"), (BRIDGE, "pcieport")])
 }
 
 fn drivers(a: &Agent) -> Vec<(String, String)> {
-    let st = a.state();
-    let e = st["passthrough"].as_array().unwrap().iter().find(|g| g["bdf"] == P0).cloned().unwrap();
-    let mut v: Vec<(String, String)> = e["functions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| (f["bdf"].as_str().unwrap().to_string(), f["driver"].as_str().unwrap_or("none").to_string()))
-        .collect();
-    v.sort();
-    v
+    a.pt_drivers(P0)
 }
 
 /// The invariant: no claim ⇒ every function on its boot driver; the agent answers.
