@@ -78,11 +78,25 @@ pub enum Command {
         memory_mib: Option<u64>,
         #[arg(long)]
         hypervisor: Option<String>,
+        /// When the VMM dies without a stop: no (default), on-failure, always.
+        #[arg(long, value_enum)]
+        restart: Option<RestartArg>,
+        /// Start it again when the agent starts after a host reboot.
+        #[arg(long)]
+        autostart: bool,
     },
     /// List instances.
     Ps,
     /// Show one instance (JSON).
     Show { name: String },
+    /// Attach to an instance's serial console (raw terminal; `^]` detaches), or print its
+    /// log with `--log`.
+    Console {
+        name: String,
+        /// Print the console log (the rotated part first) instead of attaching.
+        #[arg(long)]
+        log: bool,
+    },
     /// Start a stopped instance.
     Start { name: String },
     /// Stop an instance (guest power-off, then the kill path).
@@ -223,6 +237,24 @@ pub struct ServeArgs {
     pub passthrough_gpus: Option<Vec<String>>,
 }
 
+/// `--restart` values.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum RestartArg {
+    No,
+    OnFailure,
+    Always,
+}
+
+impl RestartArg {
+    fn policy(self) -> crate::store::RestartPolicy {
+        match self {
+            RestartArg::No => crate::store::RestartPolicy::No,
+            RestartArg::OnFailure => crate::store::RestartPolicy::OnFailure,
+            RestartArg::Always => crate::store::RestartPolicy::Always,
+        }
+    }
+}
+
 fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -305,7 +337,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
             eprintln!("error: `serve` is not a client command");
             return exit::USAGE;
         }
-        Command::Create { name, image, gpu, labels, vcpus, memory_mib, hypervisor } => {
+        Command::Create { name, image, gpu, labels, vcpus, memory_mib, hypervisor, restart, autostart } => {
             let req = CreateRequest {
                 name: name.clone(),
                 image: image.clone(),
@@ -314,6 +346,8 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 vcpus: *vcpus,
                 memory_mib: *memory_mib,
                 hypervisor: hypervisor.clone(),
+                restart: restart.map(RestartArg::policy),
+                autostart: autostart.then_some(true),
             };
             ("instance.create", to_params(&req))
         }
@@ -373,6 +407,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Plugin { action: PluginAction::Test { plugin, input, kind } } => {
             return plugin_test(plugin, input, kind.as_deref());
         }
+        Command::Console { name, log } => return console(cli, name, *log).await,
         Command::Reconcile => ("reconcile.run", json!({})),
         Command::Health => ("agent.health", json!({})),
         Command::Metrics => ("agent.metrics", json!({})),
@@ -451,6 +486,60 @@ fn plugin_test(plugin: &std::path::Path, input: &std::path::Path, kind: Option<&
         Err(e) => {
             eprintln!("error: {e}");
             1
+        }
+    }
+}
+
+/// `gpuvisor console NAME [--log]`: the paths come from `instance.get`; the console socket
+/// and the logs are read directly (the CLI runs on the agent's host, as root).
+async fn console(cli: &Cli, name: &str, log: bool) -> i32 {
+    let v = match client::call(&cli.socket, "instance.get", json!({ "ref": name })).await {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return if matches!(e, ClientError::Unreachable { .. }) { exit::UNREACHABLE } else { exit::ERROR };
+        }
+    };
+    let Some(i) = decode::<InstanceView>(&v) else { return exit::ERROR };
+    if log {
+        let path = PathBuf::from(&i.serial_log);
+        let mut out = std::io::stdout();
+        for p in [crate::console::rotated(&path), path.clone()] {
+            match std::fs::read(&p) {
+                Ok(b) => {
+                    let _ = std::io::Write::write_all(&mut out, &b);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    eprintln!("error: cannot read {}: {e}", p.display());
+                    return exit::ERROR;
+                }
+            }
+        }
+        return exit::OK;
+    }
+    let Some(sock) = i.console_socket.as_deref() else {
+        eprintln!("error: {name} runs under {}: it has no interactive console; use --log", i.hypervisor);
+        return exit::ERROR;
+    };
+    if i.state != crate::store::InstanceState::Running {
+        eprintln!("error: {name} is {}, not running", i.state.as_str());
+        return exit::ERROR;
+    }
+    eprint!("Connected to the console of {name} (escape character is ^])\r\n");
+    let sock = PathBuf::from(sock);
+    match tokio::task::spawn_blocking(move || crate::console::attach(&sock)).await {
+        Ok(Ok(d)) => {
+            eprint!("\r\n{}\r\n", if d == crate::console::Detach::Closed { "Console closed." } else { "Detached." });
+            exit::OK
+        }
+        Ok(Err(e)) => {
+            eprintln!("error: cannot attach to the console of {name}: {e}");
+            exit::ERROR
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            exit::ERROR
         }
     }
 }

@@ -101,6 +101,17 @@ pub struct Config {
     pub vmm_ready_timeout_s: u64,
     /// Kernel command line appended for images that do not set one.
     pub default_cmdline: String,
+    /// The largest a serial console log (`serial.log`) may grow, bytes, before it is
+    /// rotated to `serial.log.1` (QEMU instances). Default 8 MiB; at least 4096.
+    pub console_log_max_bytes: u64,
+    /// The wait before the first restart under a restart policy, seconds; doubled for each
+    /// further restart within `restart_window_s`, at most 60 s.
+    pub restart_backoff_s: u64,
+    /// At most this many restarts within `restart_window_s`; then the instance stays
+    /// `stopped` until started by hand.
+    pub restart_limit: u32,
+    /// The window of `restart_limit`, seconds.
+    pub restart_window_s: u64,
     /// `text` or `json`.
     pub log_format: String,
     /// When set, every policy plugin input the agent sends is also written to this directory
@@ -136,6 +147,10 @@ impl Default for Config {
             release_retry_s: 30,
             vmm_ready_timeout_s: 30,
             default_cmdline: "console=ttyS0 panic=-1".into(),
+            console_log_max_bytes: 8 * 1024 * 1024,
+            restart_backoff_s: 1,
+            restart_limit: 5,
+            restart_window_s: 600,
             log_format: "text".into(),
             record_policy_inputs: None,
             metrics_listen: None,
@@ -200,6 +215,9 @@ impl Config {
                 anyhow::bail!("metrics_listen must be a loopback address, not {a}");
             }
         }
+        if self.console_log_max_bytes < 4096 {
+            anyhow::bail!("console_log_max_bytes must be at least 4096, not {}", self.console_log_max_bytes);
+        }
         if self.reconcile_interval_s == 0 {
             anyhow::bail!("reconcile_interval_s must be at least 1");
         }
@@ -215,6 +233,8 @@ impl Config {
             ("stop_timeout_s", self.stop_timeout_s),
             ("release_retry_s", self.release_retry_s),
             ("vmm_ready_timeout_s", self.vmm_ready_timeout_s),
+            ("restart_backoff_s", self.restart_backoff_s),
+            ("restart_window_s", self.restart_window_s),
         ] {
             if v > MAX_DURATION_S {
                 anyhow::bail!("{key} = {v} is too large (at most {MAX_DURATION_S} s, one year)");

@@ -10,6 +10,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod devices;
 pub mod error;
 pub mod failpoints;

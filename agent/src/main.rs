@@ -68,6 +68,18 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
                 .await;
         }
     });
+    // Twice a second: the console logs' cap; and the restart supervisor (a restart runs
+    // the whole start path, so it has its own thread).
+    let cm = manager.clone();
+    std::thread::Builder::new().name("console-logs".into()).spawn(move || loop {
+        std::thread::sleep(gpuvisor::console::ROTATE_EVERY);
+        cm.rotate_console_logs();
+    })?;
+    let sm = manager.clone();
+    std::thread::Builder::new().name("supervisor".into()).spawn(move || loop {
+        std::thread::sleep(gpuvisor::console::ROTATE_EVERY);
+        sm.supervise();
+    })?;
     if let Some(addr) = manager.config().metrics_listen {
         gpuvisor::rpc::metrics::serve_http(manager.clone(), addr).await?;
     }

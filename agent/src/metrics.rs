@@ -101,6 +101,7 @@ pub struct Metrics {
     claim_duration: Histogram,
     kill_escalations: IntCounterVec,
     vm_deaths: IntCounter,
+    restarts: IntCounterVec,
     policy_calls: IntCounterVec,
     policy_failures: IntCounterVec,
     policy_duration: HistogramVec,
@@ -152,6 +153,15 @@ impl Metrics {
         let vm_deaths =
             IntCounter::new("gpuvisor_vm_deaths_total", "VMMs found dead that no operation stopped").expect(VALID);
         r.register(Box::new(vm_deaths.clone())).expect(VALID);
+        let restarts = IntCounterVec::new(
+            Opts::new("gpuvisor_instance_restarts_total", "Restarts under a restart policy by result"),
+            &["result"],
+        )
+        .expect(VALID);
+        for result in ["ok", "failed", "gave_up"] {
+            restarts.with_label_values(&[result]);
+        }
+        r.register(Box::new(restarts.clone())).expect(VALID);
         let m = Metrics {
             reconcile_runs: counter_vec(
                 &r,
@@ -191,6 +201,7 @@ impl Metrics {
                 &["signal"],
             ),
             vm_deaths,
+            restarts,
             policy_calls: counter_vec(
                 &r,
                 "gpuvisor_policy_calls_total",
@@ -295,6 +306,11 @@ impl Metrics {
     /// The kill path escalated to `signal` (`SIGKILL`, `SIGKILL_GROUP`).
     pub fn kill_escalation(&self, signal: &str) {
         self.kill_escalations.with_label_values(&[signal]).inc();
+    }
+
+    /// A restart under a restart policy: `ok`, `failed`, or `gave_up` (the limit).
+    pub fn restart(&self, result: &str) {
+        self.restarts.with_label_values(&[result]).inc();
     }
 
     /// A VMM was found dead that no operation stopped.

@@ -221,8 +221,49 @@ pub struct InstanceDefinition {
     /// A whole GPU (passthrough), if asked for: any free passthrough GPU, or the one named.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_passthrough: Option<PassthroughWant>,
+    /// What happens when the VMM dies without a stop.
+    #[serde(default)]
+    pub restart: RestartPolicy,
+    /// Started again when the agent starts after a host reboot (whatever `restart` says).
+    #[serde(default)]
+    pub autostart: bool,
     /// Wall time, RFC 3339.
     pub created_at: String,
+}
+
+/// What happens when an instance's VMM dies without a stop (`instance.stop` or delete).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestartPolicy {
+    /// It stays `stopped`.
+    #[default]
+    No,
+    /// Started again when the VMM failed: a non-zero exit, a signal, or an exit the agent
+    /// did not see (it was not running, or the host rebooted).
+    OnFailure,
+    /// Started again whenever the VMM exits, also after the guest powered off.
+    Always,
+}
+
+/// The restarts of an instance: when they were tried, the next one, and whether the limit
+/// stopped them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartState {
+    /// Unix times (ms) of the restarts tried within `restart_window_s`.
+    #[serde(default)]
+    pub attempts_ms: Vec<u64>,
+    /// Unix time (ms) the next restart is due; `None`: none pending.
+    #[serde(default)]
+    pub due_ms: Option<u64>,
+    /// The limit was reached: no more restarts until the instance is started by hand.
+    #[serde(default)]
+    pub gave_up: bool,
+}
+
+impl RestartState {
+    fn is_idle(&self) -> bool {
+        *self == RestartState::default()
+    }
 }
 
 /// What a passthrough instance asks for.
@@ -243,6 +284,9 @@ pub struct InstanceRecord {
     state: InstanceState,
     pub vmm: Option<VmmRecord>,
     pub last_error: Option<String>,
+    /// Restarts under the restart policy (absent while idle).
+    #[serde(default, skip_serializing_if = "RestartState::is_idle")]
+    pub restarts: RestartState,
 }
 
 impl std::ops::Deref for InstanceRecord {
@@ -256,7 +300,7 @@ impl std::ops::Deref for InstanceRecord {
 impl InstanceRecord {
     /// A new record in `state` (`starting` for a create, `stopped` for a fork), with no VMM.
     pub fn new(def: InstanceDefinition, state: InstanceState) -> InstanceRecord {
-        InstanceRecord { def, state, vmm: None, last_error: None }
+        InstanceRecord { def, state, vmm: None, last_error: None, restarts: RestartState::default() }
     }
 
     /// The lifecycle state.
@@ -986,6 +1030,8 @@ mod tests {
                 gpu_profile: None,
                 gpu_framework: None,
                 gpu_passthrough: None,
+                restart: RestartPolicy::No,
+                autostart: false,
                 created_at: "2026-01-01T00:00:00Z".into(),
             },
             InstanceState::Stopped,

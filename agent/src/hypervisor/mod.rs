@@ -195,6 +195,11 @@ impl From<ApiFailure> for StartFailure {
     }
 }
 
+/// The serial log's file name in the instance directory.
+pub const SERIAL_LOG: &str = "serial.log";
+/// The console socket's file name in the instance directory (QEMU).
+pub const CONSOLE_SOCKET: &str = "console.sock";
+
 /// How the VM gets its VFIO device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VfioAttach {
@@ -253,9 +258,16 @@ impl VmSpec {
         self.run_dir.join(self.hypervisor.driver().control_socket_name())
     }
 
-    /// `<run_dir>/serial.log`.
+    /// `<run_dir>/serial.log`: everything the guest wrote on its serial console, appended
+    /// across boots (capped by the agent's console log rotation).
     pub fn serial_log(&self) -> PathBuf {
-        self.run_dir.join("serial.log")
+        self.run_dir.join(SERIAL_LOG)
+    }
+
+    /// `<run_dir>/console.sock`: the serial console as a Unix socket (QEMU), for
+    /// `gpuvisor console`.
+    pub fn console_socket(&self) -> PathBuf {
+        self.run_dir.join(CONSOLE_SOCKET)
     }
 
     /// The VMM's stdout and stderr: `<run_dir>/qemu.log` or `<run_dir>/cloud-hypervisor.log`.

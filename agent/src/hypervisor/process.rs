@@ -176,6 +176,12 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
     std::fs::create_dir_all(&spec.run_dir)?;
     let control_socket = spec.control_socket();
     take_control_socket(&control_socket)?;
+    // The console socket of an earlier boot (the control socket's check proved its VMM gone).
+    match std::fs::remove_file(spec.console_socket()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
 
     let log_path = spec.vmm_log();
     let log = OpenOptions::new().create(true).append(true).open(&log_path)?;

@@ -44,7 +44,8 @@ const PASSTHROUGH_SLOT: u32 = 0x10;
 ///
 /// Shape: `-machine q35,accel=<accel> -cpu max|host -m <MiB> -smp <n> -nodefaults
 /// -no-user-config -display none -uuid <id> -name <name> [-S] [-kernel .. [-initrd ..]
-/// [-append ..]] -serial file:<run_dir>/serial.log -qmp unix:<run_dir>/qmp.sock,server=on,wait=off`
+/// [-append ..]] -chardev socket,id=serial0,path=<run_dir>/console.sock,server=on,wait=off,
+/// logfile=<run_dir>/serial.log,logappend=on -serial chardev:serial0 -qmp unix:<run_dir>/qmp.sock,server=on,wait=off`
 /// then the VFIO arguments: `-device vfio-pci,sysfsdev=<path>` or, for hold-fd,
 /// `-add-fd fd=3,set=1,opaque=vfio-group-<G>`. `-cpu host` only with `kvm` (TCG cannot
 /// emulate the host CPU). A passthrough group gets one `-device` per function in guest
@@ -71,7 +72,17 @@ pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
             push(&["-append", &spec.cmdline]);
         }
     }
-    push(&["-serial", &format!("file:{}", path_str(&spec.serial_log()))]);
+    // The serial console: a Unix socket server for `gpuvisor console` (output is dropped,
+    // never blocked, while no client is attached) that also appends everything to the log.
+    push(&[
+        "-chardev",
+        &format!(
+            "socket,id=serial0,path={},server=on,wait=off,logfile={},logappend=on",
+            opt_escape(&path_str(&spec.console_socket())),
+            opt_escape(&path_str(&spec.serial_log()))
+        ),
+    ]);
+    push(&["-serial", "chardev:serial0"]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", opt_escape(&path_str(&spec.control_socket())))]);
     match &spec.vfio {
         None => {}
@@ -188,7 +199,13 @@ mod tests {
         assert!(has_pair(&args, "-kernel", "/images/vmlinuz"));
         assert!(has_pair(&args, "-initrd", "/images/initrd.img"));
         assert!(has_pair(&args, "-append", "console=ttyS0"));
-        assert!(has_pair(&args, "-serial", "file:/var/lib/gpuvisor/instances/x/serial.log"));
+        assert!(has_pair(
+            &args,
+            "-chardev",
+            "socket,id=serial0,path=/var/lib/gpuvisor/instances/x/console.sock,server=on,wait=off,\
+             logfile=/var/lib/gpuvisor/instances/x/serial.log,logappend=on"
+        ));
+        assert!(has_pair(&args, "-serial", "chardev:serial0"));
         assert!(has_pair(&args, "-qmp", "unix:/var/lib/gpuvisor/instances/x/qmp.sock,server=on,wait=off"));
         assert!(!args.contains(&"-S".to_string()));
         assert!(!args.iter().any(|a| a == "-device" || a == "-add-fd"));

@@ -58,6 +58,8 @@ impl Manager {
                 gpu_profile: profile,
                 gpu_framework: framework,
                 gpu_passthrough: whole,
+                restart: req.restart.unwrap_or_default(),
+                autostart: req.autostart.unwrap_or(false),
                 created_at: now_rfc3339(),
             },
             InstanceState::Starting,

@@ -53,6 +53,8 @@ impl Manager {
                 labels: src.labels.clone(),
                 gpu_profile: src.gpu_profile.clone(),
                 gpu_passthrough: src.gpu_passthrough.clone(),
+                restart: src.restart,
+                autostart: src.autostart,
                 gpu_framework: src.gpu_framework,
                 created_at: now_rfc3339(),
             },

@@ -37,6 +37,7 @@
 //! - **unknown is never clear**: an unreadable record or device blocks what it may own.
 
 pub mod claim;
+pub mod console_logs;
 pub mod create;
 pub mod delete;
 pub mod fork;
@@ -49,6 +50,7 @@ pub mod request;
 pub mod rollback;
 pub mod start;
 pub mod stop;
+pub mod supervise;
 pub mod view;
 pub mod vmm;
 
@@ -97,6 +99,10 @@ pub struct Manager {
     metrics: Metrics,
     /// Each hypervisor as probed at start ([`Manager::probe_hypervisors`]); `None` before.
     hypervisor_probes: Mutex<Option<Vec<view::HypervisorView>>>,
+    /// Instances whose console log rotation failed (logged once until it works again).
+    console_rotation_failures: Mutex<std::collections::HashSet<Uuid>>,
+    /// The restart supervisor's watches and due restarts.
+    supervise: supervise::SuperviseState,
 }
 
 impl Manager {
@@ -128,6 +134,8 @@ impl Manager {
             ready: AtomicBool::new(false),
             metrics,
             hypervisor_probes: Mutex::new(None),
+            console_rotation_failures: Mutex::new(Default::default()),
+            supervise: Default::default(),
         }
     }
 

@@ -24,6 +24,7 @@
 //!    through the release path, and the report counts what was actually done.
 
 use super::release::{scan, Release, Released};
+use super::supervise::Death;
 use super::view::{DeletedItem, FailedItem, PassReport, RecordChange, ReleasedItem};
 use super::vmm::Dead;
 use super::Manager;
@@ -270,10 +271,11 @@ impl Manager {
                     report.keep_instance(rec.id, "starting without a recorded VMM; claim younger than claim_grace");
                 }
                 Liveness::Dead => {
-                    let reason = if rec.vmm.is_some() {
-                        "the VMM exited".to_string()
-                    } else {
-                        format!("the agent restarted while the instance was {from}")
+                    let rebooted = rec.vmm.as_ref().is_some_and(|v| v.identity.boot_id != boot_id);
+                    let reason = match &rec.vmm {
+                        Some(_) if rebooted => "the host rebooted".to_string(),
+                        Some(_) => "the VMM exited".to_string(),
+                        None => format!("the agent restarted while the instance was {from}"),
                     };
                     rec.vmm = None;
                     rec.last_error = Some(reason.clone());
@@ -281,6 +283,8 @@ impl Manager {
                         report.errors.push(e.to_string());
                         continue;
                     }
+                    // The restart policy (and autostart after a reboot) decides what comes next.
+                    self.record_death(&mut rec, if rebooted { Death::Reboot } else { Death::Failed });
                     match self.store().write_instance(&rec) {
                         Ok(()) => {
                             self.metrics().vm_died();

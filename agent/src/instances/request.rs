@@ -84,6 +84,12 @@ pub struct CreateRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "hypervisor_schema")]
     pub hypervisor: Option<String>,
+    /// When the VMM dies without a stop: `no` (default), `on-failure`, `always`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<crate::store::RestartPolicy>,
+    /// Start it again when the agent starts after a host reboot (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autostart: Option<bool>,
 }
 
 /// The `gpu` of a create request.

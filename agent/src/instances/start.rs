@@ -15,10 +15,17 @@ use std::time::Duration;
 impl Manager {
     /// `instance.start`.
     pub fn start(&self, r: &str) -> Result<InstanceView, ApiError> {
-        self.on_instance("start", r, |rec| self.start_found(rec.id, r))
+        self.on_instance("start", r, |rec| self.start_found(rec.id, r, false))
     }
 
-    fn start_found(&self, id: uuid::Uuid, r: &str) -> Result<InstanceView, ApiError> {
+    /// A restart under the restart policy (`supervise`): the start path, keeping the count
+    /// of restarts (a start by hand resets it).
+    pub(crate) fn start_restarting(&self, id: uuid::Uuid) -> Result<InstanceView, ApiError> {
+        let r = id.to_string();
+        self.on_instance("restart", &r, |rec| self.start_found(rec.id, &r, true))
+    }
+
+    fn start_found(&self, id: uuid::Uuid, r: &str, restarting: bool) -> Result<InstanceView, ApiError> {
         let ilock = self.instance_lock(id);
         let _i = lock(&ilock);
         let mut rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
@@ -71,6 +78,9 @@ impl Manager {
         rec.vmm = None;
         rec.transition(InstanceState::Starting)?;
         rec.last_error = None;
+        if !restarting {
+            rec.restarts = Default::default();
+        }
         self.store.write_instance(&rec)?;
         crate::crash_point!("start_after_clear_identity");
         let rec = self.boot(rec, Rollback::Stopped)?;

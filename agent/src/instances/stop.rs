@@ -33,6 +33,11 @@ impl Manager {
                 ))
             }
             InstanceState::Stopped => {
+                // A stop cancels a pending restart.
+                if rec.restarts.due_ms.is_some() {
+                    rec.restarts.due_ms = None;
+                    self.store.write_instance(&rec)?;
+                }
                 let boot_id = self.boot_id()?;
                 self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
                     ApiError::vmm_liveness_unknown(

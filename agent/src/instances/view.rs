@@ -116,7 +116,16 @@ pub struct InstanceView {
     /// The VMM, when one is recorded and not provably dead.
     pub vmm: Option<VmmView>,
     pub serial_log: String,
+    /// The serial console's Unix socket (`gpuvisor console`), for QEMU instances.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub console_socket: Option<String>,
     pub gpu: Option<GpuAssignment>,
+    /// When the VMM dies without a stop: `no`, `on-failure`, `always`.
+    pub restart: crate::store::RestartPolicy,
+    /// Started again when the agent starts after a host reboot.
+    pub autostart: bool,
+    /// The restarts under the policy within `restart_window_s`.
+    pub restarts: RestartView,
     /// Things the answer could not check (e.g. unreadable claim records).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
@@ -252,6 +261,19 @@ pub struct PassthroughGroupView {
     pub foreign: Vec<String>,
     /// Why a free GPU is not offered (a foreign group member, SR-IOV VFs enabled).
     pub problem: Option<String>,
+}
+
+/// The restarts of an instance under its restart policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RestartView {
+    /// Restarts tried within `restart_window_s` (a start by hand resets them).
+    pub attempts: u32,
+    /// When the last one was tried (Unix ms).
+    pub last_attempt_unix_ms: Option<u64>,
+    /// When the next one is due (Unix ms); `None`: none pending.
+    pub due_unix_ms: Option<u64>,
+    /// `restart_limit` was reached: it stays stopped until started by hand.
+    pub gave_up: bool,
 }
 
 /// One function of a passthrough GPU.
@@ -664,8 +686,18 @@ impl Manager {
             created_at: rec.created_at.clone(),
             last_error: rec.last_error.clone(),
             vmm: self.vmm_view(rec),
-            serial_log: self.store.instance_dir(rec.id).join("serial.log").display().to_string(),
+            serial_log: self.store.instance_dir(rec.id).join(crate::hypervisor::SERIAL_LOG).display().to_string(),
+            console_socket: (rec.hypervisor == crate::hypervisor::HypervisorKind::Qemu)
+                .then(|| self.store.instance_dir(rec.id).join(crate::hypervisor::CONSOLE_SOCKET).display().to_string()),
             gpu,
+            restart: rec.restart,
+            autostart: rec.autostart,
+            restarts: RestartView {
+                attempts: rec.restarts.attempts_ms.len() as u32,
+                last_attempt_unix_ms: rec.restarts.attempts_ms.last().copied(),
+                due_unix_ms: rec.restarts.due_ms,
+                gave_up: rec.restarts.gave_up,
+            },
             warnings: vec![],
         }
     }

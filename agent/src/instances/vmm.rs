@@ -159,6 +159,7 @@ impl Manager {
         running.last_error = None;
         self.store.write_instance(&running)?;
         *rec = running;
+        self.watch_exit(rec.id, vmm.identity.pid, vmm.exit.clone());
         crate::crash_point!("after_running");
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, hypervisor = %rec.hypervisor, pid = vmm.identity.pid, "VMM running");
         Ok(())

@@ -1,0 +1,179 @@
+//! # console — the serial console of an instance
+//!
+//! QEMU serves the guest's serial port on `<instance dir>/console.sock` (a Unix socket
+//! chardev; output is dropped, never blocked, while no client is attached) and appends
+//! everything to `<instance dir>/serial.log` across boots ([`crate::hypervisor::qemu`]).
+//!
+//! - [`rotate`] keeps each log under `console_log_max_bytes`: once a log is larger, it is
+//!   copied to `serial.log.1` (replacing the previous one) and truncated in place, keeping
+//!   what arrived during the copy — QEMU holds it open with `O_APPEND`, so its next write
+//!   lands at the new end. The agent runs it every [`ROTATE_EVERY`]: the two files stay
+//!   within about twice the cap plus what a guest writes between two checks.
+//! - [`attach`] is `gpuvisor console NAME`: the terminal in raw mode, bytes both ways, and
+//!   the escape byte [`ESCAPE`] (`^]`, as `virsh console`) detaches.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+/// How often the agent checks the console logs' sizes.
+pub const ROTATE_EVERY: Duration = Duration::from_millis(500);
+
+/// `^]`: detaches `gpuvisor console`.
+pub const ESCAPE: u8 = 0x1d;
+
+/// The rotated log beside `log` (`serial.log.1`).
+pub fn rotated(log: &Path) -> std::path::PathBuf {
+    let mut name = log.file_name().unwrap_or_default().to_os_string();
+    name.push(".1");
+    log.with_file_name(name)
+}
+
+/// Rotates `log` when it is larger than `max` bytes: its first `len` bytes (as seen at the
+/// check) go to [`rotated`] (through a temp file and a rename, so the previous copy is
+/// replaced whole); what the guest wrote meanwhile is read back, the log truncated and that
+/// tail appended again — only output written between that read and the truncation (a few
+/// microseconds) can be lost. Returns whether it rotated.
+pub fn rotate(log: &Path, max: u64) -> io::Result<bool> {
+    use std::io::{Seek, SeekFrom};
+    let len = match std::fs::metadata(log) {
+        Ok(m) => m.len(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if len <= max {
+        return Ok(false);
+    }
+    let dest = rotated(log);
+    let tmp = dest.with_extension("1.tmp");
+    let mut src = std::fs::File::open(log)?;
+    {
+        let mut out = std::fs::File::create(&tmp)?;
+        io::copy(&mut (&mut src).take(len), &mut out)?;
+    }
+    std::fs::rename(&tmp, &dest)?;
+    let mut tail = Vec::new();
+    src.seek(SeekFrom::Start(len))?;
+    src.read_to_end(&mut tail)?;
+    let mut f = std::fs::OpenOptions::new().append(true).open(log)?;
+    f.set_len(0)?;
+    f.write_all(&tail)?;
+    Ok(true)
+}
+
+/// The terminal attributes of stdin, restored on drop (raw mode while attached).
+struct RawMode {
+    saved: Option<nix::sys::termios::Termios>,
+}
+
+impl RawMode {
+    fn enter() -> RawMode {
+        use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+        let stdin = io::stdin();
+        let Ok(saved) = tcgetattr(&stdin) else { return RawMode { saved: None } };
+        let mut raw = saved.clone();
+        cfmakeraw(&mut raw);
+        if tcsetattr(&stdin, SetArg::TCSANOW, &raw).is_err() {
+            return RawMode { saved: None };
+        }
+        RawMode { saved: Some(saved) }
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        if let Some(t) = &self.saved {
+            let _ = nix::sys::termios::tcsetattr(io::stdin(), nix::sys::termios::SetArg::TCSANOW, t);
+        }
+    }
+}
+
+/// Why [`attach`] ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Detach {
+    /// The user typed [`ESCAPE`].
+    Escape,
+    /// stdin ended.
+    EndOfInput,
+    /// The VMM closed the console (the VM stopped).
+    Closed,
+}
+
+/// Attaches the terminal to the console socket until the escape byte, the end of stdin,
+/// or the VMM closing it. Errors: the socket cannot be connected (the VM is not running,
+/// or another client is attached).
+pub fn attach(socket: &Path) -> io::Result<Detach> {
+    let stream = UnixStream::connect(socket)?;
+    let mut reader = stream.try_clone()?;
+    let (tx, rx) = std::sync::mpsc::channel::<Detach>();
+    let closed = tx.clone();
+    std::thread::spawn(move || {
+        let mut out = io::stdout();
+        let mut buf = [0u8; 4096];
+        loop {
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if out.write_all(&buf[..n]).and_then(|_| out.flush()).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = closed.send(Detach::Closed);
+    });
+    let _raw = RawMode::enter();
+    let mut writer = stream;
+    std::thread::spawn(move || {
+        let mut stdin = io::stdin();
+        let mut buf = [0u8; 1024];
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let (data, escape) = match buf[..n].iter().position(|b| *b == ESCAPE) {
+                        Some(i) => (&buf[..i], true),
+                        None => (&buf[..n], false),
+                    };
+                    if writer.write_all(data).is_err() {
+                        let _ = tx.send(Detach::Closed);
+                        return;
+                    }
+                    if escape {
+                        let _ = tx.send(Detach::Escape);
+                        return;
+                    }
+                }
+            }
+        }
+        let _ = tx.send(Detach::EndOfInput);
+    });
+    Ok(rx.recv().unwrap_or(Detach::Closed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_log_over_its_cap_is_copied_and_truncated_and_appends_go_on_at_the_start() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("serial.log");
+        // The writer keeps an O_APPEND fd, as QEMU's logappend does.
+        let mut w = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        w.write_all(&[b'a'; 100]).unwrap();
+        assert!(!rotate(&log, 100).unwrap(), "at the cap: kept");
+        w.write_all(b"b").unwrap();
+        assert!(rotate(&log, 100).unwrap());
+        assert_eq!(std::fs::read(rotated(&log)).unwrap().len(), 101);
+        assert_eq!(std::fs::metadata(&log).unwrap().len(), 0);
+        w.write_all(b"after").unwrap();
+        assert_eq!(std::fs::read(&log).unwrap(), b"after", "no hole: the writer appends at the new end");
+        // A second rotation replaces the copy.
+        w.write_all(&[b'c'; 200]).unwrap();
+        assert!(rotate(&log, 100).unwrap());
+        assert_eq!(std::fs::read(rotated(&log)).unwrap().len(), 205);
+        assert!(!rotate(&d.path().join("none.log"), 1).unwrap(), "no log: nothing to do");
+    }
+}
