@@ -600,7 +600,7 @@ fn print_instance(i: &InstanceView) -> i32 {
         Some(g) if g.release_pending => {
             let why = g.last_error.clone().or(g.claim_unreadable.clone()).or(i.last_error.clone()).unwrap_or_default();
             println!(
-                "vGPU release pending on {}: {why} (the device stays blocked; the agent retries it)",
+                "GPU release pending on {}: {why} (the device stays blocked; the agent retries it)",
                 g.device.as_deref().unwrap_or("an unreadable claim")
             );
             exit::RELEASE_PENDING

@@ -247,12 +247,16 @@ impl ApiError {
     }
 
     /// `gpu_busy`: host processes hold the passthrough GPU through the host driver.
-    pub fn gpu_busy(gpu: &str, node: &str, holders: &[String]) -> ApiError {
+    pub fn gpu_busy(gpu: &str, node: &str, holders: &[String], services_stopped: bool) -> ApiError {
+        let advice = if services_stopped {
+            "they still held it after passthrough_stop_services ran (and the services were started again)"
+        } else {
+            "stop it, or configure passthrough_stop_services"
+        };
         ApiError::new(
             ErrorCode::GpuBusy,
             format!(
-                "{gpu} is held through {node} by {} (e.g. nvidia-persistenced or DCGM); stop it, or configure \
-                 passthrough_stop_services; nothing was changed",
+                "{gpu} is held through {node} by {} (e.g. nvidia-persistenced or DCGM); {advice}; nothing was changed",
                 holders.join(", ")
             ),
         )
@@ -265,7 +269,11 @@ impl ApiError {
     pub fn passthrough_bind_failed(gpu: &str, error: &str, binding: &str) -> ApiError {
         ApiError::new(
             ErrorCode::PassthroughBindFailed,
-            format!("{gpu} could not be bound to vfio-pci: {error}; every function was given back ({binding})"),
+            if binding.is_empty() {
+                format!("{gpu} could not be bound to vfio-pci: {error}")
+            } else {
+                format!("{gpu} could not be bound to vfio-pci: {error}; every function was given back ({binding})")
+            },
         )
         .with("device", gpu)
         .with("error", error)
@@ -276,7 +284,7 @@ impl ApiError {
     pub fn instance_cleanup_pending(id: uuid::Uuid, name: &str) -> ApiError {
         ApiError::new(
             ErrorCode::InstanceCleanupPending,
-            format!("instance {name} awaits the release of its vGPU; only delete is allowed"),
+            format!("instance {name} awaits the release of its GPU device; only delete is allowed"),
         )
         .with("instance_id", id.to_string())
     }
@@ -285,7 +293,7 @@ impl ApiError {
     pub fn unsupported_with_gpu(op: &str, name: &str) -> ApiError {
         ApiError::new(
             ErrorCode::UnsupportedWithGpu,
-            format!("{op} of {name} is refused while its vGPU is attached: device state cannot be saved"),
+            format!("{op} of {name} is refused while its GPU device is attached: device state cannot be saved"),
         )
     }
 
@@ -293,7 +301,7 @@ impl ApiError {
     pub fn gpu_release_pending(name: &str, device: &str, release: &ReleaseFailure) -> ApiError {
         ApiError::new(
             ErrorCode::GpuReleasePending,
-            format!("the earlier vGPU of {name} ({device}) still cannot be released: {}", release.message),
+            format!("the earlier GPU device of {name} ({device}) still cannot be released: {}", release.message),
         )
         .with("device", device)
         .with("release_error", json!({"code": release.code, "message": release.message}))

@@ -399,6 +399,9 @@ pub struct PassthroughClaim {
     pub group: u32,
     /// Every endpoint function of the group, the GPU first.
     pub functions: Vec<FunctionRecord>,
+    /// The release path reset the GPU already (a retried give-back does not reset again).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reset_done: bool,
 }
 
 /// One function of a passthrough claim.

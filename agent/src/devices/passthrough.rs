@@ -111,6 +111,12 @@ pub fn read_gpu(host: &HostRoot, bdf: &str) -> Result<Option<PtGpu>, String> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("{} cannot be read: {}", d.display(), errno_name(&e))),
     }
+    // Only a display controller (class 0x03xxxx) is a GPU: an audio function or a NIC named
+    // in passthrough_gpus is never handed out as one.
+    let class = read_attr(&d.join("class")).map_err(|e| format!("its class cannot be read: {}", errno_name(&e)))?;
+    if !u32::from_str_radix(class.trim_start_matches("0x"), 16).is_ok_and(|c| c >> 16 == 0x03) {
+        return Err(format!("it is not a GPU (PCI class {class}, not a display controller 0x03xxxx)"));
+    }
     let group: u32 = link_basename(&d.join("iommu_group"))
         .map_err(|e| format!("its iommu_group link cannot be read: {}", errno_name(&e)))?
         .parse()
@@ -179,10 +185,35 @@ pub fn nvidia_node(host: &HostRoot, minor: u32) -> PathBuf {
 /// Writes `value` to `path` on a helper thread; a write that has not returned within
 /// [`WRITE_TIMEOUT`] is an error (the thread is left to finish in the kernel).
 pub fn write_bounded(path: &Path, value: &str) -> io::Result<()> {
+    write_for(path, value, None)
+}
+
+/// The functions with a binding write still running in the kernel (one that outlived
+/// [`WRITE_TIMEOUT`]): until it returns, nobody can know what it will leave behind.
+static IN_FLIGHT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// True while a write for function `bdf` that timed out has not returned yet: its
+/// binding is unknown, and nothing may be decided (or given back) from a read of it.
+pub fn write_in_flight(bdf: &str) -> bool {
+    IN_FLIGHT.lock().map(|v| v.iter().any(|b| b.eq_ignore_ascii_case(bdf))).unwrap_or(true)
+}
+
+/// [`write_bounded`], registering the write as `key`'s while it runs.
+fn write_for(path: &Path, value: &str, key: Option<&str>) -> io::Result<()> {
     let (tx, rx) = std::sync::mpsc::channel();
     let (p, v) = (path.to_path_buf(), value.to_string());
+    let key = key.map(str::to_string);
+    if let (Some(k), Ok(mut f)) = (&key, IN_FLIGHT.lock()) {
+        f.push(k.clone());
+    }
     std::thread::Builder::new().name("sysfs-write".into()).spawn(move || {
-        let _ = tx.send(write_attr(&p, &v));
+        let r = write_attr(&p, &v);
+        if let (Some(k), Ok(mut f)) = (&key, IN_FLIGHT.lock()) {
+            if let Some(i) = f.iter().position(|x| x == k) {
+                f.swap_remove(i);
+            }
+        }
+        let _ = tx.send(r);
     })?;
     rx.recv_timeout(WRITE_TIMEOUT).unwrap_or_else(|_| {
         Err(io::Error::new(
@@ -192,16 +223,17 @@ pub fn write_bounded(path: &Path, value: &str) -> io::Result<()> {
     })
 }
 
-fn write(what: &str, path: &Path, value: &str) -> Result<(), WriteError> {
-    write_bounded(path, value).map_err(|e| WriteError::from_io(&format!("{what} ({})", path.display()), &e))
+/// One binding write for function `bdf` (bounded; see [`write_in_flight`]).
+fn write(what: &str, path: &Path, value: &str, bdf: &str) -> Result<(), WriteError> {
+    write_for(path, value, Some(bdf)).map_err(|e| WriteError::from_io(&format!("{what} ({})", path.display()), &e))
 }
 
 fn probe(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
-    write("drivers_probe", &host.root().join("sys/bus/pci/drivers_probe"), bdf)
+    write("drivers_probe", &host.root().join("sys/bus/pci/drivers_probe"), bdf, bdf)
 }
 
 fn unbind(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
-    write("unbind", &host.pci_device(bdf).join("driver/unbind"), bdf)
+    write("unbind", &host.pci_device(bdf).join("driver/unbind"), bdf, bdf)
 }
 
 fn read_driver(host: &HostRoot, bdf: &str) -> Result<Option<String>, WriteError> {
@@ -212,7 +244,7 @@ fn read_driver(host: &HostRoot, bdf: &str) -> Result<Option<String>, WriteError>
 /// Moves one function to `vfio-pci` (NVIDIA-HOST.md §7 Bind step 4): `driver_override`,
 /// unbind from its driver when bound, `drivers_probe`, and require `vfio-pci` read back.
 pub fn move_to_vfio(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
-    write("driver_override", &host.pci_device(bdf).join("driver_override"), VFIO_PCI)?;
+    write("driver_override", &host.pci_device(bdf).join("driver_override"), VFIO_PCI, bdf)?;
     match read_driver(host, bdf)? {
         Some(d) if d == VFIO_PCI => return Ok(()),
         Some(_) => {
@@ -239,7 +271,7 @@ pub fn give_back(host: &HostRoot, bdf: &str, original: Option<&str>) -> Result<(
     // An unset override reads `(null)`; one that cannot be read is cleared anyway.
     let set = read_attr(&override_path).map(|v| !v.is_empty() && v != "(null)").unwrap_or(true);
     if set {
-        write("driver_override", &override_path, "\n")?;
+        write("driver_override", &override_path, "\n", bdf)?;
     }
     let now = read_driver(host, bdf)?;
     if now.as_deref() == original {
@@ -293,7 +325,7 @@ pub enum ResetOutcome {
 pub fn reset(host: &HostRoot, bdf: &str) -> ResetOutcome {
     let p = host.pci_device(bdf).join("reset");
     if p.exists() {
-        if let Err(w) = write("reset", &p, "1") {
+        if let Err(w) = write("reset", &p, "1", bdf) {
             if w.eio() {
                 return ResetOutcome::Wedged(format!("reset failed with EIO{}", wedged_suffix(host, bdf)));
             }

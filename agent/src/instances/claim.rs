@@ -197,6 +197,9 @@ impl Manager {
         // The message stays one readable sentence on any host: the first notes, then a count
         // (every note is in `data.notes`).
         let mut msg = match whole {
+            Some(w) if w.address.is_some() => {
+                format!("the passthrough GPU {} cannot be given now", w.address.as_deref().unwrap_or_default())
+            }
             Some(_) => "no passthrough GPU is free now".to_string(),
             None => format!("no device can take profile {profile} now"),
         };
@@ -370,7 +373,7 @@ impl Manager {
             self.host_services("start", &self.cfg.passthrough_start_services);
         }
         let named: Vec<String> = pids.iter().map(|p| proc::describe_pid(*p)).collect();
-        Err(Refusal::answer(ApiError::gpu_busy(gpu, &node.display().to_string(), &named)))
+        Err(Refusal::answer(ApiError::gpu_busy(gpu, &node.display().to_string(), &named, stopped)))
     }
 
     /// Runs a `passthrough_*_services` command, killed after [`SERVICE_COMMAND_TIMEOUT`]
@@ -399,7 +402,9 @@ impl Manager {
             }
         };
         match status {
-            Ok(s) if s.success() => tracing::info!(command = %command, "host services {what}ed for passthrough"),
+            Ok(s) if s.success() => {
+                tracing::info!(command = %command, step = %what, "host services command done for passthrough")
+            }
             Ok(s) => tracing::warn!(command = %command, status = %s, "the host services {what} command failed"),
             Err(e) => tracing::warn!(command = %command, error = %e, "the host services {what} command did not finish"),
         }

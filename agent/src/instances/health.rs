@@ -140,6 +140,17 @@ impl Manager {
         r: &Result<(), WriteError>,
     ) -> Verdict {
         match r {
+            // A passthrough give-back that worked says nothing about the bind that failed
+            // before it: only the release-time strike count starts again.
+            Ok(()) if matches!(site, WriteSite::Rebind) => {
+                if let Ok(Some(mut h)) = self.store.read_health(device) {
+                    if !h.quarantined && h.eio_in_a_row > 0 {
+                        h.eio_in_a_row = 0;
+                        self.write_mark(&h);
+                    }
+                }
+                Verdict::None
+            }
             Ok(()) => {
                 self.write_succeeded(device, gpu);
                 Verdict::None

@@ -441,8 +441,8 @@ impl Manager {
         let mut problems: BTreeSet<String> =
             obs.unreadable.iter().map(|u| format!("{}: {}", u.address, u.reason)).collect();
         for (_, d, _) in obs.passthrough() {
-            if let Some(u) = &d.unreadable {
-                problems.insert(format!("{}: {u}", d.address));
+            for p in d.unreadable.iter().chain(&d.type_mismatch) {
+                problems.insert(format!("{}: {p}", d.address));
             }
         }
         for (_, d) in obs.devices() {
@@ -700,7 +700,16 @@ impl Manager {
     /// touched); free otherwise. A free GPU with a [`PassthroughObserved::problem`] is not
     /// a candidate.
     fn observe_passthrough(&self, obs: &mut Observation) {
-        for bdf in &self.cfg.passthrough_gpus {
+        // A GPU taken out of passthrough_gpus while claimed stays visible (and is given back
+        // through its claim) until the claim is gone; it is never offered again.
+        let mut gpus: Vec<(String, bool)> = self.cfg.passthrough_gpus.iter().map(|g| (g.clone(), true)).collect();
+        for c in obs.claims.records.iter().filter(|c| c.framework == Framework::Passthrough) {
+            if !gpus.iter().any(|(g, _)| g.eq_ignore_ascii_case(&c.device)) {
+                gpus.push((c.device.clone(), false));
+            }
+        }
+        for (bdf, configured) in &gpus {
+            let bdf = &bdf.clone();
             let (read, unreadable) = match passthrough::read_gpu(&self.host, bdf) {
                 Ok(Some(g)) => (Some(g), None),
                 Ok(None) => {
@@ -710,7 +719,9 @@ impl Manager {
                 Err(e) => (None, Some(e)),
             };
             let problem = read.as_ref().and_then(|g| {
-                if !g.foreign.is_empty() {
+                if !configured {
+                    Some("it is no longer in passthrough_gpus (shown while its claim exists)".to_string())
+                } else if !g.foreign.is_empty() {
                     Some(format!(
                         "its IOMMU group {} also holds {}, which is not a function of this GPU",
                         g.group,
@@ -747,7 +758,22 @@ impl Manager {
                 load_known: fb.is_some() || state != DeviceState::Claimed,
                 managed: true,
                 health: None,
-                devices: vec![ObservedDevice::without_type(bdf, state, vec![], recs, unreadable)],
+                devices: vec![{
+                    // A configured claim whose group is no longer all on vfio-pci: another
+                    // tool rebound a function under the VM (reported, never repaired).
+                    let moved = match (&recs.claim, &read) {
+                        (Some(c), Some(g)) if c.state == ClaimState::Configured && !g.on_vfio() => Some(format!(
+                            "its group is bound {}, not all vfio-pci, under the claim of instance {}: another tool \
+                             rebound it under the VM",
+                            g.binding(),
+                            c.owner_name.clone().unwrap_or_else(|| c.instance_id.to_string())
+                        )),
+                        _ => None,
+                    };
+                    let mut d = ObservedDevice::without_type(bdf, state, vec![], recs, unreadable);
+                    d.type_mismatch = moved;
+                    d
+                }],
                 passthrough: Some(PassthroughObserved { read, problem }),
             });
         }
@@ -806,6 +832,7 @@ impl Manager {
                                 .iter()
                                 .map(|f| FunctionRecord { bdf: f.bdf.clone(), original_driver: f.driver.clone() })
                                 .collect(),
+                            reset_done: false,
                         }),
                     });
                     continue;

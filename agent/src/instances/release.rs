@@ -338,13 +338,29 @@ impl Manager {
                 errno: w.errno,
             })
         };
+        // A binding write that outlived its timeout may still change the group: wait for it.
+        if let Some(f) = pc.functions.iter().find(|f| passthrough::write_in_flight(&f.bdf)) {
+            return Err(ReleaseError::Failed(WriteError::other(format!(
+                "a binding write to {} has not returned yet; its binding is unknown until it does",
+                f.bdf
+            ))));
+        }
         let wedged_before = self.store.read_health(&c.device).ok().flatten().is_some_and(|h| h.reason == RESET_FAILED);
+        // Reset once per release: a give-back retried (EBUSY in the teardown lag) does not
+        // reset again.
+        let reset_done = self
+            .store
+            .read_claim(&c.device)
+            .ok()
+            .flatten()
+            .and_then(|cur| cur.passthrough)
+            .is_some_and(|p| p.reset_done);
         let gpu_fn = pc.functions.first().map(|f| f.bdf.as_str()).unwrap_or(c.device.as_str());
         let on_vfio =
             passthrough::driver_of(&self.host, gpu_fn).ok().flatten().as_deref() == Some(passthrough::VFIO_PCI);
-        if on_vfio && !wedged_before {
+        if on_vfio && !wedged_before && !reset_done {
             match passthrough::reset(&self.host, gpu_fn) {
-                passthrough::ResetOutcome::Done => {}
+                passthrough::ResetOutcome::Done => self.mark_reset_done(c),
                 passthrough::ResetOutcome::Wedged(why) => self.quarantine(&c.device, RESET_FAILED, &why),
                 passthrough::ResetOutcome::Failed(w) => return Err(failed(w)),
             }
@@ -355,6 +371,22 @@ impl Manager {
         }
         self.write_outcome(&c.device, &c.device, WriteSite::Rebind, &Ok(()));
         Ok(())
+    }
+
+    /// Records in the claim that its GPU was reset (under the allocation lock; a claim that
+    /// changed meanwhile is left alone).
+    fn mark_reset_done(&self, c: &crate::store::Claim) {
+        let _a = self.alloc();
+        if let Ok(Some(mut cur)) = self.store.read_claim(&c.device) {
+            if cur.same_claim(c) {
+                if let Some(p) = cur.passthrough.as_mut() {
+                    p.reset_done = true;
+                }
+                if let Err(e) = self.store.update_claim(&cur) {
+                    tracing::warn!(gpu.device = %c.device, error = %e, "cannot record the reset in the claim");
+                }
+            }
+        }
     }
 
     /// One attempt of the sequence (see the module docs).

@@ -143,7 +143,8 @@ pub enum GpuWant {
 impl GpuRequest {
     /// `gpu` from the CLI's `--gpu`: `passthrough`, `passthrough=<BDF>`, or a profile.
     pub fn from_flag(s: &str) -> GpuRequest {
-        match s.strip_prefix("passthrough") {
+        let lower = s.to_ascii_lowercase();
+        match lower.strip_prefix("passthrough").map(|r| &s[s.len() - r.len()..]) {
             Some("") => GpuRequest::Spec(GpuSpec { passthrough: true, ..Default::default() }),
             Some(rest) if rest.starts_with('=') => GpuRequest::Spec(GpuSpec {
                 passthrough: true,
@@ -164,6 +165,10 @@ impl GpuRequest {
             }
         };
         match self {
+            // `"gpu": "passthrough"` is what a user means by it: a whole GPU.
+            GpuRequest::Profile(p) if p.trim().eq_ignore_ascii_case("passthrough") => {
+                Ok(GpuWant::Passthrough { address: None })
+            }
             GpuRequest::Profile(p) => profile(p),
             GpuRequest::Spec(GpuSpec { profile: Some(_), passthrough: true, .. }) => {
                 Err(ApiError::invalid_request("a profile (vGPU) or passthrough (a whole GPU), not both"))

@@ -38,7 +38,11 @@ pub fn place(input: &PlacementInput) -> PlacementAnswer {
     gpus.sort_by(|a, b| a.0.cmp(&b.0));
     let ranked: Vec<String> = gpus.into_iter().flat_map(|(_, devices)| devices).collect();
     if ranked.is_empty() {
-        PlacementAnswer::Reject(format!("no free or dirty device can take profile {}", request.profile))
+        PlacementAnswer::Reject(if request.framework == Framework::Passthrough {
+            "no free passthrough GPU".to_string()
+        } else {
+            format!("no free or dirty device can take profile {}", request.profile)
+        })
     } else {
         PlacementAnswer::Ranked(ranked)
     }

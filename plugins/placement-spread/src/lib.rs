@@ -32,7 +32,11 @@ pub fn place(input: &PlacementInput) -> PlacementAnswer {
     });
     let ranked: Vec<String> = gpus.into_iter().flat_map(|gpu| ranked_devices(gpu, &input.request)).collect();
     if ranked.is_empty() {
-        PlacementAnswer::Reject(format!("no free or dirty device can take profile {}", input.request.profile))
+        PlacementAnswer::Reject(if input.request.framework == Framework::Passthrough {
+            "no free passthrough GPU".to_string()
+        } else {
+            format!("no free or dirty device can take profile {}", input.request.profile)
+        })
     } else {
         PlacementAnswer::Ranked(ranked)
     }

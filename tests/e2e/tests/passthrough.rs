@@ -368,7 +368,7 @@ fn s058_restart_with_passthrough_gpus_still_on_vfio_finishes_the_delete() {
     assert!(deleted.is_empty() || deleted == vec![json!({"instance": dd["id"], "name": "dd"})], "{deleted:?}");
     assert!(!a.data_dir.join(format!("instances/{}", dd["id"].as_str().unwrap())).exists(), "DD's rows are gone");
     assert_eq!(drivers(&a, P1), boot_p1());
-    let ee = create_pt(&a, "ee", None).unwrap();
+    let ee = create_pt(&a, "ee", None).unwrap_or_else(|e| panic!("EE: {e}\n{}", tail(&a.log(), 30)));
     assert_eq!(ee["gpu"]["device"], P1, "{ee}");
     assert_eq!(qemu_of(&a, cc["id"].as_str().unwrap()), cc_pid, "CC untouched");
     assert_eq!(drivers(&a, P0)[1..], pairs(&[(P0, "vfio-pci"), (P0A, "vfio-pci")])[..]);
@@ -791,4 +791,81 @@ fn a_mixed_host_runs_vgpus_and_whole_gpus_side_by_side() {
     .unwrap();
     let (st, out) = serve_expecting_exit(&cfg, Duration::from_secs(30)).unwrap();
     assert!(!st.success() && out.contains("never both"), "{st}: {out}");
+}
+
+// ------------------------------------------------------- regressions (outside review)
+
+/// A bind write that outlives its timeout (the kernel's unbind can block): the claim is
+/// kept until the write has returned and the group can be given back — never a GPU with no
+/// claim that is not on its boot drivers (which a late unbind would leave behind).
+#[test]
+fn a_bind_write_that_times_out_keeps_the_claim_until_it_returns() {
+    let a = agent("");
+    a.sim.ctl(&["delay-write", "sys/bus/pci/drivers/nvidia/unbind", "13000", "--times", "1"]).unwrap();
+    let e = create_pt(&a, "t", Some(P0)).unwrap_err();
+    assert!(matches!(e.data_code.as_str(), "passthrough_bind_failed" | "vgpu_cleanup_pending"), "{e}");
+    assert!(e.message.contains("did not return within 10 s"), "{e}");
+    wait_for(Duration::from_secs(60), || {
+        let (claim, d) = (a.claim(P0), drivers(&a, P0));
+        assert!(claim.is_some() || d == boot_p0(), "no claim, yet bound {d:?}");
+        if claim.is_some() {
+            a.pass();
+            if a.instance_names().contains(&"t".to_string()) {
+                let _ = a.call("instance.delete", json!({"ref": "t"}));
+            }
+        }
+        (a.claim(P0).is_none() && drivers(&a, P0) == boot_p0()).then_some(())
+    })
+    .unwrap_or_else(|| panic!("never given back: claim {:?}, {:?}", a.claim(P0), drivers(&a, P0)));
+    assert_eq!(pt_entry(&a.state(), P0)["functions"][0]["driver_override"], Value::Null);
+    create_pt(&a, "t2", Some(P0)).unwrap();
+}
+
+/// `passthrough_gpus` naming a function that is not a GPU (the audio function `.1`): it is
+/// never handed out, and says why.
+#[test]
+fn a_configured_function_that_is_not_a_gpu_is_never_handed_out() {
+    let a = Agent::start_with(AgentOptions {
+        model: "pt-2",
+        extra: "passthrough_gpus = [\"0000:82:00.0\", \"0000:82:00.1\"]\n",
+        ..Default::default()
+    })
+    .unwrap();
+    let e = create_pt(&a, "x", Some(P0A)).unwrap_err();
+    assert_eq!(e.data_code, "no_capacity", "{e}");
+    assert!(e.message.contains("not a GPU"), "{e}");
+    assert_eq!(resources(&a)["passthrough"]["allocatable"], 1);
+    assert!(a.claims().is_empty());
+}
+
+/// A function rebound to a host driver under a live VM is reported (in `gpu.list`), never
+/// repaired.
+#[test]
+fn a_group_rebound_under_a_live_vm_is_reported() {
+    let a = agent("");
+    create_pt(&a, "v", Some(P0)).unwrap();
+    a.sim.ctl(&["bind-host", P0A, "snd_hda_intel"]).unwrap();
+    let g = a.ok("gpu.list", json!({}));
+    let d = g["gpus"].as_array().unwrap().iter().find(|x| x["address"] == P0).map(|x| x["devices"][0].clone()).unwrap();
+    assert!(d["type_mismatch"].as_str().is_some_and(|m| m.contains("rebound it under the VM")), "{d}");
+    assert_eq!(d["state"], "claimed");
+    assert!(a.claim(P0).is_some());
+}
+
+/// Create-time EIO on a bind twice in a row makes the GPU `suspect` (`create_eio`), as on a
+/// VF — the give-back that follows each failure does not wipe the strike.
+#[test]
+fn two_bind_eios_in_a_row_make_the_gpu_suspect() {
+    let a = agent("");
+    for name in ["s1", "s2"] {
+        a.sim
+            .ctl(&["fail-write", &format!("sys/bus/pci/devices/{P1A}/driver_override"), "EIO", "--times", "1"])
+            .unwrap();
+        let e = create_pt(&a, name, Some(P1)).unwrap_err();
+        assert_eq!(e.data_code, "passthrough_bind_failed", "{e}");
+    }
+    let g = a.ok("gpu.list", json!({}));
+    let d = g["gpus"].as_array().unwrap().iter().find(|x| x["address"] == P1).map(|x| x["devices"][0].clone()).unwrap();
+    assert_eq!(d["quarantine"]["reason"], "create_eio", "{d}");
+    assert_eq!(d["quarantine"]["quarantined"], false, "suspect, not quarantined: {d}");
 }
