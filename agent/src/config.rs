@@ -112,6 +112,14 @@ pub struct Config {
     pub restart_limit: u32,
     /// The window of `restart_limit`, seconds.
     pub restart_window_s: u64,
+    /// An instance may have at most this times the host's `MemTotal` of guest memory; a
+    /// create or start beyond it is refused. Default 1.0.
+    pub memory_overcommit: f64,
+    /// An instance may have at most this times the host's CPUs as vCPUs. Default 4.0.
+    pub vcpu_overcommit: f64,
+    /// QEMU runs under its seccomp sandbox (`-sandbox on` with obsolete, elevateprivileges,
+    /// spawn and resourcecontrol denied). Default true.
+    pub qemu_sandbox: bool,
     /// `text` or `json`.
     pub log_format: String,
     /// When set, every policy plugin input the agent sends is also written to this directory
@@ -151,6 +159,9 @@ impl Default for Config {
             restart_backoff_s: 1,
             restart_limit: 5,
             restart_window_s: 600,
+            memory_overcommit: 1.0,
+            vcpu_overcommit: 4.0,
+            qemu_sandbox: true,
             log_format: "text".into(),
             record_policy_inputs: None,
             metrics_listen: None,
@@ -213,6 +224,11 @@ impl Config {
         if let Some(a) = self.metrics_listen {
             if !a.ip().is_loopback() {
                 anyhow::bail!("metrics_listen must be a loopback address, not {a}");
+            }
+        }
+        for (key, v) in [("memory_overcommit", self.memory_overcommit), ("vcpu_overcommit", self.vcpu_overcommit)] {
+            if !(v.is_finite() && v > 0.0 && v <= 1000.0) {
+                anyhow::bail!("{key} must be a number above 0 and at most 1000, not {v}");
             }
         }
         if self.console_log_max_bytes < 4096 {

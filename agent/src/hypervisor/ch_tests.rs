@@ -63,6 +63,7 @@ fn ch_spec(binary: &Path, run_dir: &Path) -> VmSpec {
         binary: binary.to_path_buf(),
         run_dir: run_dir.to_path_buf(),
         vfio: None,
+        sandbox: false,
     }
 }
 

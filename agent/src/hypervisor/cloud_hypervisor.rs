@@ -319,6 +319,7 @@ mod tests {
             binary: "cloud-hypervisor".into(),
             run_dir: "/var/lib/gpuvisor/instances/x".into(),
             vfio: None,
+            sandbox: false,
         }
     }
 

@@ -249,6 +249,8 @@ pub struct VmSpec {
     pub run_dir: PathBuf,
     /// The VFIO device, if any.
     pub vfio: Option<VfioAttach>,
+    /// QEMU: run under its seccomp sandbox (`-sandbox on,…=deny`).
+    pub sandbox: bool,
 }
 
 impl VmSpec {

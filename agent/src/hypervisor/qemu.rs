@@ -58,6 +58,11 @@ pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
     push(&["-m", &spec.memory_mib.to_string()]);
     push(&["-smp", &spec.vcpus.to_string()]);
     push(&["-nodefaults", "-no-user-config", "-display", "none"]);
+    if spec.sandbox {
+        // seccomp: no obsolete syscalls, no setuid/setgid, no fork/exec, no affinity or
+        // priority changes.
+        push(&["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]);
+    }
     push(&["-uuid", &spec.id.to_string()]);
     push(&["-name", &opt_escape(&spec.name)]);
     if spec.paused {
@@ -176,6 +181,7 @@ mod tests {
             hypervisor: HypervisorKind::Qemu,
             run_dir: "/var/lib/gpuvisor/instances/x".into(),
             vfio,
+            sandbox: false,
         }
     }
 
@@ -233,6 +239,16 @@ mod tests {
         })));
 
         assert!(has_pair(&args, "-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0001:81:00.4"));
+    }
+
+    #[test]
+    fn the_sandbox_denies_obsolete_elevate_spawn_and_resourcecontrol() {
+        let mut s = spec(None);
+        s.sandbox = true;
+        let args = qemu_command_line(&s);
+        assert!(has_pair(&args, "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"));
+        s.sandbox = false;
+        assert!(!qemu_command_line(&s).contains(&"-sandbox".to_string()));
     }
 
     #[test]

@@ -35,6 +35,7 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         binary: PathBuf::from("qemu-system-x86_64"),
         run_dir: run_dir.to_path_buf(),
         vfio,
+        sandbox: false,
     }
 }
 

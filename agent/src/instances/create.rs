@@ -38,7 +38,8 @@ impl Manager {
                 (Some(Framework::Passthrough), Some(PassthroughWant { address: address.clone() }))
             }
         };
-        // The capability gate runs before anything is allocated.
+        // What the host can give, and the capability gate, before anything is allocated.
+        self.check_host_room(vcpus, memory_mib)?;
         let devices: Vec<String> = whole.iter().filter_map(|w| w.address.clone()).collect();
         let hypervisor =
             self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework, &devices)?;
@@ -96,6 +97,38 @@ impl Manager {
         tracing::info!(instance.id = %id, instance.name = %rec.name, profile = %gpu, "creating instance");
         let rec = self.boot(rec, Rollback::Remove)?;
         Ok(self.view_after(&rec))
+    }
+
+    /// Refuses an instance the host cannot give its memory or vCPUs: more memory than
+    /// `memory_overcommit` × the host's `MemTotal`, or more vCPUs than `vcpu_overcommit` × its
+    /// CPUs (`invalid_request`, before anything is written or claimed). Each instance is
+    /// checked alone (the running instances' sum is not tracked: a create stays O(1) in the
+    /// number of records). An unreadable `/proc/meminfo` refuses nothing (logged).
+    pub(crate) fn check_host_room(&self, vcpus: u32, memory_mib: u64) -> Result<(), ApiError> {
+        let cpus = std::thread::available_parallelism().map(|n| n.get() as u64).unwrap_or(1);
+        let cpu_cap = (cpus as f64 * self.cfg.vcpu_overcommit) as u64;
+        if u64::from(vcpus) > cpu_cap {
+            return Err(ApiError::invalid_request(format!(
+                "{vcpus} vCPUs do not fit this host: it gives at most {cpu_cap} (vcpu_overcommit {} × {cpus} CPUs)",
+                self.cfg.vcpu_overcommit
+            )));
+        }
+        let host_mib = match procfs::Current::current() {
+            Ok(procfs::Meminfo { mem_total, .. }) => mem_total / (1024 * 1024),
+            Err(e) => {
+                tracing::warn!(error = %e, "/proc/meminfo cannot be read: the memory of an instance is not checked");
+                return Ok(());
+            }
+        };
+        let mem_cap = (host_mib as f64 * self.cfg.memory_overcommit) as u64;
+        if memory_mib > mem_cap {
+            return Err(ApiError::invalid_request(format!(
+                "{memory_mib} MiB of memory do not fit this host: it gives at most {mem_cap} MiB \
+                 (memory_overcommit {} × {host_mib} MiB)",
+                self.cfg.memory_overcommit
+            )));
+        }
+        Ok(())
     }
 
     /// A named passthrough GPU must be one of `passthrough_gpus` (`invalid_request`); with

@@ -50,6 +50,8 @@ impl Manager {
                 ))
             }
         }
+        // What the host can give (before anything is released or claimed).
+        self.check_host_room(rec.vcpus, rec.memory_mib)?;
         // A claim left from an earlier failed release goes first, persisted.
         match self.claim_of(&rec)? {
             OwnedClaim::Claim(old) => {

@@ -131,6 +131,7 @@ impl Manager {
             binary,
             run_dir: self.store.instance_dir(rec.id),
             vfio,
+            sandbox: self.cfg.qemu_sandbox,
         })
     }
 
