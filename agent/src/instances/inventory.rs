@@ -132,6 +132,25 @@ struct DeviceRecords {
     owner_labels: Option<crate::store::Labels>,
 }
 
+impl DeviceRecords {
+    /// A device's state, in the one order of precedence every kind uses: a claim (or a
+    /// claim file that cannot be read), then a quarantine mark, then unreadable state, then
+    /// `dirty` (occupied without a claim), else free. Unknown is never free.
+    fn state(&self, unreadable: bool, dirty: bool) -> DeviceState {
+        if self.claim.is_some() || self.claim_unreadable.is_some() {
+            DeviceState::Claimed
+        } else if self.health.as_ref().is_some_and(|h| h.quarantined) {
+            DeviceState::Quarantined
+        } else if unreadable {
+            DeviceState::Unreadable
+        } else if dirty {
+            DeviceState::Dirty
+        } else {
+            DeviceState::Free
+        }
+    }
+}
+
 /// A placeable device as the native side sees it (the legal-candidate check).
 #[derive(Debug, Clone)]
 pub struct Candidate {
@@ -516,24 +535,14 @@ impl Manager {
             }
             let mut devices = Vec::new();
             for vf in &g.vfs {
-                let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } =
-                    self.device_records(obs, &vf.bdf);
+                let recs = self.device_records(obs, &vf.bdf);
                 let current_type = match &vf.current_type {
                     Ok(t) => TypeReading::Id(*t),
                     Err(e) => TypeReading::Unknown(e.clone()),
                 };
                 let unreadable = vf.unreadable_reason();
-                let state = if claim.is_some() || claim_unreadable.is_some() {
-                    DeviceState::Claimed
-                } else if health.as_ref().is_some_and(|h| h.quarantined) {
-                    DeviceState::Quarantined
-                } else if unreadable.is_some() {
-                    DeviceState::Unreadable
-                } else if current_type.id().is_some_and(|t| t != 0) {
-                    DeviceState::Dirty
-                } else {
-                    DeviceState::Free
-                };
+                let state = recs.state(unreadable.is_some(), current_type.id().is_some_and(|t| t != 0));
+                let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } = recs;
                 let creatable = match (&vf.catalog, state) {
                     (Ok(c), DeviceState::Free) => {
                         c.entries.iter().map(|e| gpuvisor_sdk::canonical_profile(&e.name).to_string()).collect()
@@ -640,17 +649,7 @@ impl Manager {
                         .find(|u| u.parent.as_deref() == Some(p.bdf.as_str()))
                         .map(|u| format!("an mdev on it cannot be read: {}", u.reason))
                 });
-                let state = if recs.claim.is_some() || recs.claim_unreadable.is_some() {
-                    DeviceState::Claimed
-                } else if recs.health.as_ref().is_some_and(|h| h.quarantined) {
-                    DeviceState::Quarantined
-                } else if unreadable.is_some() {
-                    DeviceState::Unreadable
-                } else if occupied {
-                    DeviceState::Dirty
-                } else {
-                    DeviceState::Free
-                };
+                let state = recs.state(unreadable.is_some(), occupied);
                 let creatable: Vec<String> = if state == DeviceState::Free {
                     p.types()
                         .iter()
@@ -734,19 +733,10 @@ impl Manager {
                 }
             });
             let recs = self.device_records(obs, bdf);
-            let state = if recs.claim.is_some() || recs.claim_unreadable.is_some() {
-                DeviceState::Claimed
-            } else if recs.health.as_ref().is_some_and(|h| h.quarantined) {
-                DeviceState::Quarantined
-            } else if unreadable.is_some() {
-                DeviceState::Unreadable
-            } else if read.as_ref().is_some_and(|g| !g.on_host_drivers() || g.functions[0].driver.is_none()) {
-                // On vfio-pci, split between drivers, or the GPU itself driverless: not a
-                // binding gpuvisor made or can give back (a driverless GPU is never free).
-                DeviceState::Dirty
-            } else {
-                DeviceState::Free
-            };
+            // Dirty: on vfio-pci, split between drivers, or the GPU itself driverless — not a
+            // binding gpuvisor made or can give back (a driverless GPU is never free).
+            let dirty = read.as_ref().is_some_and(|g| !g.on_host_drivers() || g.functions[0].driver.is_none());
+            let state = recs.state(unreadable.is_some(), dirty);
             let device_id = read.as_ref().map(|g| g.device_id.clone()).unwrap_or_default();
             let fb = devices::framebuffer_by_device_id(&device_id);
             obs.gpus.push(ObservedGpu {

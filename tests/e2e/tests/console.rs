@@ -6,7 +6,7 @@
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -44,7 +44,6 @@ impl Session {
                 sink.lock().unwrap().extend_from_slice(&buf[..n]);
             }
         });
-        let _ = master.as_raw_fd();
         Session { child, master, out }
     }
 
@@ -106,14 +105,13 @@ fn a_console_session_runs_a_command_and_detaches_and_the_log_survives_a_restart(
     let e = a.cli(&["console", "c"]);
     assert!(!e.status.success());
     assert!(String::from_utf8_lossy(&e.stderr).contains("not running"), "{}", String::from_utf8_lossy(&e.stderr));
-    let v = a.ok("instance.start", json!({"ref": "c"}));
+    a.ok("instance.start", json!({"ref": "c"}));
     wait_for(Duration::from_secs(120), || {
         (console_log(&a, "c").matches("gpuvisor-guest: ready").count() == 2).then_some(())
     })
     .unwrap_or_else(|| panic!("the second boot is appended:\n{}", tail(&console_log(&a, "c"), 20)));
     let log = console_log(&a, "c");
     assert!(log.contains("con-42"), "the first boot's session is still there");
-    let _ = v;
 }
 
 /// A guest flooding its console: the log is rotated to `serial.log.1` whenever it passes

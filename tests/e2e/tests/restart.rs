@@ -25,13 +25,9 @@ fn get(a: &Agent, name: &str) -> Value {
 fn wait_restarted(a: &Agent, id: &str, old: i32) -> i32 {
     wait_for(Duration::from_secs(90), || {
         let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
-        (q.len() == 1 && q[0].pid != old && get_by_id(a, id)["state"] == "running").then(|| q[0].pid)
+        (q.len() == 1 && q[0].pid != old && get(a, id)["state"] == "running").then(|| q[0].pid)
     })
-    .unwrap_or_else(|| panic!("{id} was not restarted: {}\n{}", get_by_id(a, id), tail(&a.log(), 20)))
-}
-
-fn get_by_id(a: &Agent, id: &str) -> Value {
-    a.ok("instance.get", json!({"ref": id}))
+    .unwrap_or_else(|| panic!("{id} was not restarted: {}\n{}", get(a, id), tail(&a.log(), 20)))
 }
 
 /// An `on-failure` GPU instance whose QEMU is SIGKILLed runs again with a vGPU, through the
