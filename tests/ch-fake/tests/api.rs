@@ -506,6 +506,12 @@ fn a_stale_socket_is_replaced_and_a_regular_file_is_refused() {
     let socket = dir.path().join("api.sock");
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
     assert!(std::fs::symlink_metadata(&socket).unwrap().file_type().is_socket());
+    // Stale: nobody listens. (A child another test thread forks at this moment holds a copy
+    // of the listener's fd until it execs: wait until that copy is gone.)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::os::unix::net::UnixStream::connect(&socket).is_ok() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     assert!(std::os::unix::net::UnixStream::connect(&socket).is_err(), "stale: nobody listens");
     let vmm = Start::fake().in_dir(dir).spawn();
     assert_eq!(vmm.get("vmm.ping").status, 200);
