@@ -120,6 +120,15 @@ pub struct Config {
     /// QEMU runs under its seccomp sandbox (`-sandbox on` with obsolete, elevateprivileges,
     /// spawn and resourcecontrol denied). Default true.
     pub qemu_sandbox: bool,
+    /// The unprivileged user every VMM runs as (no capabilities, `no_new_privs`); `root`
+    /// runs them as the agent. Default `gpuvisor-vmm` (created by `scripts/setup`).
+    pub vmm_user: String,
+    /// Where cgroup v2 has the memory controller: each VMM runs in its own cgroup
+    /// (`/sys/fs/cgroup/gpuvisor/vm-<id>`) whose `memory.max` is the guest memory plus
+    /// `cgroup_memory_overhead_mib`. Default true.
+    pub vmm_cgroup: bool,
+    /// The VMM's own memory on top of the guest's, in its cgroup's limit, MiB. Default 1024.
+    pub cgroup_memory_overhead_mib: u64,
     /// `text` or `json`.
     pub log_format: String,
     /// When set, every policy plugin input the agent sends is also written to this directory
@@ -162,6 +171,9 @@ impl Default for Config {
             memory_overcommit: 1.0,
             vcpu_overcommit: 4.0,
             qemu_sandbox: true,
+            vmm_user: "gpuvisor-vmm".into(),
+            vmm_cgroup: true,
+            cgroup_memory_overhead_mib: 1024,
             log_format: "text".into(),
             record_policy_inputs: None,
             metrics_listen: None,

@@ -35,30 +35,38 @@ pub fn rotated(log: &Path) -> std::path::PathBuf {
 /// replaced whole); what the guest wrote meanwhile is read back, the log truncated and that
 /// tail appended again — only output written between that read and the truncation (a few
 /// microseconds) can be lost. Returns whether it rotated.
+///
+/// The directory is writable by an unprivileged VMM ([`crate::hypervisor::confine`]), so
+/// nothing here follows a symlink: the log is opened `O_NOFOLLOW` and the copy goes to a
+/// fresh, randomly named file (`create_new`).
 pub fn rotate(log: &Path, max: u64) -> io::Result<bool> {
     use std::io::{Seek, SeekFrom};
-    let len = match std::fs::metadata(log) {
-        Ok(m) => m.len(),
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut src = match std::fs::OpenOptions::new().read(true).append(true).custom_flags(libc::O_NOFOLLOW).open(log) {
+        Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e),
     };
+    let len = src.metadata()?.len();
     if len <= max {
         return Ok(false);
     }
     let dest = rotated(log);
-    let tmp = dest.with_extension("1.tmp");
-    let mut src = std::fs::File::open(log)?;
-    {
-        let mut out = std::fs::File::create(&tmp)?;
+    let tmp = dest.with_extension(format!("1.{}.tmp", uuid::Uuid::new_v4().simple()));
+    let copied = (|| {
+        let mut out = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o640).open(&tmp)?;
         io::copy(&mut (&mut src).take(len), &mut out)?;
+        std::fs::rename(&tmp, &dest)
+    })();
+    if let Err(e) = copied {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
-    std::fs::rename(&tmp, &dest)?;
     let mut tail = Vec::new();
     src.seek(SeekFrom::Start(len))?;
     src.read_to_end(&mut tail)?;
-    let mut f = std::fs::OpenOptions::new().append(true).open(log)?;
-    f.set_len(0)?;
-    f.write_all(&tail)?;
+    src.set_len(0)?;
+    src.write_all(&tail)?;
     Ok(true)
 }
 

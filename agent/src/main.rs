@@ -41,6 +41,12 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
              liveness checks and open-handle scans; on a real host run `gpuvisor serve` in the host PID namespace"
         ),
     }
+    // The VMM user must exist before anything starts (a start would fail later anyway).
+    let vmm_user = gpuvisor::hypervisor::confine::VmmUser::resolve(&cfg.vmm_user).map_err(anyhow::Error::msg)?;
+    match &vmm_user {
+        Some(u) => tracing::info!(vmm_user = %u.name, uid = u.uid, "VMMs run unprivileged, without capabilities"),
+        None => tracing::warn!("vmm_user = \"root\": VMMs run as root"),
+    }
     let store = Store::open(&cfg.data_dir)?;
     // One agent per data directory: refuse before touching anything else.
     let _lock = store.lock_exclusive()?;

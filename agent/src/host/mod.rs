@@ -4,6 +4,7 @@
 //! root: `/` on a real host, a `gpuvisor-sim` mount in tests. Processes are always the
 //! real `/proc`, read through the `procfs` crate ([`proc`]).
 
+pub mod cgroup;
 pub mod proc;
 
 use std::path::{Path, PathBuf};

@@ -64,6 +64,9 @@ fn ch_spec(binary: &Path, run_dir: &Path) -> VmSpec {
         run_dir: run_dir.to_path_buf(),
         vfio: None,
         sandbox: false,
+        run_as: None,
+        cgroup_procs: None,
+        device_nodes: Vec::new(),
     }
 }
 

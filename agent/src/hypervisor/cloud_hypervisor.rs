@@ -320,6 +320,9 @@ mod tests {
             run_dir: "/var/lib/gpuvisor/instances/x".into(),
             vfio: None,
             sandbox: false,
+            run_as: None,
+            cgroup_procs: None,
+            device_nodes: Vec::new(),
         }
     }
 

@@ -29,6 +29,7 @@
 
 pub mod ch_api;
 pub mod cloud_hypervisor;
+pub mod confine;
 pub mod process;
 pub mod qemu;
 pub mod qmp;
@@ -251,6 +252,13 @@ pub struct VmSpec {
     pub vfio: Option<VfioAttach>,
     /// QEMU: run under its seccomp sandbox (`-sandbox on,…=deny`).
     pub sandbox: bool,
+    /// The unprivileged user the VMM runs as; `None`: as the agent ([`confine`]).
+    pub run_as: Option<confine::VmmUser>,
+    /// The `cgroup.procs` of the VM's cgroup, joined before exec; `None`: no cgroup.
+    pub cgroup_procs: Option<PathBuf>,
+    /// Device nodes the VMM opens itself (VFIO groups with `vfio_attach = "device"`): given
+    /// to the VMM user's group before the spawn.
+    pub device_nodes: Vec<PathBuf>,
 }
 
 impl VmSpec {
@@ -275,6 +283,12 @@ impl VmSpec {
     /// The VMM's stdout and stderr: `<run_dir>/qemu.log` or `<run_dir>/cloud-hypervisor.log`.
     pub fn vmm_log(&self) -> PathBuf {
         self.run_dir.join(self.hypervisor.driver().log_name())
+    }
+
+    /// The files in `run_dir` the VMM itself writes: made root-owned, group-writable for
+    /// its user before the spawn ([`confine::prepare_run_dir`]).
+    pub fn vmm_files(&self) -> Vec<PathBuf> {
+        vec![self.serial_log()]
     }
 }
 

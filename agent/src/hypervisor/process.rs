@@ -174,6 +174,17 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
     let driver = spec.hypervisor.driver();
     let args = driver.command_line(spec)?;
     std::fs::create_dir_all(&spec.run_dir)?;
+    let user = spec.run_as.as_ref();
+    let vmm_files = spec.vmm_files();
+    super::confine::prepare_run_dir(user, &spec.run_dir, &vmm_files.iter().map(|p| p.as_path()).collect::<Vec<_>>())
+        .map_err(|e| {
+            HypervisorError::start_failed(format!("the instance directory cannot be given to the VMM: {e}"))
+        })?;
+    for node in &spec.device_nodes {
+        super::confine::grant_device(user, node).map_err(|e| {
+            HypervisorError::start_failed(format!("{} cannot be given to the VMM user: {e}", node.display()))
+        })?;
+    }
     let control_socket = spec.control_socket();
     take_control_socket(&control_socket)?;
     // The console socket of an earlier boot (the control socket's check proved its VMM gone).
@@ -193,8 +204,12 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
     if let Some(VfioAttach::HoldFd { node }) = &spec.vfio {
         add_hold_fd(&mut cmd, node)?;
     }
+    // After the hold-fd open (it needs root): the cgroup, the user, no_new_privs.
+    super::confine::add_pre_exec(&mut cmd, user, spec.cgroup_procs.as_deref())
+        .map_err(HypervisorError::start_failed)?;
+    let run_as = user.map(|u| u.name.as_str()).unwrap_or(super::confine::ROOT);
     tracing::info!(instance.id = %spec.id, hypervisor = %spec.hypervisor, binary = %spec.binary.display(),
-        args = %args.join(" "), "starting the VMM");
+        user = %run_as, args = %args.join(" "), "starting the VMM");
     let child = cmd.spawn().map_err(|e| match &spec.vfio {
         // The pre_exec open's errno comes back as the spawn error.
         Some(VfioAttach::HoldFd { node }) => HypervisorError::start_failed(format!(
@@ -202,7 +217,7 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
             spec.binary.display(),
             node.display()
         )),
-        _ => HypervisorError::start_failed(format!("starting {} failed: {e}", spec.binary.display())),
+        _ => HypervisorError::start_failed(format!("starting {} as user {run_as} failed: {e}", spec.binary.display())),
     })?;
     let pid = child.id() as i32;
 

@@ -36,6 +36,9 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         run_dir: run_dir.to_path_buf(),
         vfio,
         sandbox: false,
+        run_as: None,
+        cgroup_procs: None,
+        device_nodes: Vec::new(),
     }
 }
 

@@ -64,6 +64,7 @@ impl Manager {
         }
         crate::crash_point!("delete_after_release");
         self.store.remove_instance(rec.id)?;
+        self.remove_vm_cgroup(rec.id);
         self.forget_instance_lock(rec.id);
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, "instance deleted");
         Ok(DeleteResult { id: rec.id.to_string(), deleted: true })

@@ -103,6 +103,8 @@ pub struct Manager {
     console_rotation_failures: Mutex<std::collections::HashSet<Uuid>>,
     /// The restart supervisor's watches and due restarts.
     supervise: supervise::SuperviseState,
+    /// The VMs' cgroups, once detected (`None` inside: none on this host).
+    vm_cgroups: std::sync::OnceLock<Option<crate::host::cgroup::VmCgroups>>,
 }
 
 impl Manager {
@@ -136,6 +138,7 @@ impl Manager {
             hypervisor_probes: Mutex::new(None),
             console_rotation_failures: Mutex::new(Default::default()),
             supervise: Default::default(),
+            vm_cgroups: Default::default(),
         }
     }
 

@@ -156,6 +156,11 @@ impl Manager {
                     tracing::info!("first complete observation: releases allowed");
                 }
                 self.reconcile_records(&instances.records, &obs.claims.records, &boot_id, &mut report);
+                // The cgroups of instances that are gone (an interrupted delete); an unreadable
+                // record keeps its cgroup.
+                if let (Some(cg), true) = (self.vm_cgroups(), instances.unreadable.is_empty()) {
+                    cg.sweep(|id| instances.records.iter().any(|r| r.id == id));
+                }
                 if report.host_complete {
                     self.check_claimed_types(obs, &boot_id, &mut report);
                     let mut eligible = self.stale_claims(&obs.claims.records, &boot_id, &mut report);

@@ -86,6 +86,9 @@ impl Manager {
                 e
             }
         })?;
+        let run_as = hypervisor::confine::VmmUser::resolve(&self.cfg.vmm_user)
+            .map_err(|e| ApiError::vmm_start_failed(format!("the VMM cannot be confined: {e}"), None))?;
+        let mut device_nodes = Vec::new();
         let vfio = match claim {
             None => None,
             Some(c) => {
@@ -103,7 +106,11 @@ impl Manager {
                     }
                 };
                 Some(match self.cfg.vfio_attach {
-                    VfioAttach::Device => hypervisor::VfioAttach::Device { sysfsdevs },
+                    VfioAttach::Device => {
+                        // QEMU opens the group node itself: it must be its user's to open.
+                        device_nodes.extend(group.filter(|_| run_as.is_some()).map(|g| self.host.vfio_group_node(g)));
+                        hypervisor::VfioAttach::Device { sysfsdevs }
+                    }
                     VfioAttach::HoldFd => {
                         let g = group.ok_or_else(|| {
                             ApiError::vmm_start_failed(format!("{} has no IOMMU group", c.device), None)
@@ -132,13 +139,23 @@ impl Manager {
             run_dir: self.store.instance_dir(rec.id),
             vfio,
             sandbox: self.cfg.qemu_sandbox,
+            run_as,
+            cgroup_procs: None,
+            device_nodes,
         })
     }
 
     /// Spawns the VMM, records its identity and the `running` state (durable before the
     /// answer).
     pub(crate) fn spawn(&self, rec: &mut InstanceRecord, claim: Option<&Claim>) -> Result<(), ApiError> {
-        let spec = self.vm_spec(rec, claim)?;
+        let mut spec = self.vm_spec(rec, claim)?;
+        if let Some(cg) = self.vm_cgroups() {
+            let limit = crate::host::cgroup::memory_limit_bytes(rec.memory_mib, self.cfg.cgroup_memory_overhead_mib);
+            spec.cgroup_procs =
+                Some(cg.prepare(rec.id, limit).map_err(|e| {
+                    ApiError::vmm_start_failed(format!("the VM's cgroup cannot be prepared: {e}"), None)
+                })?);
+        }
         let boot_id = self.boot_id()?;
         let timeout = Duration::from_secs(self.cfg.vmm_ready_timeout_s);
         let vmm = hypervisor::spawn(&spec, &boot_id, timeout).map_err(|e| match e {
@@ -164,6 +181,41 @@ impl Manager {
         crate::crash_point!("after_running");
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, hypervisor = %rec.hypervisor, pid = vmm.identity.pid, "VMM running");
         Ok(())
+    }
+
+    /// The VMs' cgroups (cgroup v2 with the memory controller, `vmm_cgroup`), detected once;
+    /// the outcome is logged then.
+    pub(crate) fn vm_cgroups(&self) -> Option<&crate::host::cgroup::VmCgroups> {
+        self.vm_cgroups
+            .get_or_init(|| {
+                if !self.cfg.vmm_cgroup {
+                    return None;
+                }
+                match crate::host::cgroup::VmCgroups::detect(std::path::Path::new(crate::host::cgroup::CGROUP2_ROOT)) {
+                    Ok(Some(c)) => {
+                        tracing::info!("each VMM runs in its own cgroup with the instance's memory limit");
+                        Some(c)
+                    }
+                    Ok(None) => {
+                        tracing::info!("no cgroup v2 memory controller on this host: VMMs run without a memory cgroup");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the cgroup v2 hierarchy cannot be written: VMMs run without a memory cgroup");
+                        None
+                    }
+                }
+            })
+            .as_ref()
+    }
+
+    /// Removes the cgroup of instance `id` (after its VMM is gone); a failure is logged.
+    pub(crate) fn remove_vm_cgroup(&self, id: uuid::Uuid) {
+        if let Some(cg) = self.vm_cgroups() {
+            if let Err(e) = cg.remove(id) {
+                tracing::warn!(instance.id = %id, error = %e, "the VM's cgroup cannot be removed");
+            }
+        }
     }
 
     fn stop_options(&self, graceful: bool) -> hypervisor::StopOptions {

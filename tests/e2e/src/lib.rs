@@ -19,6 +19,26 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// A temp directory the unprivileged VMM user (`vmm_user`) can traverse and read (mode
+/// 0755; `tempfile` makes 0700): the agent's data directory, its instance directories and
+/// stand-in VMM binaries live under it.
+pub fn vmm_reachable_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
+    tempdir_with_mode(prefix, 0o755)
+}
+
+/// A temp directory the VMM user can also write (mode 01777, as `/tmp`): stand-in VMMs and
+/// their hooks, which run as that user, leave their pid files and logs there.
+pub fn vmm_writable_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
+    tempdir_with_mode(prefix, 0o1777)
+}
+
+fn tempdir_with_mode(prefix: &str, mode: u32) -> std::io::Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new().prefix(prefix).tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(mode))?;
+    Ok(dir)
+}
+
 /// `target/` of this workspace (from the test executable's location).
 pub fn target_dir() -> PathBuf {
     if let Some(t) = std::env::var_os("CARGO_TARGET_DIR") {
@@ -918,7 +938,7 @@ impl Agent {
     pub fn start_tuned(o: AgentOptions<'_>, data_dir: Option<PathBuf>, set: &[(&str, &str)]) -> anyhow::Result<Agent> {
         let image = demo_image();
         let sim = SimMount::start(o.model)?;
-        let dir = tempfile::Builder::new().prefix("gpuvisor-e2e.").tempdir()?;
+        let dir = vmm_reachable_tempdir("gpuvisor-e2e.")?;
         let data_dir = data_dir.unwrap_or_else(|| dir.path().join("data"));
         let socket = dir.path().join("gpuvisor.sock");
         let placement = o.placement.unwrap_or_else(|| plugin("placement-spread"));
@@ -1024,7 +1044,7 @@ pub struct QemuWrapper {
 impl QemuWrapper {
     pub fn new() -> QemuWrapper {
         use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::Builder::new().prefix("gpuvisor-qemu-wrap.").tempdir().unwrap();
+        let dir = vmm_writable_tempdir("gpuvisor-qemu-wrap.").unwrap();
         let binary = dir.path().join("qemu-wrapper");
         let hook = dir.path().join("hook.sh");
         std::fs::write(
@@ -1284,7 +1304,7 @@ impl ChWrapper {
 
     fn around(target: &Path, real: bool) -> ChWrapper {
         use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::Builder::new().prefix("gpuvisor-ch-wrap.").tempdir().unwrap();
+        let dir = vmm_writable_tempdir("gpuvisor-ch-wrap.").unwrap();
         let binary = dir.path().join("cloud-hypervisor");
         let control = dir.path().join("control.json");
         let requests_log = dir.path().join("requests.jsonl");
@@ -1299,6 +1319,9 @@ impl ChWrapper {
         )
         .unwrap();
         std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // The VMM runs as the unprivileged vmm_user: it appends to the log the test reads.
+        std::fs::write(&requests_log, "").unwrap();
+        std::fs::set_permissions(&requests_log, std::fs::Permissions::from_mode(0o666)).unwrap();
         ChWrapper { dir, binary, control, requests_log, real }
     }
 
