@@ -60,6 +60,14 @@ pub enum Output {
 pub enum Command {
     /// Run the agent (JSON-RPC server).
     Serve(ServeArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on stdout.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (gpuvisor.1 and one per subcommand) into a directory.
+    #[command(hide = true)]
+    Manpages { dir: PathBuf },
     /// Create and boot an instance.
     Create {
         name: String,
@@ -323,6 +331,31 @@ fn duplicate_label(labels: &[(String, String)]) -> Option<&str> {
         .map(|(_, (k, _))| k.as_str())
 }
 
+/// `gpuvisor manpages DIR`: `gpuvisor.1` and `gpuvisor-<subcommand>.1` (nested ones as
+/// `gpuvisor-<a>-<b>.1`), generated from this CLI definition; hidden subcommands are left out.
+fn manpages(dir: &std::path::Path) -> i32 {
+    use clap::CommandFactory;
+    fn write(cmd: &clap::Command, name: &str, dir: &std::path::Path) -> std::io::Result<()> {
+        let cmd = cmd.clone().name(name.to_string());
+        let mut out = Vec::new();
+        clap_mangen::Man::new(cmd.clone()).render(&mut out)?;
+        std::fs::write(dir.join(format!("{name}.1")), out)?;
+        for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set() && s.get_name() != "help") {
+            write(sub, &format!("{name}-{}", sub.get_name()), dir)?;
+        }
+        Ok(())
+    }
+    let mut cli = Cli::command();
+    cli.build();
+    match std::fs::create_dir_all(dir).and_then(|()| write(&cli, "gpuvisor", dir)) {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("error: cannot write the man pages to {}: {e}", dir.display());
+            exit::ERROR
+        }
+    }
+}
+
 /// Runs a client subcommand; returns the process exit code.
 pub async fn run_client(cli: &Cli) -> i32 {
     if let Command::Create { labels, .. } | Command::DryRun { labels, .. } = &cli.command {
@@ -337,6 +370,12 @@ pub async fn run_client(cli: &Cli) -> i32 {
             eprintln!("error: `serve` is not a client command");
             return exit::USAGE;
         }
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(*shell, &mut Cli::command(), "gpuvisor", &mut std::io::stdout());
+            return exit::OK;
+        }
+        Command::Manpages { dir } => return manpages(dir),
         Command::Create { name, image, gpu, labels, vcpus, memory_mib, hypervisor, restart, autostart } => {
             let req = CreateRequest {
                 name: name.clone(),

@@ -31,6 +31,17 @@ fn check_writable_dir(dir: &std::path::Path) -> std::io::Result<()> {
     std::fs::remove_file(&probe)
 }
 
+/// The watchdog period systemd asks for, µs, as `sd_watchdog_enabled(3)` reads it:
+/// `WATCHDOG_USEC`, unless `WATCHDOG_PID` is set and names another process.
+fn watchdog_usec() -> Option<u64> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok().filter(|u| *u > 0)?;
+    match std::env::var("WATCHDOG_PID").ok().map(|p| p.parse::<u32>()) {
+        None => Some(usec),
+        Some(Ok(pid)) if pid == std::process::id() => Some(usec),
+        Some(_) => None,
+    }
+}
+
 async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     tracing::info!(version = %gpuvisor::cli::VERSION, build = %gpuvisor::failpoints::BUILD, "gpuvisor starting");
     match gpuvisor::host::proc::own_pid_namespace() {
@@ -67,9 +78,20 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
         // before the startup pass lets creates in.
         let m = rm.clone();
         let _ = tokio::task::spawn_blocking(move || m.probe_hypervisors()).await;
+        let mut announced = false;
         loop {
             let m = rm.clone();
             let _ = tokio::task::spawn_blocking(move || m.reconcile()).await;
+            if !announced && rm.is_ready() {
+                // systemd (Type=notify): ready once the startup pass had a complete
+                // observation, i.e. when creates are let in.
+                announced = true;
+                match sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+                    Ok(()) if std::env::var_os("NOTIFY_SOCKET").is_some() => tracing::info!("told systemd: ready"),
+                    Ok(()) => {}
+                    Err(e) => tracing::warn!(error = %e, "cannot tell systemd the agent is ready"),
+                }
+            }
             tokio::time::sleep(if rm.is_ready() { interval } else { interval.min(std::time::Duration::from_secs(5)) })
                 .await;
         }
@@ -86,6 +108,19 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
         std::thread::sleep(gpuvisor::console::ROTATE_EVERY);
         sm.supervise();
     })?;
+    // systemd's watchdog (WatchdogSec=): pinged at half its period from the runtime that
+    // serves the API, so a wedged runtime gets the agent restarted (the VMs keep running).
+    if let Some(watchdog_usec) = watchdog_usec() {
+        let every = std::time::Duration::from_micros(watchdog_usec / 2);
+        tracing::info!(every_ms = every.as_millis() as u64, "pinging the systemd watchdog");
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+            }
+        });
+    }
     if let Some(addr) = manager.config().metrics_listen {
         gpuvisor::rpc::metrics::serve_http(manager.clone(), addr).await?;
     }
