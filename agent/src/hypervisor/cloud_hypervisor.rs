@@ -188,6 +188,10 @@ fn state_of(api: &ChApi<'_>) -> Result<String, ApiFailure> {
     }
 }
 
+/// Why a Cloud Hypervisor instance cannot have NICs or a cloud-init seed (yet).
+pub const NO_NICS_OR_SEED: &str = "gpuvisor does not give cloud-hypervisor instances NICs or a cloud-init seed \
+    (it cannot be tested on this project's hosts); use hypervisor qemu";
+
 impl Driver for CloudHypervisor {
     fn kind(&self) -> HypervisorKind {
         HypervisorKind::CloudHypervisor
@@ -202,6 +206,10 @@ impl Driver for CloudHypervisor {
     }
 
     fn command_line(&self, spec: &VmSpec) -> Result<Vec<String>, HypervisorError> {
+        // Refused at create already (instances::create); never started half-configured.
+        if !spec.nics.is_empty() || spec.seed.is_some() {
+            return Err(HypervisorError::start_failed(NO_NICS_OR_SEED));
+        }
         vm_config(spec)?;
         Ok(vec!["--api-socket".into(), api_socket_arg(&spec.control_socket())?])
     }
@@ -320,6 +328,8 @@ mod tests {
             run_dir: "/var/lib/gpuvisor/instances/x".into(),
             vfio: None,
             sandbox: false,
+            nics: vec![],
+            seed: None,
         }
     }
 

@@ -156,6 +156,7 @@ impl Manager {
                     tracing::info!("first complete observation: releases allowed");
                 }
                 self.reconcile_records(&instances.records, &obs.claims.records, &boot_id, &mut report);
+                self.sweep_taps(&instances.records, instances.unreadable.is_empty(), &boot_id, &mut report);
                 if report.host_complete {
                     self.check_claimed_types(obs, &boot_id, &mut report);
                     let mut eligible = self.stale_claims(&obs.claims.records, &boot_id, &mut report);
