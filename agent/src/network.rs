@@ -46,7 +46,7 @@ pub enum Nic {
     /// A tap device gpuvisor creates for the VM and attaches to an existing host bridge.
     Bridge {
         /// The host bridge (must exist and be a bridge when the instance starts).
-        #[schemars(regex(pattern = r"^[A-Za-z0-9_.:-]{1,15}$"))]
+        #[schemars(regex(pattern = r"^[A-Za-z0-9_.-]{1,15}$"))]
         bridge: String,
     },
 }

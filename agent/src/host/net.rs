@@ -127,11 +127,22 @@ pub fn attach(tap: &Tap, bridge: &str) -> Result<(), NetError> {
     ip(&["link", "set", "dev", &tap.name, "master", bridge, "up"]).map(|_| ())
 }
 
-/// The names of the tun/tap interfaces in the agent's network namespace: every link of
-/// `ip -d -j link show` whose `linkinfo.info_kind` is `tun`.
+/// A tun/tap interface of the agent's network namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TapLink {
+    /// Its name.
+    pub name: String,
+    /// `IFF_PERSIST` set: it stays without an open fd. A non-persistent tap exists only
+    /// while some process holds it open.
+    pub persistent: bool,
+}
+
+/// The tun/tap interfaces in the agent's network namespace: every link of
+/// `ip -d -j link show` whose `linkinfo.info_kind` is `tun` (`info_data.persist` tells
+/// [`TapLink::persistent`]).
 ///
 /// Errors: [`NetError::Ip`].
-pub fn list_taps() -> Result<Vec<String>, NetError> {
+pub fn list_taps() -> Result<Vec<TapLink>, NetError> {
     let out = ip(&["-d", "-j", "link", "show"])?;
     let v: serde_json::Value = serde_json::from_str(&out)
         .map_err(|e| NetError::Ip { args: "-d -j link show".into(), message: e.to_string() })?;
@@ -139,7 +150,10 @@ pub fn list_taps() -> Result<Vec<String>, NetError> {
         .into_iter()
         .flatten()
         .filter(|l| l["linkinfo"]["info_kind"] == "tun")
-        .filter_map(|l| l["ifname"].as_str().map(str::to_string))
+        .filter_map(|l| {
+            let name = l["ifname"].as_str()?.to_string();
+            Some(TapLink { name, persistent: l["linkinfo"]["info_data"]["persist"] == true })
+        })
         .collect())
 }
 

@@ -67,25 +67,43 @@ impl Manager {
         Ok((specs, taps))
     }
 
-    /// Removes any tap of `rec`'s `bridge` NICs still present (its VMM is provably dead).
-    /// Failures are logged and left to the reconciler.
+    /// Removes a persistent tap of one of `rec`'s tap names that is still there (its VMM
+    /// is provably dead; the non-persistent taps gpuvisor makes are gone with it, and one
+    /// that is still open belongs to a live process and is never touched). Failures are
+    /// logged and left to the reconciler.
     pub(crate) fn remove_taps(&self, rec: &InstanceRecord) {
-        for (i, nic) in rec.nics.iter().enumerate() {
-            if !matches!(nic, Nic::Bridge { .. }) {
-                continue;
+        let names: Vec<String> = rec
+            .nics
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| matches!(n, Nic::Bridge { .. }))
+            .map(|(i, _)| network::tap_name(rec.id, i))
+            .collect();
+        if names.is_empty() {
+            return;
+        }
+        let links = match net::list_taps() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, error = %e,
+                    "cannot list the host's taps; the reconciler retries");
+                return;
             }
-            let name = network::tap_name(rec.id, i);
-            if let Err(e) = net::delete_link(&name) {
-                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, tap = %name, error = %e,
-                    "cannot remove the tap; the reconciler retries");
+        };
+        for l in links.iter().filter(|l| l.persistent && names.contains(&l.name)) {
+            match net::delete_link(&l.name) {
+                Ok(()) => tracing::info!(instance.id = %rec.id, instance.name = %rec.name, tap = %l.name, "tap removed"),
+                Err(e) => tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, tap = %l.name, error = %e,
+                    "cannot remove the tap; the reconciler retries"),
             }
         }
     }
 
-    /// Reconcile: removes every gpuvisor-named tap none of whose possible owners (instances
-    /// whose id starts with the tap's 8 hex digits) has a live or maybe-alive VMM or is mid
-    /// operation. Nothing is removed while an instance record cannot be read (it may be the
-    /// owner).
+    /// Reconcile: removes every **persistent** gpuvisor-named tap none of whose possible
+    /// owners (instances whose id starts with the tap's 8 hex digits) has a live or
+    /// maybe-alive VMM or is mid operation. A non-persistent tap exists only while a process
+    /// holds it (a VMM of this agent or another's) and is never touched. Nothing is removed
+    /// while an instance record cannot be read (it may be the owner).
     pub(crate) fn sweep_taps(&self, instances: &[InstanceRecord], complete: bool, boot_id: &str, report: &mut PassReport) {
         if !complete {
             return;
@@ -97,7 +115,7 @@ impl Manager {
                 return;
             }
         };
-        for tap in taps {
+        for tap in taps.into_iter().filter(|t| t.persistent).map(|t| t.name) {
             let Some(prefix) = network::tap_owner_prefix(&tap) else { continue };
             let owners: Vec<&InstanceRecord> = instances.iter().filter(|r| network::owns_tap(r.id, prefix)).collect();
             let mut keep = None;

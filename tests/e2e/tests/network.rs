@@ -203,8 +203,11 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
     let addr = line["gpuvisor-guest: net eth0 ".len()..].trim().to_string();
     assert!(addr.starts_with("10.77.0.") && addr.ends_with("/24"), "{addr}");
     let ip = addr.trim_end_matches("/24");
-    let leased = std::fs::read_to_string(&leases).unwrap_or_default();
-    assert!(leased.contains(&mac) && leased.contains(ip), "dnsmasq leased {ip} to {mac}: {leased}");
+    wait_for(Duration::from_secs(10), || {
+        let leased = std::fs::read_to_string(&leases).unwrap_or_default();
+        (leased.contains(&mac) && leased.contains(ip)).then_some(())
+    })
+    .unwrap_or_else(|| panic!("dnsmasq leased {ip} to {mac}: {:?}", std::fs::read_to_string(&leases)));
     let ping = net.run("busybox", &["ping", "-c", "1", "-W", "5", ip]);
     assert!(ping.status.success(), "the guest answers a ping: {}", String::from_utf8_lossy(&ping.stdout));
     assert!(net.link_exists(&tap), "the tap exists while the VM runs");
@@ -218,8 +221,12 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
     // Start again, then a crash: SIGKILL QEMU; after a reconcile pass the record is stopped
     // and the tap gone.
     let v = a.ok("instance.start", json!({"ref": "b"}));
-    let log = a.wait_serial(&v, "gpuvisor-guest: ready", BOOT).unwrap();
-    assert_eq!(count(&log, "gpuvisor-guest: ready"), 2, "{log}");
+    let serial = v["serial_log"].as_str().unwrap().to_string();
+    wait_for(BOOT, || {
+        let log = std::fs::read_to_string(&serial).unwrap_or_default();
+        (count(&log, "gpuvisor-guest: ready") == 2).then_some(())
+    })
+    .expect("the second boot is ready");
     assert!(net.link_exists(&tap));
     let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id.as_str())).collect();
     assert_eq!(q.len(), 1);
