@@ -161,7 +161,6 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
     net.ok("ip", &["link", "add", "gvtbr", "type", "bridge"]);
     net.ok("ip", &["addr", "add", "10.77.0.1/24", "dev", "gvtbr"]);
     net.ok("ip", &["link", "set", "gvtbr", "up"]);
-    net.ok("ip", &["link", "add", "gvtdummy", "type", "dummy"]);
     let leases = a.dir.path().join("dnsmasq.leases");
     let pidfile = a.dir.path().join("dnsmasq.pid");
     let dnsmasq_log = std::fs::File::create(a.dir.path().join("dnsmasq.log")).unwrap();
@@ -186,7 +185,7 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
 
     // A bridge that is missing, and an interface that is not a bridge, are refused at create
     // with nothing left behind.
-    for (bridge, says) in [("gvtnope", "does not exist"), ("gvtdummy", "is not a bridge")] {
+    for (bridge, says) in [("gvtnope", "does not exist"), ("lo", "is not a bridge")] {
         let e = a.err("instance.create", json!({"name": "b", "image": "demo", "nics": [{"mode": "bridge", "bridge": bridge}]}));
         assert_eq!(e.data_code, "invalid_request", "{e:?}");
         assert!(e.message.contains("nics[0].bridge") && e.message.contains(says), "{e:?}");
@@ -231,9 +230,13 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
     let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id.as_str())).collect();
     assert_eq!(q.len(), 1);
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(q[0].pid), nix::sys::signal::Signal::SIGKILL);
-    wait_for(Duration::from_secs(30), || a.live_qemus().is_empty().then_some(())).expect("QEMU is gone");
-    a.pass();
-    assert_eq!(a.ok("instance.get", json!({"ref": "b"}))["state"], "stopped");
+    // Until every thread has exited, a killed QEMU counts as alive: wait until the view
+    // shows no live VMM.
+    wait_for(Duration::from_secs(30), || a.ok("instance.get", json!({"ref": "b"}))["vmm"].is_null().then_some(()))
+        .expect("QEMU is gone");
+    let report = a.pass();
+    let got = a.ok("instance.get", json!({"ref": "b"}));
+    assert_eq!(got["state"], "stopped", "{got}\n{report}\n{}", tail(&a.log(), 30));
     assert!(!net.link_exists(&tap), "the tap is gone after a QEMU crash and a reconcile pass");
 
     // A leftover of a gpuvisor name (a persistent tap, as a crashed older tool could leave)
@@ -277,12 +280,7 @@ fn bad_nics_are_refused_naming_the_field_and_leave_nothing_behind() {
         assert_eq!(e.code, -32602, "{nics}: {e:?}");
     }
     let e = create(json!([{"mode": "macvtap"}])).unwrap_err();
-    assert!(e.message.contains("macvtap"), "{e:?}");
-    // A cloud-hypervisor instance cannot have NICs (yet).
-    let e = a
-        .call("instance.create", json!({"name": "bad", "image": "demo", "hypervisor": "cloud-hypervisor", "nics": [{"mode": "user"}]}))
-        .unwrap_err();
-    assert!(e.message.contains("cloud-hypervisor"), "{e:?}");
+    assert!(e.data.to_string().contains("unknown variant `macvtap`"), "the error names the mode: {e:?}");
     assert!(a.instance_names().is_empty(), "nothing listed");
     assert!(a.data_files("instances").is_empty(), "no instance directory: {:?}", a.data_files("instances"));
     assert!(a.qemu_pids().is_empty());
