@@ -145,7 +145,9 @@ pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
                     let at = format!("nics[{i}].forwards[{j}]");
                     for (field, port) in [("host_port", f.host_port), ("guest_port", f.guest_port)] {
                         if !(1..=65535).contains(&port) {
-                            return Err(ApiError::invalid_request(format!("{at}.{field} must be 1..=65535, not {port}")));
+                            return Err(ApiError::invalid_request(format!(
+                                "{at}.{field} must be 1..=65535, not {port}"
+                            )));
                         }
                     }
                     if f.host_addr.parse::<std::net::Ipv4Addr>().is_err() {
@@ -313,7 +315,8 @@ mod tests {
 
     #[test]
     fn nics_are_validated_field_by_field() {
-        let fwd = |h: u32, g: u32| Forward { host_port: h, guest_port: g, proto: Proto::Tcp, host_addr: default_host_addr() };
+        let fwd =
+            |h: u32, g: u32| Forward { host_port: h, guest_port: g, proto: Proto::Tcp, host_addr: default_host_addr() };
         let user = |f: Vec<Forward>| Nic::User { forwards: f };
         assert!(check_nics(&[]).is_ok());
         assert!(check_nics(&[user(vec![fwd(8080, 80)]), Nic::Bridge { bridge: "br0".into() }]).is_ok());
@@ -340,7 +343,17 @@ mod tests {
             r#"[{"mode":"user","forwards":[{"host_port":8080,"guest_port":80}]},{"mode":"bridge","bridge":"br0"}]"#,
         )
         .unwrap();
-        assert_eq!(n[0], Nic::User { forwards: vec![Forward { host_port: 8080, guest_port: 80, proto: Proto::Tcp, host_addr: "127.0.0.1".into() }] });
+        assert_eq!(
+            n[0],
+            Nic::User {
+                forwards: vec![Forward {
+                    host_port: 8080,
+                    guest_port: 80,
+                    proto: Proto::Tcp,
+                    host_addr: "127.0.0.1".into()
+                }]
+            }
+        );
         assert_eq!(n[1], Nic::Bridge { bridge: "br0".into() });
         assert!(serde_json::from_str::<Nic>(r#"{"mode":"macvtap"}"#).is_err());
         assert!(serde_json::from_str::<Nic>(r#"{"mode":"bridge"}"#).is_err());
@@ -349,7 +362,8 @@ mod tests {
 
     #[test]
     fn the_nic_flag_reads_like_qemu_hostfwd() {
-        let f = |h: u32, g: u32, p: Proto, a: &str| Forward { host_port: h, guest_port: g, proto: p, host_addr: a.into() };
+        let f =
+            |h: u32, g: u32, p: Proto, a: &str| Forward { host_port: h, guest_port: g, proto: p, host_addr: a.into() };
         assert_eq!(parse_nic_flag("user"), Ok(Nic::User { forwards: vec![] }));
         assert_eq!(
             parse_nic_flag("user,fwd=tcp:127.0.0.1:8080-:80,fwd=udp::5353-:53,fwd=2222-:22,fwd=0.0.0.0:9-:9"),

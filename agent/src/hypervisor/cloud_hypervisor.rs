@@ -334,6 +334,21 @@ mod tests {
     }
 
     #[test]
+    fn nics_and_a_seed_are_refused_not_dropped() {
+        let mut s = spec();
+        s.seed = Some("/x/seed.iso".into());
+        let e = CloudHypervisor.command_line(&s).unwrap_err().to_string();
+        assert!(e.contains("use hypervisor qemu"), "{e}");
+        let mut s = spec();
+        s.nics = vec![super::super::NicSpec {
+            mac: "52:54:00:00:00:01".into(),
+            backend: super::super::NicBackend::User { restrict: true, forwards: vec![] },
+        }];
+        assert!(CloudHypervisor.command_line(&s).is_err());
+        assert!(CloudHypervisor.command_line(&spec()).is_ok());
+    }
+
+    #[test]
     fn the_config_has_memory_in_bytes_the_serial_file_and_the_instance_uuid() {
         let v = serde_json::to_value(vm_config(&spec()).unwrap()).unwrap();
         assert_eq!(

@@ -92,7 +92,9 @@ impl Manager {
         };
         for l in links.iter().filter(|l| l.persistent && names.contains(&l.name)) {
             match net::delete_link(&l.name) {
-                Ok(()) => tracing::info!(instance.id = %rec.id, instance.name = %rec.name, tap = %l.name, "tap removed"),
+                Ok(()) => {
+                    tracing::info!(instance.id = %rec.id, instance.name = %rec.name, tap = %l.name, "tap removed")
+                }
                 Err(e) => tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, tap = %l.name, error = %e,
                     "cannot remove the tap; the reconciler retries"),
             }
@@ -104,7 +106,13 @@ impl Manager {
     /// maybe-alive VMM or is mid operation. A non-persistent tap exists only while a process
     /// holds it (a VMM of this agent or another's) and is never touched. Nothing is removed
     /// while an instance record cannot be read (it may be the owner).
-    pub(crate) fn sweep_taps(&self, instances: &[InstanceRecord], complete: bool, boot_id: &str, report: &mut PassReport) {
+    pub(crate) fn sweep_taps(
+        &self,
+        instances: &[InstanceRecord],
+        complete: bool,
+        boot_id: &str,
+        report: &mut PassReport,
+    ) {
         if !complete {
             return;
         }

@@ -146,7 +146,10 @@ mod tests {
     #[test]
     fn meta_data_names_the_instance_and_user_data_defaults_to_empty_cloud_config() {
         let f = seed_files(&rec(None));
-        assert_eq!(f[0], ("meta-data", "instance-id: 6f1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d\nlocal-hostname: vm-a\n".into()));
+        assert_eq!(
+            f[0],
+            ("meta-data", "instance-id: 6f1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d\nlocal-hostname: vm-a\n".into())
+        );
         assert_eq!(f[1], ("user-data", "#cloud-config\n".into()));
         assert_eq!(f.len(), 2, "no network-config unless given");
         let f = seed_files(&rec(Some(CloudInit { user_data: Some("u".into()), network_config: Some("n".into()) })));

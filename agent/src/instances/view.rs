@@ -760,7 +760,11 @@ impl Manager {
                 .collect(),
             seed: (!rec.nics.is_empty() || rec.cloud_init.is_some()).then(|| SeedView {
                 path: self.store.instance_dir(rec.id).join(super::seed::SEED_FILE).display().to_string(),
-                user_data_bytes: rec.cloud_init.as_ref().and_then(|c| c.user_data.as_ref()).map_or(0, |u| u.len() as u64),
+                user_data_bytes: rec
+                    .cloud_init
+                    .as_ref()
+                    .and_then(|c| c.user_data.as_ref())
+                    .map_or(0, |u| u.len() as u64),
                 network_config_bytes: rec
                     .cloud_init
                     .as_ref()

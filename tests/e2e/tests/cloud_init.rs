@@ -66,7 +66,8 @@ fn an_oversized_user_data_is_refused_and_a_plain_instance_gets_no_seed() {
     let e = a.err("instance.create", json!({"name": "ci-big", "image": "demo", "cloud_init": {"user_data": big}}));
     assert_eq!(e.data_code, "invalid_request", "{e:?}");
     assert!(e.message.contains("cloud_init.user_data") && e.message.contains("65536"), "{e:?}");
-    let e = a.err("instance.create", json!({"name": "ci-big", "image": "demo", "cloud_init": {"user_data": "a\u{0}b"}}));
+    let e =
+        a.err("instance.create", json!({"name": "ci-big", "image": "demo", "cloud_init": {"user_data": "a\u{0}b"}}));
     assert!(e.message.contains("NUL"), "{e:?}");
     let e = a.call("instance.create", json!({"name": "ci-big", "image": "demo", "cloud_init": {"vendor_data": "x"}}));
     assert_eq!(e.unwrap_err().code, -32602, "unknown cloud_init fields are refused");

@@ -86,9 +86,8 @@ impl NetNs {
         let nsenter_pid = holder.id() as i32;
         // nsenter forks the program as its child: find the sleep and its pid in the namespace.
         let (host_pid, ns_pid) = wait_for(Duration::from_secs(10), || {
-            let pid = pids_where(|c| c.starts_with("sleep infinity"))
-                .into_iter()
-                .find(|p| is_descendant(*p, nsenter_pid))?;
+            let pid =
+                pids_where(|c| c.starts_with("sleep infinity")).into_iter().find(|p| is_descendant(*p, nsenter_pid))?;
             let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
             let nspid = status.lines().find(|l| l.starts_with("NSpid:"))?;
             let inner: i32 = nspid.split_whitespace().last()?.parse().ok()?;
@@ -186,19 +185,24 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
     // A bridge that is missing, and an interface that is not a bridge, are refused at create
     // with nothing left behind.
     for (bridge, says) in [("gvtnope", "does not exist"), ("lo", "is not a bridge")] {
-        let e = a.err("instance.create", json!({"name": "b", "image": "demo", "nics": [{"mode": "bridge", "bridge": bridge}]}));
+        let e = a.err(
+            "instance.create",
+            json!({"name": "b", "image": "demo", "nics": [{"mode": "bridge", "bridge": bridge}]}),
+        );
         assert_eq!(e.data_code, "invalid_request", "{e:?}");
         assert!(e.message.contains("nics[0].bridge") && e.message.contains(says), "{e:?}");
     }
     assert!(a.instance_names().is_empty());
 
-    let v = a.ok("instance.create", json!({"name": "b", "image": "demo", "nics": [{"mode": "bridge", "bridge": "gvtbr"}]}));
+    let v =
+        a.ok("instance.create", json!({"name": "b", "image": "demo", "nics": [{"mode": "bridge", "bridge": "gvtbr"}]}));
     let id = v["id"].as_str().unwrap().to_string();
     let tap = v["nics"][0]["tap"].as_str().unwrap().to_string();
     let mac = v["nics"][0]["mac"].as_str().unwrap().to_string();
     assert_eq!(tap, format!("gv{}0", &id.replace('-', "")[..8]));
     let log = a.wait_serial(&v, "gpuvisor-guest: ready", BOOT).unwrap();
-    let line = log.lines().find(|l| l.starts_with("gpuvisor-guest: net eth0 ")).unwrap_or_else(|| panic!("no lease: {log}"));
+    let line =
+        log.lines().find(|l| l.starts_with("gpuvisor-guest: net eth0 ")).unwrap_or_else(|| panic!("no lease: {log}"));
     let addr = line["gpuvisor-guest: net eth0 ".len()..].trim().to_string();
     assert!(addr.starts_with("10.77.0.") && addr.ends_with("/24"), "{addr}");
     let ip = addr.trim_end_matches("/24");
@@ -227,7 +231,8 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
     })
     .expect("the second boot is ready");
     assert!(net.link_exists(&tap));
-    let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id.as_str())).collect();
+    let q: Vec<LiveQemu> =
+        a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id.as_str())).collect();
     assert_eq!(q.len(), 1);
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(q[0].pid), nix::sys::signal::Signal::SIGKILL);
     // Until every thread has exited, a killed QEMU counts as alive: wait until the view
