@@ -286,6 +286,13 @@ fn bad_nics_are_refused_naming_the_field_and_leave_nothing_behind() {
     }
     let e = create(json!([{"mode": "macvtap"}])).unwrap_err();
     assert!(e.data.to_string().contains("unknown variant `macvtap`"), "the error names the mode: {e:?}");
+    // The CLI builds the same request: a bad port is the agent's refusal (exit 1), a bad
+    // flag a usage error (exit 2).
+    let o = a.cli(&["create", "bad", "--image", "demo", "--nic", "user,fwd=tcp:127.0.0.1:0-:80"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nics[0].forwards[0].host_port"), "{o:?}");
+    let o = a.cli(&["create", "bad", "--image", "demo", "--nic", "macvtap"]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
     assert!(a.instance_names().is_empty(), "nothing listed");
     assert!(a.data_files("instances").is_empty(), "no instance directory: {:?}", a.data_files("instances"));
     assert!(a.qemu_pids().is_empty());
