@@ -92,6 +92,17 @@ pub enum Command {
         /// Start it again when the agent starts after a host reboot.
         #[arg(long)]
         autostart: bool,
+        /// A virtio-net NIC (repeatable, in guest order): `user`,
+        /// `user,fwd=[tcp|udp:][ADDR:]HOSTPORT-:GUESTPORT` (more `,fwd=` allowed; ADDR
+        /// defaults to 127.0.0.1), or `bridge=BRIDGE` (a tap on that existing bridge).
+        #[arg(long = "nic", value_parser = crate::network::parse_nic_flag)]
+        nics: Vec<crate::network::Nic>,
+        /// A file whose content is the cloud-init `user-data` (at most 64 KiB).
+        #[arg(long)]
+        user_data: Option<std::path::PathBuf>,
+        /// A file whose content is the cloud-init `network-config` (at most 64 KiB).
+        #[arg(long)]
+        network_config: Option<std::path::PathBuf>,
     },
     /// List instances.
     Ps,
@@ -376,7 +387,34 @@ pub async fn run_client(cli: &Cli) -> i32 {
             return exit::OK;
         }
         Command::Manpages { dir } => return manpages(dir),
-        Command::Create { name, image, gpu, labels, vcpus, memory_mib, hypervisor, restart, autostart } => {
+        Command::Create {
+            name,
+            image,
+            gpu,
+            labels,
+            vcpus,
+            memory_mib,
+            hypervisor,
+            restart,
+            autostart,
+            nics,
+            user_data,
+            network_config,
+        } => {
+            let read = |p: &Option<std::path::PathBuf>| -> Result<Option<String>, String> {
+                p.as_ref()
+                    .map(|p| std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display())))
+                    .transpose()
+            };
+            let (user_data, network_config) = match (read(user_data), read(network_config)) {
+                (Ok(u), Ok(n)) => (u, n),
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("error: {e}");
+                    return exit::USAGE;
+                }
+            };
+            let cloud_init = (user_data.is_some() || network_config.is_some())
+                .then_some(crate::network::CloudInit { user_data, network_config });
             let req = CreateRequest {
                 name: name.clone(),
                 image: image.clone(),
@@ -387,6 +425,8 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 hypervisor: hypervisor.clone(),
                 restart: restart.map(RestartArg::policy),
                 autostart: autostart.then_some(true),
+                nics: nics.clone(),
+                cloud_init,
             };
             ("instance.create", to_params(&req))
         }

@@ -138,6 +138,10 @@ pub struct Config {
     /// Optional loopback HTTP listener serving `GET /metrics` (Prometheus text), e.g.
     /// `127.0.0.1:9464`. Only loopback addresses are accepted.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// `user` NICs run QEMU user-mode networking with `restrict=on`: the guest reaches only
+    /// its host port forwards, never the host's other services or the outside network.
+    /// Default true.
+    pub user_net_restrict: bool,
 }
 
 impl Default for Config {
@@ -177,6 +181,7 @@ impl Default for Config {
             log_format: "text".into(),
             record_policy_inputs: None,
             metrics_listen: None,
+            user_net_restrict: true,
         }
     }
 }

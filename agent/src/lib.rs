@@ -19,6 +19,7 @@ pub mod hypervisor;
 pub mod images;
 pub mod instances;
 pub mod metrics;
+pub mod network;
 pub mod policies;
 pub mod rpc;
 pub mod store;

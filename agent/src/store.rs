@@ -229,6 +229,12 @@ pub struct InstanceDefinition {
     pub autostart: bool,
     /// Wall time, RFC 3339.
     pub created_at: String,
+    /// The virtio-net NICs, in guest order (`network.rs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<crate::network::Nic>,
+    /// The cloud-init inputs given at create; the seed carries them with its meta-data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<crate::network::CloudInit>,
 }
 
 /// What happens when an instance's VMM dies without a stop (`instance.stop` or delete).
@@ -1036,6 +1042,8 @@ mod tests {
                 restart: RestartPolicy::No,
                 autostart: false,
                 created_at: "2026-01-01T00:00:00Z".into(),
+                nics: vec![],
+                cloud_init: None,
             },
             InstanceState::Stopped,
         )

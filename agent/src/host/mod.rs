@@ -1,10 +1,13 @@
 //! # host — the only module that spells `/sys`, `/dev` and `/proc`
 //!
+//! [`net`]: taps (`/dev/net/tun`) and host bridges, for `bridge` NICs.
+//!
 //! [`HostRoot`] builds every sysfs/devfs path (and the boot-id file) under a configurable
 //! root: `/` on a real host, a `gpuvisor-sim` mount in tests. Processes are always the
 //! real `/proc`, read through the `procfs` crate ([`proc`]).
 
 pub mod cgroup;
+pub mod net;
 pub mod proc;
 
 use std::path::{Path, PathBuf};

@@ -67,6 +67,8 @@ fn ch_spec(binary: &Path, run_dir: &Path) -> VmSpec {
         run_as: None,
         cgroup_procs: None,
         device_nodes: Vec::new(),
+        nics: vec![],
+        seed: None,
     }
 }
 

@@ -188,6 +188,10 @@ fn state_of(api: &ChApi<'_>) -> Result<String, ApiFailure> {
     }
 }
 
+/// Why a Cloud Hypervisor instance cannot have NICs or a cloud-init seed (yet).
+pub const NO_NICS_OR_SEED: &str = "gpuvisor does not give cloud-hypervisor instances NICs or a cloud-init seed \
+    (it cannot be tested on this project's hosts); use hypervisor qemu";
+
 impl Driver for CloudHypervisor {
     fn kind(&self) -> HypervisorKind {
         HypervisorKind::CloudHypervisor
@@ -202,6 +206,10 @@ impl Driver for CloudHypervisor {
     }
 
     fn command_line(&self, spec: &VmSpec) -> Result<Vec<String>, HypervisorError> {
+        // Refused at create already (instances::create); never started half-configured.
+        if !spec.nics.is_empty() || spec.seed.is_some() {
+            return Err(HypervisorError::start_failed(NO_NICS_OR_SEED));
+        }
         vm_config(spec)?;
         Ok(vec!["--api-socket".into(), api_socket_arg(&spec.control_socket())?])
     }
@@ -323,7 +331,24 @@ mod tests {
             run_as: None,
             cgroup_procs: None,
             device_nodes: Vec::new(),
+            nics: vec![],
+            seed: None,
         }
+    }
+
+    #[test]
+    fn nics_and_a_seed_are_refused_not_dropped() {
+        let mut s = spec();
+        s.seed = Some("/x/seed.iso".into());
+        let e = CloudHypervisor.command_line(&s).unwrap_err().to_string();
+        assert!(e.contains("use hypervisor qemu"), "{e}");
+        let mut s = spec();
+        s.nics = vec![super::super::NicSpec {
+            mac: "52:54:00:00:00:01".into(),
+            backend: super::super::NicBackend::User { restrict: true, forwards: vec![] },
+        }];
+        assert!(CloudHypervisor.command_line(&s).is_err());
+        assert!(CloudHypervisor.command_line(&spec()).is_ok());
     }
 
     #[test]

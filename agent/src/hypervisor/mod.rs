@@ -259,6 +259,48 @@ pub struct VmSpec {
     /// Device nodes the VMM opens itself (VFIO groups with `vfio_attach = "device"`): given
     /// to the VMM user's group before the spawn.
     pub device_nodes: Vec<PathBuf>,
+    /// The virtio-net NICs, in guest order (empty: none).
+    pub nics: Vec<NicSpec>,
+    /// The cloud-init NoCloud seed (`cidata` ISO 9660 image), attached read-only.
+    pub seed: Option<PathBuf>,
+}
+
+/// One virtio-net NIC of a [`VmSpec`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NicSpec {
+    /// Its MAC, `52:54:00:xx:xx:xx` ([`crate::network::mac_address`]).
+    pub mac: String,
+    /// Where its packets go.
+    pub backend: NicBackend,
+}
+
+/// The host side of a NIC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NicBackend {
+    /// QEMU user-mode networking; `restrict`: the guest reaches only its forwards.
+    User {
+        /// `restrict=on`.
+        restrict: bool,
+        /// Host port forwards.
+        forwards: Vec<crate::network::Forward>,
+    },
+    /// A tap the agent opened ([`crate::host::net::open_tap`]) and holds on fd `agent_fd`
+    /// during the spawn; the VMM gets it on fd [`tap_fd`] of the NIC's index.
+    Tap {
+        /// The tap's interface name.
+        ifname: String,
+        /// The agent's fd of the tap (close-on-exec).
+        agent_fd: i32,
+    },
+}
+
+/// The first fd a VMM gets a tap on: NIC `i`'s tap is fd `TAP_FD_BASE + i` (after the
+/// hold-fd's 3 and 4).
+pub const TAP_FD_BASE: i32 = 5;
+
+/// The fd in the VMM of the tap of NIC `index`.
+pub fn tap_fd(index: usize) -> i32 {
+    TAP_FD_BASE + index as i32
 }
 
 impl VmSpec {

@@ -24,7 +24,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::{HypervisorError, StartFailure, VfioAttach, VmSpec};
+use super::{HypervisorError, NicBackend, StartFailure, VfioAttach, VmSpec};
 use crate::host::proc::{self as hostproc, ProcessIdentity};
 
 /// `oom_score_adj` given to every VMM (best effort): a kill from the OOM killer during vGPU
@@ -134,6 +134,47 @@ fn add_hold_fd(cmd: &mut Command, node: &Path) -> Result<(), HypervisorError> {
     Ok(())
 }
 
+/// Adds the tap `pre_exec` hook: the agent's tap fd of NIC `i` is placed on fd
+/// [`super::tap_fd`]`(i)` in the child (inherited across exec). Registered before the
+/// hold-fd hook, which only uses fds 3 and 4 (below every tap fd) and temporaries it picks
+/// free. The sources are first copied above every target (close-on-exec), so placing one
+/// tap never clobbers the source of another.
+fn add_tap_fds(cmd: &mut Command, spec: &VmSpec) {
+    let taps: Vec<(i32, i32)> = spec
+        .nics
+        .iter()
+        .enumerate()
+        .filter_map(|(i, n)| match &n.backend {
+            NicBackend::Tap { agent_fd, .. } => Some((*agent_fd, super::tap_fd(i))),
+            NicBackend::User { .. } => None,
+        })
+        .collect();
+    if taps.is_empty() {
+        return;
+    }
+    // SAFETY: the closure runs in the child between fork and exec and only calls
+    // async-signal-safe functions (fcntl, dup2) on data prepared before fork; it allocates
+    // nothing (a fixed array holds the copies).
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut high = [-1i32; crate::network::MAX_NICS];
+            for (k, (src, _)) in taps.iter().enumerate().take(high.len()) {
+                high[k] = libc::fcntl(*src, libc::F_DUPFD_CLOEXEC, 64);
+                if high[k] < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (k, (_, target)) in taps.iter().enumerate().take(high.len()) {
+                // dup2 clears close-on-exec on the target.
+                if libc::dup2(high[k], *target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Refuses a control socket that a live process still listens on, then removes a stale
 /// socket file.
 fn take_control_socket(socket: &Path) -> Result<(), HypervisorError> {
@@ -201,6 +242,7 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
 
     let mut cmd = Command::new(&spec.binary);
     cmd.args(&args).stdin(Stdio::null()).stdout(Stdio::from(log)).stderr(Stdio::from(log_err)).process_group(0);
+    add_tap_fds(&mut cmd, spec);
     if let Some(VfioAttach::HoldFd { node }) = &spec.vfio {
         add_hold_fd(&mut cmd, node)?;
     }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use super::process::{wait_answering, RunningVmm, HOLD_FD_FDSET};
 use super::qmp::QmpClient;
-use super::{Driver, HypervisorError, HypervisorKind, StartFailure, VfioAttach, VmSpec};
+use super::{Driver, HypervisorError, HypervisorKind, NicBackend, StartFailure, VfioAttach, VmSpec};
 
 /// The QEMU driver.
 #[derive(Debug, Clone, Copy)]
@@ -108,6 +108,47 @@ pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
             push(&["-add-fd", &format!("fd={HOLD_FD_FDSET},set=1,opaque={}", opt_escape(&hold_fd_opaque(node)))])
         }
     }
+    a.extend(network_args(spec));
+    a
+}
+
+/// The NIC and seed arguments of `spec` (part of [`qemu_command_line`]). Pure.
+///
+/// NIC `i` (id `net<i>`): `-netdev user,id=net<i>,restrict=on|off[,hostfwd=<proto>:<addr>:<host>-:<guest>]…`
+/// or `-netdev tap,id=net<i>,fd=<5+i>` (the agent's tap, see [`super::tap_fd`]), then
+/// `-device virtio-net-pci,netdev=net<i>,mac=<mac>,romfile=` (no option ROM: nothing boots
+/// from the network). The seed: `-drive file=<seed>,format=raw,if=none,id=seed,readonly=on
+/// -device virtio-blk-pci,drive=seed,serial=cidata`.
+pub fn network_args(spec: &VmSpec) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    for (i, nic) in spec.nics.iter().enumerate() {
+        let netdev = match &nic.backend {
+            NicBackend::User { restrict, forwards } => {
+                let mut s = format!("user,id=net{i},restrict={}", if *restrict { "on" } else { "off" });
+                for f in forwards {
+                    s.push_str(&format!(
+                        ",hostfwd={}:{}:{}-:{}",
+                        f.proto.as_str(),
+                        opt_escape(&f.host_addr),
+                        f.host_port,
+                        f.guest_port
+                    ));
+                }
+                s
+            }
+            NicBackend::Tap { .. } => format!("tap,id=net{i},fd={}", super::tap_fd(i)),
+        };
+        a.extend(["-netdev".to_string(), netdev]);
+        a.extend(["-device".to_string(), format!("virtio-net-pci,netdev=net{i},mac={},romfile=", nic.mac)]);
+    }
+    if let Some(seed) = &spec.seed {
+        a.extend([
+            "-drive".to_string(),
+            format!("file={},format=raw,if=none,id=seed,readonly=on", opt_escape(&path_str(seed))),
+            "-device".to_string(),
+            "virtio-blk-pci,drive=seed,serial=cidata".to_string(),
+        ]);
+    }
     a
 }
 
@@ -185,6 +226,8 @@ mod tests {
             run_as: None,
             cgroup_procs: None,
             device_nodes: Vec::new(),
+            nics: vec![],
+            seed: None,
         }
     }
 
@@ -274,6 +317,68 @@ mod tests {
         })));
 
         assert!(has_pair(&args, "-device", "vfio-pci,sysfsdev=/sim,,1/sys/bus/mdev/devices/aa-bb"));
+    }
+
+    #[test]
+    fn no_nics_and_no_seed_add_nothing() {
+        assert!(network_args(&spec(None)).is_empty());
+    }
+
+    #[test]
+    fn a_user_nic_is_restricted_with_its_forwards_and_a_stable_mac() {
+        let mut s = spec(None);
+        s.nics = vec![super::super::NicSpec {
+            mac: "52:54:00:12:34:56".into(),
+            backend: NicBackend::User {
+                restrict: true,
+                forwards: vec![
+                    crate::network::Forward {
+                        host_port: 8080,
+                        guest_port: 80,
+                        proto: crate::network::Proto::Tcp,
+                        host_addr: "127.0.0.1".into(),
+                    },
+                    crate::network::Forward {
+                        host_port: 5353,
+                        guest_port: 53,
+                        proto: crate::network::Proto::Udp,
+                        host_addr: "0.0.0.0".into(),
+                    },
+                ],
+            },
+        }];
+        let args = qemu_command_line(&s);
+        assert!(has_pair(
+            &args,
+            "-netdev",
+            "user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:8080-:80,hostfwd=udp:0.0.0.0:5353-:53"
+        ));
+        assert!(has_pair(&args, "-device", "virtio-net-pci,netdev=net0,mac=52:54:00:12:34:56,romfile="));
+        if let NicBackend::User { restrict, .. } = &mut s.nics[0].backend {
+            *restrict = false;
+        }
+        assert!(network_args(&s)[1].starts_with("user,id=net0,restrict=off"));
+    }
+
+    #[test]
+    fn a_tap_nic_takes_its_fd_by_index_and_the_seed_is_read_only() {
+        let mut s = spec(None);
+        let tap = |i: usize| super::super::NicSpec {
+            mac: format!("52:54:00:00:00:0{i}"),
+            backend: NicBackend::Tap { ifname: format!("gv6f1b2c3d{i}"), agent_fd: 40 + i as i32 },
+        };
+        s.nics = vec![tap(0), tap(1)];
+        s.seed = Some("/var/lib/gpuvisor/instances/x/seed.iso".into());
+        let args = network_args(&s);
+        assert!(has_pair(&args, "-netdev", "tap,id=net0,fd=5"));
+        assert!(has_pair(&args, "-netdev", "tap,id=net1,fd=6"));
+        assert!(has_pair(&args, "-device", "virtio-net-pci,netdev=net1,mac=52:54:00:00:00:01,romfile="));
+        assert!(has_pair(
+            &args,
+            "-drive",
+            "file=/var/lib/gpuvisor/instances/x/seed.iso,format=raw,if=none,id=seed,readonly=on"
+        ));
+        assert!(has_pair(&args, "-device", "virtio-blk-pci,drive=seed,serial=cidata"));
     }
 
     #[test]

@@ -39,6 +39,8 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         run_as: None,
         cgroup_procs: None,
         device_nodes: Vec::new(),
+        nics: vec![],
+        seed: None,
     }
 }
 

@@ -40,9 +40,15 @@ impl Manager {
         };
         // What the host can give, and the capability gate, before anything is allocated.
         self.check_host_room(vcpus, memory_mib)?;
+        self.check_bridges(&req.nics)?;
         let devices: Vec<String> = whole.iter().filter_map(|w| w.address.clone()).collect();
         let hypervisor =
             self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework, &devices)?;
+        if hypervisor == crate::hypervisor::HypervisorKind::CloudHypervisor
+            && (!req.nics.is_empty() || req.cloud_init.is_some())
+        {
+            return Err(ApiError::invalid_request(crate::hypervisor::cloud_hypervisor::NO_NICS_OR_SEED));
+        }
         let profile = match &gpu {
             Some(GpuWant::Profile(p)) => Some(self.known_profile(p)?),
             _ => None,
@@ -62,6 +68,8 @@ impl Manager {
                 restart: req.restart.unwrap_or_default(),
                 autostart: req.autostart.unwrap_or(false),
                 created_at: now_rfc3339(),
+                nics: req.nics.clone(),
+                cloud_init: req.cloud_init.clone(),
             },
             InstanceState::Starting,
         );

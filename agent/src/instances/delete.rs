@@ -43,6 +43,7 @@ impl Manager {
         crate::crash_point!("delete_after_deleting_mark");
         let dead = self.stop_vmm(&rec, false)?;
         crate::crash_point!("delete_after_vmm_dead");
+        self.remove_taps(&rec);
         match &owned {
             OwnedClaim::Claim(c) => {
                 if let Err(e) = self.release(Release::Claim(c, dead), Duration::from_secs(self.cfg.release_retry_s)) {

@@ -57,6 +57,8 @@ impl Manager {
                 autostart: src.autostart,
                 gpu_framework: src.gpu_framework,
                 created_at: now_rfc3339(),
+                nics: src.nics.clone(),
+                cloud_init: src.cloud_init.clone(),
             },
             InstanceState::Stopped,
         );

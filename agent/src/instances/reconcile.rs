@@ -161,6 +161,7 @@ impl Manager {
                 if let (Some(cg), true) = (self.vm_cgroups(), instances.unreadable.is_empty()) {
                     cg.sweep(|id| instances.records.iter().any(|r| r.id == id));
                 }
+                self.sweep_taps(&instances.records, instances.unreadable.is_empty(), &boot_id, &mut report);
                 if report.host_complete {
                     self.check_claimed_types(obs, &boot_id, &mut report);
                     let mut eligible = self.stale_claims(&obs.claims.records, &boot_id, &mut report);

@@ -90,6 +90,14 @@ pub struct CreateRequest {
     /// Start it again when the agent starts after a host reboot (default false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autostart: Option<bool>,
+    /// virtio-net NICs, in guest order (at most 8): `{"mode": "user", "forwards": [...]}`
+    /// or `{"mode": "bridge", "bridge": "br0"}` (docs/api.md "NICs").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = crate::network::MAX_NICS))]
+    pub nics: Vec<crate::network::Nic>,
+    /// cloud-init NoCloud inputs: `user_data`, `network_config` (each at most 64 KiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<crate::network::CloudInit>,
 }
 
 /// The `gpu` of a create request.
@@ -217,6 +225,10 @@ impl CreateRequest {
             }
         }
         let gpu = self.gpu.as_ref().map(GpuRequest::want).transpose()?;
+        crate::network::check_nics(&self.nics)?;
+        if let Some(c) = &self.cloud_init {
+            crate::network::check_cloud_init(c)?;
+        }
         Ok((vcpus, memory_mib, gpu))
     }
 }

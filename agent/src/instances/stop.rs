@@ -78,6 +78,7 @@ impl Manager {
                 rec.last_error = Some(format!("GPU release pending: the claim records cannot be read: {}", e.message));
             }
         }
+        self.remove_taps(&rec);
         rec.vmm = None;
         rec.transition(InstanceState::Stopped)?;
         self.store.write_instance(&rec)?;

@@ -129,6 +129,42 @@ pub struct InstanceView {
     /// Things the answer could not check (e.g. unreadable claim records).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+    /// The virtio-net NICs, in guest order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<NicView>,
+    /// The cloud-init NoCloud seed attached to the VM (an instance with NICs or
+    /// `cloud_init`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<SeedView>,
+}
+
+/// One NIC of an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct NicView {
+    /// `user` or `bridge`.
+    pub mode: String,
+    /// `user` NICs: the host port forwards.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forwards: Vec<crate::network::Forward>,
+    /// `bridge` NICs: the host bridge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
+    /// Its MAC, derived from the instance id and the NIC index (stable across restarts).
+    pub mac: String,
+    /// `bridge` NICs: the tap gpuvisor creates for it while the VM runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap: Option<String>,
+}
+
+/// The cloud-init seed of an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SeedView {
+    /// `<instance dir>/seed.iso` (built at start).
+    pub path: String,
+    /// Bytes of `cloud_init.user_data` (0: none given).
+    pub user_data_bytes: u64,
+    /// Bytes of `cloud_init.network_config` (0: none given).
+    pub network_config_bytes: u64,
 }
 
 /// A record that exists but cannot be read.
@@ -541,6 +577,9 @@ pub struct PassReport {
     pub deleted: Vec<DeletedItem>,
     /// Problems that did not stop the pass.
     pub errors: Vec<String>,
+    /// gpuvisor taps this pass removed (their instance had no live VMM).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub taps_removed: Vec<String>,
 }
 
 /// An instance whose interrupted delete a reconcile pass finished.
@@ -699,6 +738,39 @@ impl Manager {
                 gave_up: rec.restarts.gave_up,
             },
             warnings: vec![],
+            nics: rec
+                .nics
+                .iter()
+                .enumerate()
+                .map(|(i, n)| {
+                    let mac = crate::network::mac_address(rec.id, i);
+                    match n {
+                        crate::network::Nic::User { forwards } => {
+                            NicView { mode: "user".into(), forwards: forwards.clone(), bridge: None, mac, tap: None }
+                        }
+                        crate::network::Nic::Bridge { bridge } => NicView {
+                            mode: "bridge".into(),
+                            forwards: vec![],
+                            bridge: Some(bridge.clone()),
+                            mac,
+                            tap: Some(crate::network::tap_name(rec.id, i)),
+                        },
+                    }
+                })
+                .collect(),
+            seed: (!rec.nics.is_empty() || rec.cloud_init.is_some()).then(|| SeedView {
+                path: self.store.instance_dir(rec.id).join(super::seed::SEED_FILE).display().to_string(),
+                user_data_bytes: rec
+                    .cloud_init
+                    .as_ref()
+                    .and_then(|c| c.user_data.as_ref())
+                    .map_or(0, |u| u.len() as u64),
+                network_config_bytes: rec
+                    .cloud_init
+                    .as_ref()
+                    .and_then(|c| c.network_config.as_ref())
+                    .map_or(0, |u| u.len() as u64),
+            }),
         }
     }
 

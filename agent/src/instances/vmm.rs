@@ -142,11 +142,17 @@ impl Manager {
             run_as,
             cgroup_procs: None,
             device_nodes,
+            nics: vec![],
+            seed: None,
         })
     }
 
     /// Spawns the VMM, records its identity and the `running` state (durable before the
     /// answer).
+    ///
+    /// The cloud-init seed is brought up to date and the NICs' taps are opened and attached
+    /// first (`seed`, `nics`); the agent's tap fds are closed once the VMM holds its own
+    /// copies (or failed to start, which removes the taps).
     pub(crate) fn spawn(&self, rec: &mut InstanceRecord, claim: Option<&Claim>) -> Result<(), ApiError> {
         let mut spec = self.vm_spec(rec, claim)?;
         if let Some(cg) = self.vm_cgroups() {
@@ -156,9 +162,14 @@ impl Manager {
                     ApiError::vmm_start_failed(format!("the VM's cgroup cannot be prepared: {e}"), None)
                 })?);
         }
+        spec.seed = self.ensure_seed(rec)?;
+        let (nics, taps) = self.open_nics(rec)?;
+        spec.nics = nics;
         let boot_id = self.boot_id()?;
         let timeout = Duration::from_secs(self.cfg.vmm_ready_timeout_s);
-        let vmm = hypervisor::spawn(&spec, &boot_id, timeout).map_err(|e| match e {
+        let spawned = hypervisor::spawn(&spec, &boot_id, timeout);
+        drop(taps);
+        let vmm = spawned.map_err(|e| match e {
             hypervisor::HypervisorError::KillFailed { pid } => ApiError::vmm_kill_failed(pid),
             hypervisor::HypervisorError::LivenessUnknown { reason } => {
                 ApiError::vmm_liveness_unknown(&rec.name, &reason)

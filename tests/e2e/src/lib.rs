@@ -89,11 +89,14 @@ pub fn fixture_plugin(file: &str) -> PathBuf {
     repo_root().join("tests/plugins").join(file)
 }
 
-/// The demo image directory (built by `scripts/build-image` on first use).
+/// The demo image directory, brought up to date by `scripts/build-image` once per test
+/// process (it does nothing when the image is newer than its sources, so a changed
+/// `scripts/guest/*` is never tested against a stale image).
 pub fn demo_image() -> PathBuf {
+    static CHECKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let _g = BUILD_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let dir = target_dir().join("images/demo");
-    if !dir.join("image.toml").is_file() {
+    if !CHECKED.swap(true, std::sync::atomic::Ordering::SeqCst) || !dir.join("image.toml").is_file() {
         let st = Command::new(repo_root().join("scripts/build-image")).arg(&dir).status().expect("build-image");
         assert!(st.success(), "scripts/build-image failed");
     }
