@@ -84,6 +84,12 @@ pub enum Command {
         /// Start it again when the agent starts after a host reboot.
         #[arg(long)]
         autostart: bool,
+        /// direct (the image's kernel), bios or uefi (the image's disk through the firmware).
+        #[arg(long, value_enum)]
+        boot: Option<BootArg>,
+        /// Size of the disk overlay, GiB (at least the image disk's size).
+        #[arg(long)]
+        disk_gib: Option<u64>,
     },
     /// List instances.
     Ps,
@@ -160,11 +166,15 @@ pub enum GpusAction {
 
 #[derive(Debug, Subcommand)]
 pub enum ImageAction {
-    /// Copy a kernel (and initrd) into the agent's images directory.
+    /// Copy a kernel (and initrd) and/or a disk (qcow2, or raw with an MBR/GPT) into the
+    /// agent's images directory.
     Import {
         name: String,
         #[arg(long)]
-        kernel: PathBuf,
+        kernel: Option<PathBuf>,
+        /// A disk image: qcow2, or a raw disk with a partition table.
+        #[arg(long)]
+        disk: Option<PathBuf>,
         #[arg(long)]
         initrd: Option<PathBuf>,
         #[arg(long)]
@@ -255,6 +265,24 @@ impl RestartArg {
     }
 }
 
+/// `--boot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BootArg {
+    Direct,
+    Bios,
+    Uefi,
+}
+
+impl BootArg {
+    fn mode(self) -> crate::store::BootMode {
+        match self {
+            BootArg::Direct => crate::store::BootMode::Direct,
+            BootArg::Bios => crate::store::BootMode::Bios,
+            BootArg::Uefi => crate::store::BootMode::Uefi,
+        }
+    }
+}
+
 fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -337,7 +365,19 @@ pub async fn run_client(cli: &Cli) -> i32 {
             eprintln!("error: `serve` is not a client command");
             return exit::USAGE;
         }
-        Command::Create { name, image, gpu, labels, vcpus, memory_mib, hypervisor, restart, autostart } => {
+        Command::Create {
+            name,
+            image,
+            gpu,
+            labels,
+            vcpus,
+            memory_mib,
+            hypervisor,
+            restart,
+            autostart,
+            boot,
+            disk_gib,
+        } => {
             let req = CreateRequest {
                 name: name.clone(),
                 image: image.clone(),
@@ -348,6 +388,8 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 hypervisor: hypervisor.clone(),
                 restart: restart.map(RestartArg::policy),
                 autostart: autostart.then_some(true),
+                boot: boot.map(BootArg::mode),
+                disk_gib: *disk_gib,
             };
             ("instance.create", to_params(&req))
         }
@@ -388,15 +430,16 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 },
             }),
         ),
-        Command::Image { action: ImageAction::Import { name, kernel, initrd, cmdline } } => {
+        Command::Image { action: ImageAction::Import { name, kernel, disk, initrd, cmdline } } => {
             let abs = |p: &PathBuf| {
                 std::fs::canonicalize(p).or_else(|_| std::path::absolute(p)).unwrap_or_else(|_| p.clone())
             };
             let p = ImportParams {
                 name: name.clone(),
-                kernel: abs(kernel),
+                kernel: kernel.as_ref().map(abs),
                 initrd: initrd.as_ref().map(abs),
                 cmdline: cmdline.clone(),
+                disk: disk.as_ref().map(abs),
             };
             ("image.import", to_params(&p))
         }
@@ -769,9 +812,19 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
             let rows = list
                 .images
                 .iter()
-                .map(|i| vec![i.name.clone(), i.size_bytes.to_string(), i.kernel.display().to_string()])
+                .map(|i| {
+                    vec![
+                        i.name.clone(),
+                        i.size_bytes.to_string(),
+                        i.kernel.as_ref().map(|k| k.display().to_string()).unwrap_or_else(|| "-".into()),
+                        i.disk
+                            .as_ref()
+                            .map(|d| format!("{} {} bytes", d.format, d.virtual_size_bytes))
+                            .unwrap_or_else(|| "-".into()),
+                    ]
+                })
                 .collect();
-            table(&["NAME", "BYTES", "KERNEL"], rows);
+            table(&["NAME", "BYTES", "KERNEL", "DISK"], rows);
         }
         Command::Plugin { action: PluginAction::Ls } => {
             let Some(list) = decode::<PluginList>(v) else { return exit::OK };

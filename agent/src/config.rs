@@ -129,6 +129,17 @@ pub struct Config {
     /// Optional loopback HTTP listener serving `GET /metrics` (Prometheus text), e.g.
     /// `127.0.0.1:9464`. Only loopback addresses are accepted.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// `qemu-img` (looked up in `PATH` when not absolute): inspects imported disks, copies
+    /// them into images, creates the instances' overlays. Default `qemu-img` (Debian
+    /// `qemu-utils`).
+    pub qemu_img_binary: PathBuf,
+    /// The UEFI firmware code (read-only pflash unit 0) for `boot = "uefi"`. Default
+    /// `/usr/share/OVMF/OVMF_CODE_4M.fd` (Debian `ovmf`).
+    pub ovmf_code: PathBuf,
+    /// The UEFI variable store template, copied once per instance to
+    /// `<instance dir>/efivars.fd` (pflash unit 1). Default `/usr/share/OVMF/OVMF_VARS_4M.fd`;
+    /// it must match `ovmf_code` (both 4M, or both 2M).
+    pub ovmf_vars: PathBuf,
 }
 
 impl Default for Config {
@@ -165,6 +176,9 @@ impl Default for Config {
             log_format: "text".into(),
             record_policy_inputs: None,
             metrics_listen: None,
+            qemu_img_binary: PathBuf::from("qemu-img"),
+            ovmf_code: PathBuf::from("/usr/share/OVMF/OVMF_CODE_4M.fd"),
+            ovmf_vars: PathBuf::from("/usr/share/OVMF/OVMF_VARS_4M.fd"),
         }
     }
 }

@@ -26,6 +26,8 @@ fn record(id: Uuid, n: u64) -> InstanceRecord {
             restart: Default::default(),
             autostart: false,
             created_at: "2026-01-01T00:00:00Z".into(),
+            boot: Default::default(),
+            disk_gib: None,
         },
         if n.is_multiple_of(2) { InstanceState::Running } else { InstanceState::Stopped },
     );

@@ -64,6 +64,8 @@ fn ch_spec(binary: &Path, run_dir: &Path) -> VmSpec {
         run_dir: run_dir.to_path_buf(),
         vfio: None,
         sandbox: false,
+        disk: None,
+        uefi: None,
     }
 }
 

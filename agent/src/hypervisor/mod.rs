@@ -251,6 +251,21 @@ pub struct VmSpec {
     pub vfio: Option<VfioAttach>,
     /// QEMU: run under its seccomp sandbox (`-sandbox on,…=deny`).
     pub sandbox: bool,
+    /// The instance's disk: its qcow2 overlay (`<run_dir>/disk.qcow2`), if its image has a
+    /// disk. QEMU only. Booted by the firmware when there is no `kernel`.
+    pub disk: Option<PathBuf>,
+    /// Boot through UEFI (OVMF) instead of SeaBIOS. QEMU only.
+    pub uefi: Option<UefiPflash>,
+}
+
+/// The two pflash units of a UEFI boot (OVMF's split firmware).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UefiPflash {
+    /// The firmware code, read-only (`ovmf_code`, e.g. `/usr/share/OVMF/OVMF_CODE_4M.fd`).
+    pub code: PathBuf,
+    /// The instance's own writable variable store (`<run_dir>/efivars.fd`, a copy of
+    /// `ovmf_vars`).
+    pub vars: PathBuf,
 }
 
 impl VmSpec {

@@ -36,6 +36,8 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         run_dir: run_dir.to_path_buf(),
         vfio,
         sandbox: false,
+        disk: None,
+        uefi: None,
     }
 }
 

@@ -129,6 +129,23 @@ pub struct InstanceView {
     /// Things the answer could not check (e.g. unreadable claim records).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+    /// How the VM boots: `direct`, `bios`, `uefi`.
+    #[serde(default)]
+    pub boot: crate::store::BootMode,
+    /// The instance's disk overlay, when its image has a disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<InstanceDiskView>,
+}
+
+/// The disk of an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct InstanceDiskView {
+    /// `<instance dir>/disk.qcow2`: the instance's qcow2 overlay on its image's disk.
+    pub overlay: String,
+    /// The overlay exists (it is made at create, and again on start when missing).
+    pub exists: bool,
+    /// The size asked for at create, GiB; `None`: the image disk's size.
+    pub disk_gib: Option<u64>,
 }
 
 /// A record that exists but cannot be read.
@@ -699,7 +716,22 @@ impl Manager {
                 gave_up: rec.restarts.gave_up,
             },
             warnings: vec![],
+            boot: rec.boot,
+            disk: self.disk_view(rec),
         }
+    }
+
+    /// The disk part of the view: the overlay of an instance whose image has a disk (or that
+    /// has an overlay, when the image is unreadable).
+    fn disk_view(&self, rec: &InstanceRecord) -> Option<InstanceDiskView> {
+        let overlay = self.store.instance_dir(rec.id).join(super::disk::OVERLAY);
+        let has_disk = overlay.exists()
+            || crate::images::load(&self.store.images_dir(), &rec.image).is_ok_and(|i| i.disk.is_some());
+        has_disk.then(|| InstanceDiskView {
+            overlay: overlay.display().to_string(),
+            exists: overlay.exists(),
+            disk_gib: rec.disk_gib,
+        })
     }
 
     /// The view of an instance after an operation that succeeded: claim records that cannot
