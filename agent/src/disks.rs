@@ -73,10 +73,8 @@ pub const GIB: u64 = 1024 * 1024 * 1024;
 
 /// `<qemu_img> args…`: its stdout, or its stderr's last line as the error.
 fn run(qemu_img: &Path, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(qemu_img)
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", qemu_img.display()))?;
+    let out =
+        Command::new(qemu_img).args(args).output().map_err(|e| format!("cannot run {}: {e}", qemu_img.display()))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
@@ -110,7 +108,8 @@ fn has_boot_signature(path: &Path) -> std::io::Result<bool> {
 /// [`DiskError::Invalid`] naming the file and what is wrong with it; [`DiskError::Tool`]
 /// when `qemu-img` cannot be run.
 pub fn inspect(qemu_img: &Path, path: &Path) -> Result<DiskInfo, DiskError> {
-    let meta = std::fs::metadata(path).map_err(|e| DiskError::Invalid(format!("cannot read disk {}: {e}", path.display())))?;
+    let meta =
+        std::fs::metadata(path).map_err(|e| DiskError::Invalid(format!("cannot read disk {}: {e}", path.display())))?;
     if !meta.is_file() {
         return Err(DiskError::Invalid(format!("disk {} is not a regular file", path.display())));
     }

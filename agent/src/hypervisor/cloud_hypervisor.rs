@@ -122,7 +122,9 @@ pub fn vm_config(spec: &VmSpec) -> Result<VmConfig, HypervisorError> {
     })?;
     // Disks and firmware boots are QEMU's only (refused at create; never expressed here).
     if spec.disk.is_some() || spec.uefi.is_some() {
-        return Err(HypervisorError::start_failed("gpuvisor gives cloud-hypervisor instances no disk and no firmware boot"));
+        return Err(HypervisorError::start_failed(
+            "gpuvisor gives cloud-hypervisor instances no disk and no firmware boot",
+        ));
     }
     let vcpus = u8::try_from(spec.vcpus).map_err(|_| {
         HypervisorError::start_failed(format!("cloud-hypervisor takes at most 255 vCPUs, not {}", spec.vcpus))

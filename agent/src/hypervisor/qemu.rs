@@ -312,7 +312,11 @@ mod tests {
 
         let args = qemu_command_line(&s);
 
-        assert!(has_pair(&args, "-drive", "file=/var/lib/gpuvisor/instances/x/disk.qcow2,format=qcow2,if=none,id=disk0"));
+        assert!(has_pair(
+            &args,
+            "-drive",
+            "file=/var/lib/gpuvisor/instances/x/disk.qcow2,format=qcow2,if=none,id=disk0"
+        ));
         assert!(has_pair(&args, "-device", "virtio-blk-pci,drive=disk0,bootindex=0"));
         assert!(!args.iter().any(|a| a == "-kernel" || a == "-initrd" || a == "-append"));
         assert!(!args.iter().any(|a| a.contains("pflash")));

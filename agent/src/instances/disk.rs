@@ -127,8 +127,8 @@ impl Manager {
     pub(crate) fn disk_spec(&self, rec: &InstanceRecord, image: &Image) -> (Option<PathBuf>, Option<UefiPflash>) {
         let dir = self.store.instance_dir(rec.id);
         let disk = image.disk.as_ref().map(|_| dir.join(OVERLAY));
-        let uefi =
-            (rec.boot == BootMode::Uefi).then(|| UefiPflash { code: self.cfg.ovmf_code.clone(), vars: dir.join(EFIVARS) });
+        let uefi = (rec.boot == BootMode::Uefi)
+            .then(|| UefiPflash { code: self.cfg.ovmf_code.clone(), vars: dir.join(EFIVARS) });
         (disk, uefi)
     }
 

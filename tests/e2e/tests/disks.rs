@@ -38,7 +38,9 @@ fn wait_line_after(v: &Value, from: usize, needle: &str, timeout: Duration) {
         let t = String::from_utf8_lossy(t.get(from..).unwrap_or_default()).into_owned();
         t.contains(needle).then_some(())
     })
-    .unwrap_or_else(|| panic!("{needle:?} never appeared on the console of {}:\n{}", v["name"], tail(&log_text(v), 30)));
+    .unwrap_or_else(|| {
+        panic!("{needle:?} never appeared on the console of {}:\n{}", v["name"], tail(&log_text(v), 30))
+    });
 }
 
 fn log_len(v: &Value) -> usize {
@@ -82,11 +84,8 @@ fn instance_dir(a: &Agent, v: &Value) -> PathBuf {
 }
 
 fn qemu_img_info(p: &Path) -> Value {
-    let o = std::process::Command::new("qemu-img")
-        .args(["info", "--output=json", "-U"])
-        .arg(p)
-        .output()
-        .expect("qemu-img");
+    let o =
+        std::process::Command::new("qemu-img").args(["info", "--output=json", "-U"]).arg(p).output().expect("qemu-img");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     serde_json::from_slice(&o.stdout).unwrap()
 }
@@ -170,8 +169,9 @@ fn a_uefi_guest_boots_its_disk_through_ovmf_and_keeps_its_writes() {
 
 #[test]
 fn bad_disks_boot_modes_and_sizes_are_refused_and_disk_gib_grows_the_overlay() {
-    let a = Agent::start_with(AgentOptions { extra: "ovmf_code = \"/nonexistent/OVMF_CODE_4M.fd\"", ..Default::default() })
-        .unwrap();
+    let a =
+        Agent::start_with(AgentOptions { extra: "ovmf_code = \"/nonexistent/OVMF_CODE_4M.fd\"", ..Default::default() })
+            .unwrap();
     let t = tempfile::tempdir().unwrap();
 
     // Not a disk: qemu-img calls it raw, but it has no partition table signature.
