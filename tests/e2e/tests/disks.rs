@@ -211,7 +211,16 @@ fn bad_disks_boot_modes_and_sizes_are_refused_and_disk_gib_grows_the_overlay() {
     let f = std::fs::File::create(&big).unwrap();
     f.set_len(2 << 30).unwrap();
     std::os::unix::fs::FileExt::write_all_at(&f, &[0x55, 0xAA], 510).unwrap();
-    let img = a.ok("image.import", json!({"name": "big", "disk": big}));
+    // Through the CLI (`gpuvisor image import NAME --disk D`), which builds the same request.
+    let o = a.cli(&["image", "import", "big", "--disk", big.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let img = a.ok("image.list", json!({}))["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == "big")
+        .cloned()
+        .expect("big imported");
     assert_eq!(img["disk"]["format"], "raw", "{img}");
     assert_eq!(img["disk"]["virtual_size_bytes"], 2u64 << 30, "{img}");
 
@@ -229,7 +238,10 @@ fn bad_disks_boot_modes_and_sizes_are_refused_and_disk_gib_grows_the_overlay() {
     assert!(a.instance_names().is_empty(), "refused creates leave no instance: {:?}", a.instance_names());
 
     // Larger grows the overlay (the firmware finds nothing to boot; the VM just runs).
-    let v = a.ok("instance.create", json!({"name": "grown", "image": "big", "disk_gib": 3}));
+    let o = a.cli(&["create", "grown", "--image", "big", "--disk-gib", "3", "--boot", "bios"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = a.ok("instance.get", json!({"ref": "grown"}));
+    assert_eq!(v["boot"], "bios", "{v}");
     assert_eq!(v["disk"]["disk_gib"], 3, "{v}");
     let overlay = instance_dir(&a, &v).join("disk.qcow2");
     assert_eq!(qemu_img_info(&overlay)["virtual-size"], 3u64 << 30);
