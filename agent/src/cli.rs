@@ -103,6 +103,12 @@ pub enum Command {
         /// A file whose content is the cloud-init `network-config` (at most 64 KiB).
         #[arg(long)]
         network_config: Option<std::path::PathBuf>,
+        /// direct (the image's kernel), bios or uefi (the image's disk through the firmware).
+        #[arg(long, value_enum)]
+        boot: Option<BootArg>,
+        /// Size of the disk overlay, GiB (at least the image disk's size).
+        #[arg(long)]
+        disk_gib: Option<u64>,
     },
     /// List instances.
     Ps,
@@ -179,11 +185,15 @@ pub enum GpusAction {
 
 #[derive(Debug, Subcommand)]
 pub enum ImageAction {
-    /// Copy a kernel (and initrd) into the agent's images directory.
+    /// Copy a kernel (and initrd) and/or a disk (qcow2, or raw with an MBR/GPT) into the
+    /// agent's images directory.
     Import {
         name: String,
         #[arg(long)]
-        kernel: PathBuf,
+        kernel: Option<PathBuf>,
+        /// A disk image: qcow2, or a raw disk with a partition table.
+        #[arg(long)]
+        disk: Option<PathBuf>,
         #[arg(long)]
         initrd: Option<PathBuf>,
         #[arg(long)]
@@ -270,6 +280,24 @@ impl RestartArg {
             RestartArg::No => crate::store::RestartPolicy::No,
             RestartArg::OnFailure => crate::store::RestartPolicy::OnFailure,
             RestartArg::Always => crate::store::RestartPolicy::Always,
+        }
+    }
+}
+
+/// `--boot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BootArg {
+    Direct,
+    Bios,
+    Uefi,
+}
+
+impl BootArg {
+    fn mode(self) -> crate::store::BootMode {
+        match self {
+            BootArg::Direct => crate::store::BootMode::Direct,
+            BootArg::Bios => crate::store::BootMode::Bios,
+            BootArg::Uefi => crate::store::BootMode::Uefi,
         }
     }
 }
@@ -400,6 +428,8 @@ pub async fn run_client(cli: &Cli) -> i32 {
             nics,
             user_data,
             network_config,
+            boot,
+            disk_gib,
         } => {
             let read = |p: &Option<std::path::PathBuf>| -> Result<Option<String>, String> {
                 p.as_ref()
@@ -427,6 +457,8 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 autostart: autostart.then_some(true),
                 nics: nics.clone(),
                 cloud_init,
+                boot: boot.map(BootArg::mode),
+                disk_gib: *disk_gib,
             };
             ("instance.create", to_params(&req))
         }
@@ -467,15 +499,16 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 },
             }),
         ),
-        Command::Image { action: ImageAction::Import { name, kernel, initrd, cmdline } } => {
+        Command::Image { action: ImageAction::Import { name, kernel, disk, initrd, cmdline } } => {
             let abs = |p: &PathBuf| {
                 std::fs::canonicalize(p).or_else(|_| std::path::absolute(p)).unwrap_or_else(|_| p.clone())
             };
             let p = ImportParams {
                 name: name.clone(),
-                kernel: abs(kernel),
+                kernel: kernel.as_ref().map(abs),
                 initrd: initrd.as_ref().map(abs),
                 cmdline: cmdline.clone(),
+                disk: disk.as_ref().map(abs),
             };
             ("image.import", to_params(&p))
         }
@@ -848,9 +881,19 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
             let rows = list
                 .images
                 .iter()
-                .map(|i| vec![i.name.clone(), i.size_bytes.to_string(), i.kernel.display().to_string()])
+                .map(|i| {
+                    vec![
+                        i.name.clone(),
+                        i.size_bytes.to_string(),
+                        i.kernel.as_ref().map(|k| k.display().to_string()).unwrap_or_else(|| "-".into()),
+                        i.disk
+                            .as_ref()
+                            .map(|d| format!("{} {} bytes", d.format, d.virtual_size_bytes))
+                            .unwrap_or_else(|| "-".into()),
+                    ]
+                })
                 .collect();
-            table(&["NAME", "BYTES", "KERNEL"], rows);
+            table(&["NAME", "BYTES", "KERNEL", "DISK"], rows);
         }
         Command::Plugin { action: PluginAction::Ls } => {
             let Some(list) = decode::<PluginList>(v) else { return exit::OK };

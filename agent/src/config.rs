@@ -142,6 +142,17 @@ pub struct Config {
     /// its host port forwards, never the host's other services or the outside network.
     /// Default true.
     pub user_net_restrict: bool,
+    /// `qemu-img` (looked up in `PATH` when not absolute): inspects imported disks, copies
+    /// them into images, creates the instances' overlays. Default `qemu-img` (Debian
+    /// `qemu-utils`).
+    pub qemu_img_binary: PathBuf,
+    /// The UEFI firmware code (read-only pflash unit 0) for `boot = "uefi"`. Default
+    /// `/usr/share/OVMF/OVMF_CODE_4M.fd` (Debian `ovmf`).
+    pub ovmf_code: PathBuf,
+    /// The UEFI variable store template, copied once per instance to
+    /// `<instance dir>/efivars.fd` (pflash unit 1). Default `/usr/share/OVMF/OVMF_VARS_4M.fd`;
+    /// it must match `ovmf_code` (both 4M, or both 2M).
+    pub ovmf_vars: PathBuf,
 }
 
 impl Default for Config {
@@ -182,6 +193,9 @@ impl Default for Config {
             record_policy_inputs: None,
             metrics_listen: None,
             user_net_restrict: true,
+            qemu_img_binary: PathBuf::from("qemu-img"),
+            ovmf_code: PathBuf::from("/usr/share/OVMF/OVMF_CODE_4M.fd"),
+            ovmf_vars: PathBuf::from("/usr/share/OVMF/OVMF_VARS_4M.fd"),
         }
     }
 }

@@ -35,11 +35,12 @@ pub enum ErrorCode {
     Internal,
     NotReady,
     VmmLivenessUnknown,
+    ImageInUse,
 }
 
 impl ErrorCode {
     /// Every code, in the order of LIFECYCLE.md's table.
-    pub const ALL: [ErrorCode; 21] = {
+    pub const ALL: [ErrorCode; 22] = {
         use ErrorCode::*;
         [
             InvalidRequest,
@@ -63,6 +64,7 @@ impl ErrorCode {
             Internal,
             NotReady,
             VmmLivenessUnknown,
+            ImageInUse,
         ]
     };
 
@@ -91,6 +93,7 @@ impl ErrorCode {
             Internal => "internal",
             NotReady => "not_ready",
             VmmLivenessUnknown => "vmm_liveness_unknown",
+            ImageInUse => "image_in_use",
         }
     }
 
@@ -113,7 +116,8 @@ impl ErrorCode {
             | GpuReleasePending
             | DeviceUnhealthy
             | IommuGroupConflict
-            | GpuBusy => 409,
+            | GpuBusy
+            | ImageInUse => 409,
             VgpuCleanupPending | VmmStartFailed | VmmKillFailed | PassthroughBindFailed | PolicyFailed | Internal => {
                 500
             }
@@ -295,6 +299,17 @@ impl ApiError {
             ErrorCode::UnsupportedWithGpu,
             format!("{op} of {name} is refused while its GPU device is attached: device state cannot be saved"),
         )
+    }
+
+    /// `image_in_use`: `image.delete` of an image that instance records still name
+    /// (`instances`: their names, sorted). Delete those instances first.
+    pub fn image_in_use(image: &str, instances: &[String]) -> ApiError {
+        ApiError::new(
+            ErrorCode::ImageInUse,
+            format!("image {image} is used by instance(s) {}; delete them first", instances.join(", ")),
+        )
+        .with("image", image)
+        .with("instances", instances.to_vec())
     }
 
     /// `gpu_release_pending`: start waits on an earlier release that still fails.

@@ -43,6 +43,7 @@
 //! | `pt_bind_after_unbind` | passthrough configure: a function was unbound from its driver, not yet probed to vfio-pci |
 //! | `pt_release_after_reset` | passthrough release: the GPU was reset, no function given back |
 //! | `pt_release_after_unbind` | passthrough release: a function was unbound from vfio-pci, not yet probed to its driver |
+//! | `boot_after_disk` | create/start: the disk overlay (and UEFI variable store) exist, nothing claimed |
 
 /// The crash-matrix points (every persisted step).
 pub const ALL: &[&str] = &[
@@ -67,6 +68,9 @@ pub const ALL: &[&str] = &[
 
 /// The passthrough write sites (the crash tests of `tests/e2e/tests/passthrough.rs`).
 pub const PASSTHROUGH: &[&str] = &["pt_bind_after_unbind", "pt_release_after_reset", "pt_release_after_unbind"];
+
+/// The disk step of create/start (the crash test of `tests/e2e/tests/disks.rs`).
+pub const DISK: &[&str] = &["boot_after_disk"];
 
 /// Points where races matter, for pausing (they abort too when configured `return`).
 pub const RACE: &[&str] = &["claim_before_create", "configure_after_repair", "rollback_before_release"];
@@ -124,6 +128,7 @@ mod pause {
                 .iter()
                 .chain(super::RACE)
                 .chain(super::PASSTHROUGH)
+                .chain(super::DISK)
                 .map(|n| (n.to_string(), Point::default()))
                 .collect();
             (Mutex::new(names), Condvar::new())

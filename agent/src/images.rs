@@ -1,9 +1,14 @@
 //! # images — boot artifacts under `<data-dir>/images/<name>/`
 //!
-//! An image is a directory holding a kernel, an optional initrd and `image.toml`
-//! (`name`, `kernel`, `initrd`, `cmdline`). Instances boot only from this directory: the
-//! API never takes a kernel path at create time.
+//! An image is a directory holding a kernel and an optional initrd (direct boot), a disk
+//! (`disk.qcow2` or `disk.raw`, booted through the firmware or carried next to a direct
+//! boot), or both, and `image.toml` (`name`, `kernel`, `initrd`, `cmdline`, `disk`,
+//! `disk_format`, `disk_virtual_size_bytes`; manifests written before disks existed still
+//! load). Instances boot only from this directory: the API never takes a kernel or disk
+//! path at create time. Instances never write to an image's disk: each has its own qcow2
+//! overlay on it ([`crate::disks`]).
 
+use crate::disks::{self, DiskFormat};
 use crate::error::ApiError;
 use serde::{Deserialize, Serialize};
 use std::fs;
@@ -14,23 +19,48 @@ use std::path::{Path, PathBuf};
 #[serde(deny_unknown_fields)]
 pub struct ImageManifest {
     pub name: String,
-    /// File name of the kernel inside the image directory.
-    pub kernel: String,
+    /// File name of the kernel inside the image directory; absent for a disk-only image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<String>,
     /// File name of the initrd inside the image directory.
     pub initrd: Option<String>,
     /// Kernel command line; the agent's `default_cmdline` when absent.
     pub cmdline: Option<String>,
+    /// File name of the disk inside the image directory (`disk.qcow2`, `disk.raw`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<String>,
+    /// The disk's format; with `disk`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_format: Option<DiskFormat>,
+    /// The size the guest sees, bytes (`qemu-img info`'s `virtual-size`); with `disk`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_virtual_size_bytes: Option<u64>,
+}
+
+/// The disk of an image.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ImageDisk {
+    /// The disk file in the image directory.
+    pub path: PathBuf,
+    /// `qcow2` or `raw`.
+    pub format: DiskFormat,
+    /// The size the guest sees, bytes; an instance's overlay is at least this large.
+    pub virtual_size_bytes: u64,
 }
 
 /// A resolved image.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Image {
     pub name: String,
-    pub kernel: PathBuf,
+    /// The direct-boot kernel; `None` for a disk-only image.
+    pub kernel: Option<PathBuf>,
     pub initrd: Option<PathBuf>,
     pub cmdline: Option<String>,
-    /// Total size of the artifacts, bytes.
+    /// Total size of the artifacts, bytes (files as stored).
     pub size_bytes: u64,
+    /// The image's disk, if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<ImageDisk>,
 }
 
 /// Image names: `[a-z0-9][a-z0-9._-]{0,62}`.
@@ -58,14 +88,28 @@ pub fn load(images_dir: &Path, name: &str) -> Result<Image, ApiError> {
     };
     let m: ImageManifest =
         toml::from_str(&text).map_err(|e| ApiError::internal(format!("image {name} has a broken image.toml: {e}")))?;
-    let kernel = dir.join(&m.kernel);
+    let kernel = m.kernel.as_ref().map(|k| dir.join(k));
     let initrd = m.initrd.as_ref().map(|i| dir.join(i));
-    let size_bytes = [Some(&kernel), initrd.as_ref()]
+    let disk = match (&m.disk, m.disk_format, m.disk_virtual_size_bytes) {
+        (None, _, _) => None,
+        (Some(d), Some(format), Some(virtual_size_bytes)) => {
+            Some(ImageDisk { path: dir.join(d), format, virtual_size_bytes })
+        }
+        (Some(_), _, _) => {
+            return Err(ApiError::internal(format!(
+                "image {name} has a broken image.toml: disk needs disk_format and disk_virtual_size_bytes"
+            )))
+        }
+    };
+    if kernel.is_none() && disk.is_none() {
+        return Err(ApiError::internal(format!("image {name} has a broken image.toml: neither a kernel nor a disk")));
+    }
+    let size_bytes = [kernel.as_ref(), initrd.as_ref(), disk.as_ref().map(|d| &d.path)]
         .into_iter()
         .flatten()
         .map(|p| fs::metadata(p).map(|m| m.len()).unwrap_or(0))
         .sum();
-    Ok(Image { name: m.name, kernel, initrd, cmdline: m.cmdline, size_bytes })
+    Ok(Image { name: m.name, kernel, initrd, cmdline: m.cmdline, size_bytes, disk })
 }
 
 /// Every image, sorted by name (broken ones are skipped with a warning).
@@ -87,45 +131,73 @@ pub fn list(images_dir: &Path) -> Vec<Image> {
     out
 }
 
-/// Copies a kernel (and initrd) into `images_dir/<name>/` and writes `image.toml`
-/// atomically (staged in a hidden directory, then renamed). Errors: `invalid_request` for a
-/// bad name or an unreadable source file, `name_taken` if the image exists.
-pub fn import(
-    images_dir: &Path,
-    name: &str,
-    kernel: &Path,
-    initrd: Option<&Path>,
-    cmdline: Option<String>,
-) -> Result<Image, ApiError> {
+/// What `image.import` copies in: a kernel (with an initrd) for direct boot, a disk, or
+/// both. Paths are absolute, on the agent's host.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ImportSource<'a> {
+    pub kernel: Option<&'a Path>,
+    pub initrd: Option<&'a Path>,
+    pub disk: Option<&'a Path>,
+    pub cmdline: Option<String>,
+}
+
+/// Copies a kernel (and initrd) and/or a disk into `images_dir/<name>/` and writes
+/// `image.toml` atomically (staged in a hidden directory, then renamed). The disk is
+/// inspected and copied with `qemu_img` ([`disks::inspect`], [`disks::copy_into_image`]:
+/// `disk.qcow2` or `disk.raw`, flattened). Errors: `invalid_request` for a bad name, a
+/// relative path, neither a kernel nor a disk, an initrd without a kernel, an unreadable
+/// source file, or a disk that is not a qcow2 or a partitioned raw disk or whose backing
+/// file is missing; `name_taken` if the image exists; `internal` when `qemu-img` cannot run.
+pub fn import(images_dir: &Path, qemu_img: &Path, name: &str, src: &ImportSource<'_>) -> Result<Image, ApiError> {
     if !valid_name(name) {
         return Err(ApiError::invalid_request(format!(
             "image name {name:?} is not valid (use [a-z0-9][a-z0-9._-]{{0,62}})"
         )));
     }
     // Relative paths would resolve against the agent's working directory, not the caller's.
-    for (what, path) in [("kernel", Some(kernel)), ("initrd", initrd)] {
+    for (what, path) in [("kernel", src.kernel), ("initrd", src.initrd), ("disk", src.disk)] {
         if let Some(p) = path.filter(|p| !p.is_absolute()) {
             return Err(ApiError::invalid_request(format!("{what} path {} must be absolute", p.display())));
         }
+    }
+    if src.kernel.is_none() && src.disk.is_none() {
+        return Err(ApiError::invalid_request("an image needs a kernel, a disk, or both"));
+    }
+    if src.kernel.is_none() && src.initrd.is_some() {
+        return Err(ApiError::invalid_request("initrd is only used with a kernel (direct boot)"));
     }
     let dir = images_dir.join(name);
     if dir.exists() {
         return Err(ApiError::name_taken("an image", name));
     }
+    let disk_err = |e: disks::DiskError| match e {
+        disks::DiskError::Invalid(m) => ApiError::invalid_request(m),
+        disks::DiskError::Tool(m) => ApiError::internal(m),
+    };
+    let disk = src.disk.map(|d| disks::inspect(qemu_img, d).map(|info| (d, info))).transpose().map_err(disk_err)?;
     let stage = images_dir.join(format!(".{name}.{}", uuid::Uuid::new_v4().simple()));
     let res = (|| -> Result<(), ApiError> {
         fs::create_dir_all(&stage).map_err(ApiError::internal)?;
-        fs::copy(kernel, stage.join("vmlinuz"))
-            .map_err(|e| ApiError::invalid_request(format!("cannot read kernel {}: {e}", kernel.display())))?;
-        if let Some(i) = initrd {
+        if let Some(k) = src.kernel {
+            fs::copy(k, stage.join("vmlinuz"))
+                .map_err(|e| ApiError::invalid_request(format!("cannot read kernel {}: {e}", k.display())))?;
+        }
+        if let Some(i) = src.initrd {
             fs::copy(i, stage.join("initrd.img"))
                 .map_err(|e| ApiError::invalid_request(format!("cannot read initrd {}: {e}", i.display())))?;
         }
+        let disk_file = disk.as_ref().map(|(_, info)| format!("disk.{}", info.format));
+        if let (Some((d, info)), Some(f)) = (&disk, &disk_file) {
+            disks::copy_into_image(qemu_img, d, info, &stage.join(f)).map_err(disk_err)?;
+        }
         let m = ImageManifest {
             name: name.to_string(),
-            kernel: "vmlinuz".into(),
-            initrd: initrd.map(|_| "initrd.img".into()),
-            cmdline,
+            kernel: src.kernel.map(|_| "vmlinuz".into()),
+            initrd: src.initrd.map(|_| "initrd.img".into()),
+            cmdline: src.cmdline.clone(),
+            disk: disk_file,
+            disk_format: disk.as_ref().map(|(_, i)| i.format),
+            disk_virtual_size_bytes: disk.as_ref().map(|(_, i)| i.virtual_size_bytes),
         };
         let text = toml::to_string(&m).map_err(ApiError::internal)?;
         fs::write(stage.join("image.toml"), text).map_err(ApiError::internal)?;
@@ -139,8 +211,52 @@ pub fn import(
     load(images_dir, name)
 }
 
-/// Deletes an image directory. Errors: `not_found`.
+/// Deletes an image directory. Errors: `not_found`. The caller refuses an image that
+/// instances still use (`Manager::delete_image`).
 pub fn delete(images_dir: &Path, name: &str) -> Result<(), ApiError> {
     load(images_dir, name)?;
     fs::remove_dir_all(images_dir.join(name)).map_err(ApiError::internal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_manifest_written_before_disks_existed_still_loads() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir_all(d.path().join("old")).unwrap();
+        fs::write(d.path().join("old/vmlinuz"), b"k").unwrap();
+        fs::write(
+            d.path().join("old/image.toml"),
+            "name = \"old\"\nkernel = \"vmlinuz\"\ninitrd = \"initrd.img\"\ncmdline = \"console=ttyS0\"\n",
+        )
+        .unwrap();
+        let i = load(d.path(), "old").unwrap();
+        assert_eq!(i.kernel, Some(d.path().join("old/vmlinuz")));
+        assert_eq!(i.disk, None);
+    }
+
+    #[test]
+    fn a_disk_only_manifest_loads_with_its_disk() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir_all(d.path().join("dsk")).unwrap();
+        fs::write(
+            d.path().join("dsk/image.toml"),
+            "name = \"dsk\"\ndisk = \"disk.qcow2\"\ndisk_format = \"qcow2\"\ndisk_virtual_size_bytes = 1048576\n",
+        )
+        .unwrap();
+        let i = load(d.path(), "dsk").unwrap();
+        assert_eq!(i.kernel, None);
+        let disk = i.disk.unwrap();
+        assert_eq!((disk.format, disk.virtual_size_bytes), (DiskFormat::Qcow2, 1_048_576));
+    }
+
+    #[test]
+    fn an_import_without_kernel_or_disk_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let e = import(d.path(), Path::new("qemu-img"), "x", &ImportSource::default()).unwrap_err();
+        assert_eq!(e.code, crate::error::ErrorCode::InvalidRequest);
+        assert!(e.message.contains("kernel, a disk"), "{}", e.message);
+    }
 }

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod console;
 pub mod devices;
+pub mod disks;
 pub mod error;
 pub mod failpoints;
 pub mod host;

@@ -235,6 +235,38 @@ pub struct InstanceDefinition {
     /// The cloud-init inputs given at create; the seed carries them with its meta-data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<crate::network::CloudInit>,
+    /// How the VM boots (records written before boot modes existed boot `direct`).
+    #[serde(default)]
+    pub boot: BootMode,
+    /// The size of the instance's disk overlay, GiB; `None`: the image disk's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_gib: Option<u64>,
+}
+
+/// How an instance boots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum BootMode {
+    /// QEMU loads the image's kernel and initrd itself (`-kernel`); a disk, if the image
+    /// has one, is attached as a data disk.
+    #[default]
+    Direct,
+    /// The firmware (SeaBIOS) boots the disk overlay's MBR boot loader.
+    Bios,
+    /// UEFI firmware (OVMF) boots the disk overlay's `EFI/BOOT/BOOTX64.EFI`; the instance
+    /// keeps its own variable store (`efivars.fd`).
+    Uefi,
+}
+
+impl BootMode {
+    /// `direct`, `bios` or `uefi`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BootMode::Direct => "direct",
+            BootMode::Bios => "bios",
+            BootMode::Uefi => "uefi",
+        }
+    }
 }
 
 /// What happens when an instance's VMM dies without a stop (`instance.stop` or delete).
@@ -1044,6 +1076,8 @@ mod tests {
                 created_at: "2026-01-01T00:00:00Z".into(),
                 nics: vec![],
                 cloud_init: None,
+                boot: Default::default(),
+                disk_gib: None,
             },
             InstanceState::Stopped,
         )

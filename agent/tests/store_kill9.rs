@@ -28,6 +28,8 @@ fn record(id: Uuid, n: u64) -> InstanceRecord {
             created_at: "2026-01-01T00:00:00Z".into(),
             nics: vec![],
             cloud_init: None,
+            boot: Default::default(),
+            disk_gib: None,
         },
         if n.is_multiple_of(2) { InstanceState::Running } else { InstanceState::Stopped },
     );

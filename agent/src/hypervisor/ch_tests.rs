@@ -69,6 +69,8 @@ fn ch_spec(binary: &Path, run_dir: &Path) -> VmSpec {
         device_nodes: Vec::new(),
         nics: vec![],
         seed: None,
+        disk: None,
+        uefi: None,
     }
 }
 

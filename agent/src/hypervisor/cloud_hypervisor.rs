@@ -120,6 +120,12 @@ pub fn vm_config(spec: &VmSpec) -> Result<VmConfig, HypervisorError> {
     let kernel = spec.kernel.as_deref().ok_or_else(|| {
         HypervisorError::start_failed("cloud-hypervisor needs a kernel to boot (the image names none)")
     })?;
+    // Disks and firmware boots are QEMU's only (refused at create; never expressed here).
+    if spec.disk.is_some() || spec.uefi.is_some() {
+        return Err(HypervisorError::start_failed(
+            "gpuvisor gives cloud-hypervisor instances no disk and no firmware boot",
+        ));
+    }
     let vcpus = u8::try_from(spec.vcpus).map_err(|_| {
         HypervisorError::start_failed(format!("cloud-hypervisor takes at most 255 vCPUs, not {}", spec.vcpus))
     })?;
@@ -333,6 +339,8 @@ mod tests {
             device_nodes: Vec::new(),
             nics: vec![],
             seed: None,
+            disk: None,
+            uefi: None,
         }
     }
 

@@ -120,17 +120,56 @@ fn give_to_group(path: &Path, gid: u32, mode: u32, dir: bool, create: bool) -> s
     Ok(())
 }
 
-/// Makes `run_dir` `root:<vmm group>` [`RUN_DIR_MODE`] and each of `vmm_files` (created
-/// when missing: the VMM may not create them itself) `root:<vmm group>` [`VMM_FILE_MODE`].
-/// Without a VMM user, nothing changes. Errors: a symlink or a non-regular file where one
-/// of them should be, or a failing chown/chmod.
-pub fn prepare_run_dir(user: Option<&VmmUser>, run_dir: &Path, vmm_files: &[&Path]) -> std::io::Result<()> {
+/// Makes `run_dir` `root:<vmm group>` [`RUN_DIR_MODE`] and each of `vmm_files`
+/// `root:<vmm group>` [`VMM_FILE_MODE`]; those with `true` are created empty when missing
+/// (the VMM may not create them itself: the serial log), the others are left alone when
+/// missing. Without a VMM user, nothing changes. Errors: a symlink or a non-regular file
+/// where one of them should be, or a failing chown/chmod.
+pub fn prepare_run_dir(user: Option<&VmmUser>, run_dir: &Path, vmm_files: &[(&Path, bool)]) -> std::io::Result<()> {
     let Some(u) = user else { return Ok(()) };
     give_to_group(run_dir, u.gid, RUN_DIR_MODE, true, false)?;
-    for f in vmm_files {
-        give_to_group(f, u.gid, VMM_FILE_MODE, false, true)?;
+    for (f, create) in vmm_files {
+        give_to_group(f, u.gid, VMM_FILE_MODE, false, *create)?;
     }
     Ok(())
+}
+
+/// The name of the agent's private directory inside an instance directory.
+pub const PRIVATE_DIR: &str = ".gpuvisor-private";
+
+/// `<dir>/.gpuvisor-private`, root's alone (mode 0700), made when missing: where the agent
+/// writes a file before renaming it into `dir` (an overlay, a seed). `dir` is writable by the
+/// VMM user (any instance's VMM), so a temp name there could be a planted symlink that a
+/// root write would follow; a file the VMM user placed where this directory belongs is
+/// removed first.
+pub fn private_dir(dir: &Path) -> std::io::Result<std::path::PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let p = dir.join(PRIVATE_DIR);
+    for _ in 0..2 {
+        match std::fs::DirBuilder::new().mode(0o700).create(&p) {
+            Ok(()) => return Ok(p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let m = std::fs::symlink_metadata(&p)?;
+        if m.file_type().is_dir() && m.uid() == 0 && m.mode() & 0o077 == 0 {
+            return Ok(p);
+        }
+        if m.file_type().is_dir() {
+            std::fs::remove_dir_all(&p)?;
+        } else {
+            std::fs::remove_file(&p)?;
+        }
+    }
+    Err(std::io::Error::other(format!("{} keeps being replaced", p.display())))
+}
+
+/// A fresh temp path for a file that will be renamed to `dst`: in the private directory
+/// beside it ([`private_dir`]), with a random name.
+pub fn staging_path(dst: &Path) -> std::io::Result<std::path::PathBuf> {
+    let parent = dst.parent().unwrap_or(Path::new("."));
+    let base = dst.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok(private_dir(parent)?.join(format!("{base}.{}.tmp", uuid::Uuid::new_v4().simple())))
 }
 
 /// Gives a device node (a VFIO group, `/dev/vfio/<N>`) to the VMM's group, mode 0660 —
@@ -230,11 +269,26 @@ mod tests {
         std::os::unix::fs::symlink(&target, &link).unwrap();
         let u = VmmUser { name: "x".into(), uid: 65534, gid: 65534, groups: vec![65534] };
 
-        let err = prepare_run_dir(Some(&u), dir.path(), &[&link]).unwrap_err();
+        let err = prepare_run_dir(Some(&u), dir.path(), &[(&link, true)]).unwrap_err();
 
         assert!(err.to_string().contains("planted"), "{err}");
         let m = std::fs::metadata(&target).unwrap();
         assert_eq!((m.gid(), m.mode() & 0o777), (0, 0o600));
+    }
+
+    #[test]
+    fn a_planted_private_dir_is_replaced_by_roots_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("elsewhere");
+        std::fs::create_dir(&target).unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join(PRIVATE_DIR)).unwrap();
+
+        let p = private_dir(dir.path()).unwrap();
+
+        let m = std::fs::symlink_metadata(&p).unwrap();
+        assert!(m.file_type().is_dir() && m.mode() & 0o777 == 0o700);
+        assert!(target.is_dir(), "the symlink's target is untouched");
+        assert!(staging_path(&dir.path().join("seed.iso")).unwrap().starts_with(&p));
     }
 
     #[test]
@@ -243,7 +297,7 @@ mod tests {
         let log = dir.path().join("serial.log");
         let u = VmmUser { name: "x".into(), uid: 65534, gid: 65534, groups: vec![65534] };
 
-        prepare_run_dir(Some(&u), dir.path(), &[&log]).unwrap();
+        prepare_run_dir(Some(&u), dir.path(), &[(&log, true)]).unwrap();
 
         let d = std::fs::metadata(dir.path()).unwrap();
         assert_eq!((d.uid(), d.gid(), d.mode() & 0o7777), (0, 65534, RUN_DIR_MODE));

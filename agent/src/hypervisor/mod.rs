@@ -263,6 +263,11 @@ pub struct VmSpec {
     pub nics: Vec<NicSpec>,
     /// The cloud-init NoCloud seed (`cidata` ISO 9660 image), attached read-only.
     pub seed: Option<PathBuf>,
+    /// The instance's disk: its qcow2 overlay (`<run_dir>/disk.qcow2`), if its image has a
+    /// disk. QEMU only. Booted by the firmware when there is no `kernel`.
+    pub disk: Option<PathBuf>,
+    /// Boot through UEFI (OVMF) instead of SeaBIOS. QEMU only.
+    pub uefi: Option<UefiPflash>,
 }
 
 /// One virtio-net NIC of a [`VmSpec`].
@@ -303,6 +308,16 @@ pub fn tap_fd(index: usize) -> i32 {
     TAP_FD_BASE + index as i32
 }
 
+/// The two pflash units of a UEFI boot (OVMF's split firmware).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UefiPflash {
+    /// The firmware code, read-only (`ovmf_code`, e.g. `/usr/share/OVMF/OVMF_CODE_4M.fd`).
+    pub code: PathBuf,
+    /// The instance's own writable variable store (`<run_dir>/efivars.fd`, a copy of
+    /// `ovmf_vars`).
+    pub vars: PathBuf,
+}
+
 impl VmSpec {
     /// The control socket: `<run_dir>/qmp.sock` (QEMU) or `<run_dir>/ch.sock` (Cloud
     /// Hypervisor).
@@ -327,10 +342,15 @@ impl VmSpec {
         self.run_dir.join(self.hypervisor.driver().log_name())
     }
 
-    /// The files in `run_dir` the VMM itself writes: made root-owned, group-writable for
-    /// its user before the spawn ([`confine::prepare_run_dir`]).
-    pub fn vmm_files(&self) -> Vec<PathBuf> {
-        vec![self.serial_log()]
+    /// The files the VMM itself writes, each with whether it is created when missing: made
+    /// root-owned and group-writable for its user before the spawn
+    /// ([`confine::prepare_run_dir`]): the serial log (created), the disk overlay and the UEFI
+    /// variable store.
+    pub fn vmm_files(&self) -> Vec<(PathBuf, bool)> {
+        let mut files = vec![(self.serial_log(), true)];
+        files.extend(self.disk.iter().map(|d| (d.clone(), false)));
+        files.extend(self.uefi.iter().map(|u| (u.vars.clone(), false)));
+        files
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use super::process::{wait_answering, RunningVmm, HOLD_FD_FDSET};
 use super::qmp::QmpClient;
-use super::{Driver, HypervisorError, HypervisorKind, NicBackend, StartFailure, VfioAttach, VmSpec};
+use super::{Driver, HypervisorError, HypervisorKind, NicBackend, StartFailure, UefiPflash, VfioAttach, VmSpec};
 
 /// The QEMU driver.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +37,32 @@ fn hold_fd_opaque(node: &Path) -> String {
     format!("vfio-group-{g}")
 }
 
+/// The disk and firmware arguments of `spec`. Pure.
+///
+/// UEFI: `-drive if=pflash,format=raw,unit=0,readonly=on,file=<code>` and
+/// `-drive if=pflash,format=raw,unit=1,file=<vars>` (OVMF's split image: read-only code,
+/// the instance's own variable store). The disk: `-drive file=<overlay>,format=qcow2,
+/// if=none,id=disk0 -device virtio-blk-pci,drive=disk0[,bootindex=0]`; `bootindex=0` only
+/// when the firmware boots the disk (no `-kernel`): QEMU gives a `-kernel` its own boot
+/// entry at index 0.
+fn disk_args(spec: &VmSpec) -> Vec<String> {
+    let mut a = Vec::new();
+    if let Some(UefiPflash { code, vars }) = &spec.uefi {
+        a.push("-drive".to_string());
+        a.push(format!("if=pflash,format=raw,unit=0,readonly=on,file={}", opt_escape(&path_str(code))));
+        a.push("-drive".to_string());
+        a.push(format!("if=pflash,format=raw,unit=1,file={}", opt_escape(&path_str(vars))));
+    }
+    if let Some(disk) = &spec.disk {
+        a.push("-drive".to_string());
+        a.push(format!("file={},format=qcow2,if=none,id=disk0", opt_escape(&path_str(disk))));
+        let boot = if spec.kernel.is_none() { ",bootindex=0" } else { "" };
+        a.push("-device".to_string());
+        a.push(format!("virtio-blk-pci,drive=disk0{boot}"));
+    }
+    a
+}
+
 /// The guest PCI slot of a passthrough GPU's functions.
 const PASSTHROUGH_SLOT: u32 = 0x10;
 
@@ -46,7 +72,7 @@ const PASSTHROUGH_SLOT: u32 = 0x10;
 /// -no-user-config -display none -uuid <id> -name <name> [-S] [-kernel .. [-initrd ..]
 /// [-append ..]] -chardev socket,id=serial0,path=<run_dir>/console.sock,server=on,wait=off,
 /// logfile=<run_dir>/serial.log,logappend=on -serial chardev:serial0 -qmp unix:<run_dir>/qmp.sock,server=on,wait=off`
-/// then the VFIO arguments: `-device vfio-pci,sysfsdev=<path>` or, for hold-fd,
+/// then the firmware and disk arguments (`disk_args`), then the VFIO arguments: `-device vfio-pci,sysfsdev=<path>` or, for hold-fd,
 /// `-add-fd fd=3,set=1,opaque=vfio-group-<G>`. `-cpu host` only with `kvm` (TCG cannot
 /// emulate the host CPU). A passthrough group gets one `-device` per function in guest
 /// slot 0x10 (`addr=0x10.<fn>`, `multifunction=on` on function 0).
@@ -89,6 +115,8 @@ pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
     ]);
     push(&["-serial", "chardev:serial0"]);
     push(&["-qmp", &format!("unix:{},server=on,wait=off", opt_escape(&path_str(&spec.control_socket())))]);
+    a.extend(disk_args(spec));
+    let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
     match &spec.vfio {
         None => {}
         Some(VfioAttach::Device { sysfsdevs }) if sysfsdevs.len() == 1 => {
@@ -228,6 +256,8 @@ mod tests {
             device_nodes: Vec::new(),
             nics: vec![],
             seed: None,
+            disk: None,
+            uefi: None,
         }
     }
 
@@ -379,6 +409,58 @@ mod tests {
             "file=/var/lib/gpuvisor/instances/x/seed.iso,format=raw,if=none,id=seed,readonly=on"
         ));
         assert!(has_pair(&args, "-device", "virtio-blk-pci,drive=seed,serial=cidata"));
+    }
+
+    #[test]
+        fn a_bios_boot_boots_the_overlay_with_bootindex_0_and_no_kernel() {
+        let mut s = spec(None);
+        s.kernel = None;
+        s.initrd = None;
+        s.disk = Some("/var/lib/gpuvisor/instances/x/disk.qcow2".into());
+
+        let args = qemu_command_line(&s);
+
+        assert!(has_pair(
+            &args,
+            "-drive",
+            "file=/var/lib/gpuvisor/instances/x/disk.qcow2,format=qcow2,if=none,id=disk0"
+        ));
+        assert!(has_pair(&args, "-device", "virtio-blk-pci,drive=disk0,bootindex=0"));
+        assert!(!args.iter().any(|a| a == "-kernel" || a == "-initrd" || a == "-append"));
+        assert!(!args.iter().any(|a| a.contains("pflash")));
+    }
+
+    #[test]
+    fn a_uefi_boot_adds_the_read_only_code_and_the_instances_vars() {
+        let mut s = spec(None);
+        s.kernel = None;
+        s.disk = Some("/d/x/disk.qcow2".into());
+        s.uefi = Some(UefiPflash { code: "/usr/share/OVMF/OVMF_CODE_4M.fd".into(), vars: "/d/x/efivars.fd".into() });
+
+        let args = qemu_command_line(&s);
+
+        let drives: Vec<&String> = args.windows(2).filter(|w| w[0] == "-drive").map(|w| &w[1]).collect();
+        assert_eq!(
+            drives,
+            [
+                "if=pflash,format=raw,unit=0,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
+                "if=pflash,format=raw,unit=1,file=/d/x/efivars.fd",
+                "file=/d/x/disk.qcow2,format=qcow2,if=none,id=disk0",
+            ]
+        );
+        assert!(has_pair(&args, "-device", "virtio-blk-pci,drive=disk0,bootindex=0"));
+    }
+
+    #[test]
+    fn a_direct_boot_with_a_disk_keeps_the_kernel_and_attaches_the_disk_without_bootindex() {
+        let mut s = spec(None);
+        s.disk = Some("/d/a,b/disk.qcow2".into());
+
+        let args = qemu_command_line(&s);
+
+        assert!(has_pair(&args, "-kernel", "/images/vmlinuz"));
+        assert!(has_pair(&args, "-drive", "file=/d/a,,b/disk.qcow2,format=qcow2,if=none,id=disk0"));
+        assert!(has_pair(&args, "-device", "virtio-blk-pci,drive=disk0"));
     }
 
     #[test]

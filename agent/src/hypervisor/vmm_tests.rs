@@ -41,6 +41,8 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         device_nodes: Vec::new(),
         nics: vec![],
         seed: None,
+        disk: None,
+        uefi: None,
     }
 }
 

@@ -23,7 +23,7 @@ impl Manager {
 
     fn create_with_id(&self, id: Uuid, req: &CreateRequest) -> Result<InstanceView, ApiError> {
         let (vcpus, memory_mib, gpu) = req.validate()?;
-        images::load(&self.store.images_dir(), &req.image).map_err(|e| {
+        let image = images::load(&self.store.images_dir(), &req.image).map_err(|e| {
             if e.code == ErrorCode::NotFound {
                 ApiError::invalid_request(e.message)
             } else {
@@ -49,6 +49,7 @@ impl Manager {
         {
             return Err(ApiError::invalid_request(crate::hypervisor::cloud_hypervisor::NO_NICS_OR_SEED));
         }
+        let boot = self.check_disk_request(&image, hypervisor, req.boot, req.disk_gib)?;
         let profile = match &gpu {
             Some(GpuWant::Profile(p)) => Some(self.known_profile(p)?),
             _ => None,
@@ -70,6 +71,8 @@ impl Manager {
                 created_at: now_rfc3339(),
                 nics: req.nics.clone(),
                 cloud_init: req.cloud_init.clone(),
+                boot,
+                disk_gib: req.disk_gib,
             },
             InstanceState::Starting,
         );
@@ -81,6 +84,10 @@ impl Manager {
         {
             // Names are unique: the name index entry and the record under the allocation lock.
             let _a = self.alloc();
+            if let Err(e) = self.check_image_still_there(&req.image) {
+                self.forget_instance_lock(id);
+                return Err(e);
+            }
             if let Err(e) = self.store.claim_name(&req.name, id) {
                 self.forget_instance_lock(id);
                 return Err(match e {
@@ -156,8 +163,14 @@ impl Manager {
         }
     }
 
-    /// Claim, configure, spawn for a `starting` record; on failure roll back as `mode` says.
+    /// Disk, claim, configure, spawn for a `starting` record; on failure roll back as `mode`
+    /// says. The disk step (overlay, UEFI variable store: [`Manager::prepare_disk`]) comes
+    /// first, so a failing `qemu-img` never touches a GPU.
     pub(crate) fn boot(&self, mut rec: InstanceRecord, mode: Rollback) -> Result<InstanceRecord, ApiError> {
+        if let Err(e) = self.prepare_disk(&rec) {
+            self.undo_record(&mut rec, mode, &e);
+            return Err(e);
+        }
         let claim = if rec.wants_gpu() {
             match self.claim_and_configure(&rec) {
                 Ok(c) => Some(c),

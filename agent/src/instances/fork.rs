@@ -1,7 +1,9 @@
 //! `instance.fork` and the saved-state operations (`standby`, `snapshot`, `restore`).
 //!
 //! A fork never inherits a claim or a VMM identity: it keeps the GPU *profile* and claims
-//! its own device when it starts. `cleanup_pending` instances refuse all of these.
+//! its own device when it starts. A fork of an instance with a disk copies its overlay
+//! (and UEFI variable store): the source must be stopped, so the copy is consistent.
+//! `cleanup_pending` instances refuse all of these.
 
 use super::request::check_instance_name;
 use super::view::InstanceView;
@@ -32,7 +34,8 @@ impl SaveStateOp {
 
 impl Manager {
     /// `instance.fork`: a new stopped instance with the source's definition (image, vCPUs,
-    /// memory, labels, hypervisor and GPU *profile*).
+    /// memory, labels, hypervisor, GPU *profile*, boot mode, disk size) and a copy of its
+    /// disk state. Errors: `invalid_state` when the source has a disk and is not stopped.
     pub fn fork(&self, r: &str, name: &str) -> Result<InstanceView, ApiError> {
         self.on_instance("fork", r, |src| self.fork_of(src, name))
     }
@@ -42,6 +45,19 @@ impl Manager {
             return Err(ApiError::instance_cleanup_pending(src.id, &src.name));
         }
         check_instance_name(name)?;
+        let has_disk = self.image_of(src).map(|i| i.disk.is_some()).unwrap_or(false)
+            || self.store.instance_dir(src.id).join(super::disk::OVERLAY).exists();
+        if has_disk && src.state() != InstanceState::Stopped {
+            return Err(ApiError::invalid_state(
+                format!(
+                    "instance {} is {}: stop it before forking it (its disk is copied, and a running VM \
+                     is still writing it)",
+                    src.name,
+                    src.state().as_str()
+                ),
+                src.state().as_str(),
+            ));
+        }
         let rec = InstanceRecord::new(
             InstanceDefinition {
                 id: Uuid::new_v4(),
@@ -59,11 +75,14 @@ impl Manager {
                 created_at: now_rfc3339(),
                 nics: src.nics.clone(),
                 cloud_init: src.cloud_init.clone(),
+                boot: src.boot,
+                disk_gib: src.disk_gib,
             },
             InstanceState::Stopped,
         );
         {
             let _a = self.alloc();
+            self.check_image_still_there(&rec.image)?;
             self.store.claim_name(name, rec.id).map_err(|e| match e {
                 StoreError::NameTaken { .. } => ApiError::name_taken("an instance", name),
                 e => e.into(),
@@ -73,6 +92,14 @@ impl Manager {
                 let _ = self.store.release_name(name, rec.id);
                 return Err(e.into());
             }
+        }
+        // The record first, then the disk copy: a failure or a crash leaves nothing that
+        // deleting the fork does not remove (its instance directory).
+        if let Err(e) = self.copy_disk_state(src, &rec) {
+            let _a = self.alloc();
+            let _ = self.store.remove_instance(rec.id);
+            let _ = self.store.release_name(name, rec.id);
+            return Err(e);
         }
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, source = %src.id, "instance forked");
         Ok(self.view(&rec, &Listing::default()))

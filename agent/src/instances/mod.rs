@@ -14,6 +14,7 @@
 //! | [`vmm`] | VMM liveness, spawn, stop and the kill-path accounting |
 //! | [`create`], [`start`], [`stop`], [`delete`], [`fork`] | one operation each |
 //! | [`rollback`] | rollback and retention after a failed create or start |
+//! | [`disk`] | boot modes, the disk overlay and UEFI variable store, image import and delete |
 //! | [`view`] | the typed views the core returns (serialised only by `rpc`) |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
 //!
@@ -40,6 +41,7 @@ pub mod claim;
 pub mod console_logs;
 pub mod create;
 pub mod delete;
+pub mod disk;
 pub mod fork;
 pub mod health;
 pub mod inventory;

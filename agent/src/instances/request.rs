@@ -98,7 +98,20 @@ pub struct CreateRequest {
     /// cloud-init NoCloud inputs: `user_data`, `network_config` (each at most 64 KiB).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<crate::network::CloudInit>,
+    /// How the VM boots: `direct` (the image's kernel; the default when it has one), `bios`
+    /// (SeaBIOS from the disk; the default for a disk-only image) or `uefi` (OVMF from the
+    /// disk: what GPU guests with large BARs need).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<crate::store::BootMode>,
+    /// Size of the instance's disk overlay, GiB (images with a disk only): at least the
+    /// image disk's virtual size; default that size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = DISK_GIB_MAX))]
+    pub disk_gib: Option<u64>,
 }
+
+/// The largest `disk_gib`: 64 TiB.
+pub const DISK_GIB_MAX: u64 = 65_536;
 
 /// The `gpu` of a create request.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
@@ -222,6 +235,11 @@ impl CreateRequest {
                 return Err(ApiError::invalid_request(format!(
                     "hypervisor {h:?} is not one of \"qemu\", \"cloud-hypervisor\""
                 )));
+            }
+        }
+        if let Some(g) = self.disk_gib {
+            if !(1..=DISK_GIB_MAX).contains(&g) {
+                return Err(ApiError::invalid_request(format!("disk_gib must be 1..={DISK_GIB_MAX}, not {g}")));
             }
         }
         let gpu = self.gpu.as_ref().map(GpuRequest::want).transpose()?;
@@ -361,14 +379,21 @@ pub struct ImportParams {
     /// Image name, `[a-z0-9][a-z0-9._-]{0,62}`.
     #[schemars(regex(pattern = "^[a-z0-9][a-z0-9._-]{0,62}$"))]
     pub name: String,
-    /// Absolute path of the kernel on the agent's host.
-    pub kernel: PathBuf,
-    /// Absolute path of the initrd.
+    /// Absolute path of the kernel on the agent's host (direct boot); optional when `disk`
+    /// is given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    /// Absolute path of the initrd (only with `kernel`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initrd: Option<PathBuf>,
     /// Kernel command line (the agent's `default_cmdline` when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cmdline: Option<String>,
+    /// Absolute path of a disk image on the agent's host: qcow2, or a raw disk with an MBR
+    /// or GPT (`qemu-img info` decides the format); copied into the image as `disk.qcow2`
+    /// or `disk.raw`, flattened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<PathBuf>,
 }
 
 /// `image.delete` parameters.

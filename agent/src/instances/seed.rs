@@ -77,22 +77,25 @@ impl Manager {
     }
 }
 
+/// Writes through a fresh name in the agent's private directory (the instance directory is
+/// writable by the VMM user: [`crate::hypervisor::confine::staging_path`]), then renames.
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
+    let tmp = crate::hypervisor::confine::staging_path(path)?;
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }
 
-/// Writes the files into `<dir>/seed.d/`, runs `genisoimage` into `seed.iso.tmp`, renames it
+/// Writes the files into the private directory's `seed.d/`, runs `genisoimage` into a fresh name there, renames it
 /// to `seed.iso`.
 fn build_seed(dir: &Path, files: &[(&'static str, String)]) -> Result<(), String> {
-    let src = dir.join("seed.d");
+    let private = crate::hypervisor::confine::private_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let src = private.join("seed.d");
     let _ = std::fs::remove_dir_all(&src);
     std::fs::create_dir_all(&src).map_err(|e| format!("{}: {e}", src.display()))?;
     for (name, content) in files {
         std::fs::write(src.join(name), content).map_err(|e| format!("{}: {e}", src.join(name).display()))?;
     }
-    let tmp = dir.join("seed.iso.tmp");
+    let tmp = crate::hypervisor::confine::staging_path(&dir.join(SEED_FILE)).map_err(|e| e.to_string())?;
     let out = Command::new("genisoimage")
         .arg("-quiet")
         .arg("-output")
@@ -138,6 +141,8 @@ mod tests {
                 created_at: "2026-01-01T00:00:00Z".into(),
                 nics: vec![],
                 cloud_init,
+                boot: Default::default(),
+                disk_gib: None,
             },
             InstanceState::Stopped,
         )

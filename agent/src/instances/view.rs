@@ -136,6 +136,12 @@ pub struct InstanceView {
     /// `cloud_init`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<SeedView>,
+    /// How the VM boots: `direct`, `bios`, `uefi`.
+    #[serde(default)]
+    pub boot: crate::store::BootMode,
+    /// The instance's disk overlay, when its image has a disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<InstanceDiskView>,
 }
 
 /// One NIC of an instance.
@@ -165,6 +171,17 @@ pub struct SeedView {
     pub user_data_bytes: u64,
     /// Bytes of `cloud_init.network_config` (0: none given).
     pub network_config_bytes: u64,
+}
+
+/// The disk of an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct InstanceDiskView {
+    /// `<instance dir>/disk.qcow2`: the instance's qcow2 overlay on its image's disk.
+    pub overlay: String,
+    /// The overlay exists (it is made at create, and again on start when missing).
+    pub exists: bool,
+    /// The size asked for at create, GiB; `None`: the image disk's size.
+    pub disk_gib: Option<u64>,
 }
 
 /// A record that exists but cannot be read.
@@ -771,7 +788,22 @@ impl Manager {
                     .and_then(|c| c.network_config.as_ref())
                     .map_or(0, |u| u.len() as u64),
             }),
+            boot: rec.boot,
+            disk: self.disk_view(rec),
         }
+    }
+
+    /// The disk part of the view: the overlay of an instance whose image has a disk (or that
+    /// has an overlay, when the image is unreadable).
+    fn disk_view(&self, rec: &InstanceRecord) -> Option<InstanceDiskView> {
+        let overlay = self.store.instance_dir(rec.id).join(super::disk::OVERLAY);
+        let has_disk = overlay.exists()
+            || crate::images::load(&self.store.images_dir(), &rec.image).is_ok_and(|i| i.disk.is_some());
+        has_disk.then(|| InstanceDiskView {
+            overlay: overlay.display().to_string(),
+            exists: overlay.exists(),
+            disk_gib: rec.disk_gib,
+        })
     }
 
     /// The view of an instance after an operation that succeeded: claim records that cannot

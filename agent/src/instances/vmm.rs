@@ -10,10 +10,9 @@
 use super::Manager;
 use crate::config::VfioAttach;
 use crate::devices::{mdev, vendor_vfio};
-use crate::error::{ApiError, ErrorCode};
+use crate::error::ApiError;
 use crate::host::proc::{self, Liveness};
 use crate::hypervisor;
-use crate::images;
 use crate::store::{Claim, InstanceRecord, InstanceState, VmmRecord};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -79,16 +78,13 @@ impl Manager {
     }
 
     fn vm_spec(&self, rec: &InstanceRecord, claim: Option<&Claim>) -> Result<hypervisor::VmSpec, ApiError> {
-        let image = images::load(&self.store.images_dir(), &rec.image).map_err(|e| {
-            if e.code == ErrorCode::NotFound {
-                ApiError::invalid_request(format!("image {} of instance {} no longer exists", rec.image, rec.name))
-            } else {
-                e
-            }
-        })?;
+        let image = self.image_of(rec)?;
+        let (disk, uefi) = self.disk_spec(rec, &image);
+        // `bios` and `uefi` boot the disk through the firmware: no kernel.
         let run_as = hypervisor::confine::VmmUser::resolve(&self.cfg.vmm_user)
             .map_err(|e| ApiError::vmm_start_failed(format!("the VMM cannot be confined: {e}"), None))?;
         let mut device_nodes = Vec::new();
+        let direct = rec.boot == crate::store::BootMode::Direct;
         let vfio = match claim {
             None => None,
             Some(c) => {
@@ -130,8 +126,8 @@ impl Manager {
             name: rec.name.clone(),
             vcpus: rec.vcpus,
             memory_mib: rec.memory_mib,
-            kernel: Some(image.kernel),
-            initrd: image.initrd,
+            kernel: image.kernel.filter(|_| direct),
+            initrd: image.initrd.filter(|_| direct),
             paused: false,
             cmdline: image.cmdline.unwrap_or_else(|| self.cfg.default_cmdline.clone()),
             accel: self.cfg.accel.clone(),
@@ -144,6 +140,8 @@ impl Manager {
             device_nodes,
             nics: vec![],
             seed: None,
+            disk,
+            uefi,
         })
     }
 

@@ -121,18 +121,11 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     without_params!(module, "gpu.list", |m| m.gpus());
     with_params!(module, "gpu.unquarantine", |m, u: UnquarantineParams| m.unquarantine(u));
     with_params!(module, "placement.dry_run", |m, d: DryRunParams| m.dry_run(d));
-    with_params!(module, "image.import", |m, i: ImportParams| crate::images::import(
-        &m.store().images_dir(),
-        &i.name,
-        &i.kernel,
-        i.initrd.as_deref(),
-        i.cmdline
-    ));
+    with_params!(module, "image.import", |m, i: ImportParams| m.import_image(&i));
     without_params!(module, "image.list", |m| Ok(crate::instances::view::ImageList {
         images: crate::images::list(&m.store().images_dir())
     }));
-    with_params!(module, "image.delete", |m, n: NameParams| crate::images::delete(&m.store().images_dir(), &n.name)
-        .map(|()| crate::instances::view::ImageDeleted { name: n.name, deleted: true }));
+    with_params!(module, "image.delete", |m, n: NameParams| m.delete_image(&n.name));
     without_params!(module, "plugin.list", |m| Ok(m.plugin_list()));
     without_params!(module, "plugin.reload", |m| m.reload_plugins());
     without_params!(module, "reconcile.run", |m| Ok(m.reconcile()));

@@ -103,6 +103,22 @@ pub fn demo_image() -> PathBuf {
     dir
 }
 
+/// The demo disk image directory (`disk.qcow2`, `image.toml`; built by
+/// `scripts/build-image` next to the demo image on first use).
+pub fn demo_disk_image() -> PathBuf {
+    let dir = target_dir().join("images/demo-disk");
+    let _built = demo_image();
+    if !dir.join("disk.qcow2").is_file() {
+        let _g = BUILD_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        let st = Command::new(repo_root().join("scripts/build-image"))
+            .arg(target_dir().join("images/demo"))
+            .status()
+            .expect("build-image");
+        assert!(st.success(), "scripts/build-image failed");
+    }
+    dir
+}
+
 /// A JSON-RPC error as the client sees it.
 #[derive(Debug, Clone)]
 pub struct RpcError {

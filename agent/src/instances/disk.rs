@@ -1,0 +1,235 @@
+//! Disks of instances (docs/disks.md): the create-time checks of `boot` and `disk_gib`, the
+//! overlay and the UEFI variable store (made by [`Manager::prepare_disk`], a step of the
+//! shared boot sequence, before anything is claimed), the copy of both on fork, and the
+//! image operations that must know the instances (`image.import`, and `image.delete`,
+//! which refuses an image that instance records still name).
+//!
+//! Files, in the instance directory (removed with it on delete): `disk.qcow2` (the qcow2
+//! overlay on the image's disk; the image's disk is never written) and `efivars.fd` (UEFI
+//! instances: their own copy of `ovmf_vars`, made once). Both are written under a temporary
+//! name and renamed, so "the file exists" means "the step is done".
+
+use super::request::ImportParams;
+use super::view::ImageDeleted;
+use super::Manager;
+use crate::disks::{self, DiskError, GIB};
+use crate::error::{ApiError, ErrorCode};
+use crate::hypervisor::{HypervisorKind, UefiPflash};
+use crate::images::{self, Image};
+use crate::store::{BootMode, InstanceRecord};
+use std::path::PathBuf;
+
+/// The overlay's file name in the instance directory.
+pub const OVERLAY: &str = "disk.qcow2";
+/// The UEFI variable store's file name in the instance directory.
+pub const EFIVARS: &str = "efivars.fd";
+
+fn disk_error(e: DiskError) -> ApiError {
+    match e {
+        DiskError::Invalid(m) => ApiError::invalid_request(m),
+        DiskError::Tool(m) => ApiError::internal(m),
+    }
+}
+
+impl Manager {
+    /// The image of an instance. Errors: `invalid_request` when it no longer exists.
+    pub(crate) fn image_of(&self, rec: &InstanceRecord) -> Result<Image, ApiError> {
+        images::load(&self.store.images_dir(), &rec.image).map_err(|e| {
+            if e.code == ErrorCode::NotFound {
+                ApiError::invalid_request(format!("image {} of instance {} no longer exists", rec.image, rec.name))
+            } else {
+                e
+            }
+        })
+    }
+
+    /// The boot mode of a new instance of `image` on `hypervisor`, checked: `direct` needs a
+    /// kernel and is the default when the image has one; `bios` and `uefi` need a disk,
+    /// `bios` is the default for a disk-only image; `uefi` needs the OVMF files; `disk_gib`
+    /// needs a disk and at least its virtual size; Cloud Hypervisor instances get no disk
+    /// and no firmware boot. Errors: `invalid_request` naming the field,
+    /// `hypervisor_unsupported`.
+    pub(crate) fn check_disk_request(
+        &self,
+        image: &Image,
+        hypervisor: HypervisorKind,
+        boot: Option<BootMode>,
+        disk_gib: Option<u64>,
+    ) -> Result<BootMode, ApiError> {
+        let boot = boot.unwrap_or(if image.kernel.is_some() { BootMode::Direct } else { BootMode::Bios });
+        match (boot, &image.kernel, &image.disk) {
+            (BootMode::Direct, None, _) => {
+                return Err(ApiError::invalid_request(format!(
+                    "boot \"direct\" needs a kernel, and image {} has only a disk (use boot \"bios\" or \"uefi\")",
+                    image.name
+                )))
+            }
+            (BootMode::Bios | BootMode::Uefi, _, None) => {
+                return Err(ApiError::invalid_request(format!(
+                    "boot \"{}\" boots a disk, and image {} has none (use boot \"direct\")",
+                    boot.as_str(),
+                    image.name
+                )))
+            }
+            _ => {}
+        }
+        if hypervisor == HypervisorKind::CloudHypervisor && (image.disk.is_some() || boot != BootMode::Direct) {
+            return Err(ApiError::hypervisor_unsupported(
+                format!(
+                    "cloud-hypervisor instances boot their kernel directly and get no disk in this version \
+                     (image {} has a disk or boot \"{}\" was asked for): use hypervisor \"qemu\"",
+                    image.name,
+                    boot.as_str()
+                ),
+                Some(HypervisorKind::CloudHypervisor.name()),
+                None,
+            ));
+        }
+        match (disk_gib, &image.disk) {
+            (Some(_), None) => {
+                return Err(ApiError::invalid_request(format!(
+                    "disk_gib sizes the disk overlay, and image {} has no disk",
+                    image.name
+                )))
+            }
+            (Some(g), Some(d)) if g.saturating_mul(GIB) < d.virtual_size_bytes => {
+                return Err(ApiError::invalid_request(format!(
+                    "disk_gib {g} is smaller than the disk of image {} ({} bytes, {} GiB rounded up)",
+                    image.name,
+                    d.virtual_size_bytes,
+                    d.virtual_size_bytes.div_ceil(GIB)
+                )))
+            }
+            _ => {}
+        }
+        if boot == BootMode::Uefi {
+            self.uefi_firmware()?;
+        }
+        Ok(boot)
+    }
+
+    /// The OVMF code and variable template (`ovmf_code`, `ovmf_vars`). Errors:
+    /// `invalid_request` naming the missing file and its config key.
+    fn uefi_firmware(&self) -> Result<(PathBuf, PathBuf), ApiError> {
+        for (key, p) in [("ovmf_code", &self.cfg.ovmf_code), ("ovmf_vars", &self.cfg.ovmf_vars)] {
+            if !p.is_file() {
+                return Err(ApiError::invalid_request(format!(
+                    "boot \"uefi\" needs the UEFI firmware {} (config key {key}; Debian package ovmf), which is missing",
+                    p.display()
+                )));
+            }
+        }
+        Ok((self.cfg.ovmf_code.clone(), self.cfg.ovmf_vars.clone()))
+    }
+
+    /// The disk and firmware of the VM spec: the overlay when the image has a disk, the
+    /// pflash pair for `uefi`.
+    pub(crate) fn disk_spec(&self, rec: &InstanceRecord, image: &Image) -> (Option<PathBuf>, Option<UefiPflash>) {
+        let dir = self.store.instance_dir(rec.id);
+        let disk = image.disk.as_ref().map(|_| dir.join(OVERLAY));
+        let uefi = (rec.boot == BootMode::Uefi)
+            .then(|| UefiPflash { code: self.cfg.ovmf_code.clone(), vars: dir.join(EFIVARS) });
+        (disk, uefi)
+    }
+
+    /// The disk step of create and start (before anything is claimed): makes the overlay
+    /// on the image's disk when it is missing (`disk_gib` sets its size) and, for `uefi`,
+    /// the instance's variable store when it is missing. Errors: `invalid_request` (the
+    /// image is gone, the firmware is missing), `internal` (`qemu-img` failed).
+    pub(crate) fn prepare_disk(&self, rec: &InstanceRecord) -> Result<(), ApiError> {
+        let image = self.image_of(rec)?;
+        let dir = self.store.instance_dir(rec.id);
+        if let Some(d) = &image.disk {
+            let overlay = dir.join(OVERLAY);
+            if !overlay.exists() {
+                let size = rec.disk_gib.map(|g| g.saturating_mul(GIB));
+                disks::create_overlay(&self.cfg.qemu_img_binary, &d.path, d.format, size, &overlay)
+                    .map_err(disk_error)?;
+                tracing::info!(instance.id = %rec.id, instance.name = %rec.name, overlay = %overlay.display(),
+                    base = %d.path.display(), disk_gib = ?rec.disk_gib, "disk overlay created");
+            }
+        }
+        if rec.boot == BootMode::Uefi {
+            let (_, vars) = self.uefi_firmware()?;
+            let store = dir.join(EFIVARS);
+            if !store.exists() {
+                disks::copy_file(&vars, &store).map_err(disk_error)?;
+            }
+        }
+        crate::crash_point!("boot_after_disk");
+        Ok(())
+    }
+
+    /// Fork: copies the source's overlay and variable store (those that exist) into the
+    /// fork's instance directory, so the fork starts from the source's disk state and its
+    /// own writes never reach the source. The source must not run (the caller checks).
+    pub(crate) fn copy_disk_state(&self, src: &InstanceRecord, dst: &InstanceRecord) -> Result<(), ApiError> {
+        let (from, to) = (self.store.instance_dir(src.id), self.store.instance_dir(dst.id));
+        for f in [OVERLAY, EFIVARS] {
+            if from.join(f).exists() {
+                std::fs::create_dir_all(&to).map_err(ApiError::internal)?;
+                disks::copy_file(&from.join(f), &to.join(f)).map_err(disk_error)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `image.import` ([`images::import`] with the configured `qemu-img`).
+    pub fn import_image(&self, p: &ImportParams) -> Result<Image, ApiError> {
+        let src = images::ImportSource {
+            kernel: p.kernel.as_deref(),
+            initrd: p.initrd.as_deref(),
+            disk: p.disk.as_deref(),
+            cmdline: p.cmdline.clone(),
+        };
+        let r = images::import(&self.store.images_dir(), &self.cfg.qemu_img_binary, &p.name, &src);
+        if let Err(e) = &r {
+            tracing::warn!(image = %p.name, code = %e.code.as_str(), error = %e.message, "image import failed");
+        }
+        r
+    }
+
+    /// `image.delete`: refused (`image_in_use`, naming them) while instance records name the
+    /// image, and (`not_ready`) when some records cannot be read — one of them may. Under
+    /// the allocation lock, which create and fork hold when they write a record naming an
+    /// image, after checking that it exists.
+    pub fn delete_image(&self, name: &str) -> Result<ImageDeleted, ApiError> {
+        let r = (|| -> Result<ImageDeleted, ApiError> {
+            let _a = self.alloc();
+            let listing = self.store.scan_instances()?;
+            let mut users: Vec<String> =
+                listing.records.iter().filter(|r| r.image == name).map(|r| r.name.clone()).collect();
+            if !users.is_empty() {
+                users.sort();
+                return Err(ApiError::image_in_use(name, &users));
+            }
+            if let Some(u) = listing.unreadable.first() {
+                return Err(ApiError::not_ready(format!(
+                    "image {name} is not deleted: the instance record {} cannot be read ({}), and it may use the image",
+                    u.path.display(),
+                    u.error
+                )));
+            }
+            images::delete(&self.store.images_dir(), name)?;
+            tracing::info!(image = %name, "image deleted");
+            Ok(ImageDeleted { name: name.to_string(), deleted: true })
+        })();
+        if let Err(e) = &r {
+            tracing::warn!(image = %name, code = %e.code.as_str(), error = %e.message, "image delete failed");
+        }
+        r
+    }
+
+    /// Create and fork, under the allocation lock before the record is written: the image
+    /// still exists (an `image.delete` may have run since it was loaded). Errors:
+    /// `invalid_request`.
+    pub(crate) fn check_image_still_there(&self, image: &str) -> Result<(), ApiError> {
+        match images::load(&self.store.images_dir(), image) {
+            Ok(_) => Ok(()),
+            Err(e) if e.code == ErrorCode::NotFound => {
+                Err(ApiError::invalid_request(format!("image {image} was deleted while the instance was being made")))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
