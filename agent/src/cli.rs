@@ -169,6 +169,30 @@ pub enum Command {
     Metrics,
     /// Call any JSON-RPC method with JSON params.
     Call { method: String, params: Option<String> },
+    /// This host, read directly (no agent needed).
+    Host {
+        #[command(subcommand)]
+        action: HostAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum HostAction {
+    /// Check what gpuvisor needs from this host (IOMMU, VFIO, NVIDIA driver and vGPU manager,
+    /// VFs and types per GPU, passthrough GPUs, KVM, QEMU and Cloud Hypervisor, /proc, the
+    /// VMM user, cgroup v2). Reads only; exits 1 when a check fails.
+    Check(HostCheckArgs),
+}
+
+/// `gpuvisor host check` flags.
+#[derive(Debug, Args)]
+pub struct HostCheckArgs {
+    /// TOML config file (the agent's; default: the built-in defaults, like `serve`).
+    #[arg(long, env = "GPUVISOR_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Read this host root instead of the config's `host_root` (a simulator mount).
+    #[arg(long)]
+    pub host_root: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -520,6 +544,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
             return plugin_test(plugin, input, kind.as_deref());
         }
         Command::Console { name, log } => return console(cli, name, *log).await,
+        Command::Host { action: HostAction::Check(args) } => return host_check(cli, args),
         Command::Reconcile => ("reconcile.run", json!({})),
         Command::Health => ("agent.health", json!({})),
         Command::Metrics => ("agent.metrics", json!({})),
@@ -571,6 +596,42 @@ pub async fn run_client(cli: &Cli) -> i32 {
             eprintln!("error: {e}");
             exit::ERROR
         }
+    }
+}
+
+/// `gpuvisor host check`: reads the host directly (the config's `host_root`, or
+/// `--host-root`); a table or, with `-o json`, the [`HostReport`](crate::host::check::HostReport).
+/// Exit code 0 when no check fails, 1 otherwise, 2 for a config that cannot be read.
+fn host_check(cli: &Cli, args: &HostCheckArgs) -> i32 {
+    let mut cfg = match &args.config {
+        Some(p) => match Config::load(p) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return exit::USAGE;
+            }
+        },
+        None => Config::default(),
+    };
+    if let Some(r) = &args.host_root {
+        cfg.host_root = r.clone();
+    }
+    let report = crate::host::check::check_host(&cfg);
+    if cli.output == Output::Json {
+        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+    } else {
+        println!("host root: {}", report.host_root);
+        let rows = report
+            .checks
+            .iter()
+            .map(|c| vec![c.verdict.as_str().to_string(), c.check.clone(), c.detail.clone()])
+            .collect();
+        table(&["VERDICT", "CHECK", "DETAIL"], rows);
+    }
+    if report.failed {
+        exit::ERROR
+    } else {
+        exit::OK
     }
 }
 

@@ -101,6 +101,17 @@ impl VmCgroups {
     }
 }
 
+/// The controllers the cgroup v2 hierarchy at `root` offers (`cgroup.controllers`), read
+/// only; `Ok(None)` when `root` is not a cgroup v2 hierarchy (v1 or hybrid: no
+/// `cgroup.controllers`). Errors: the file exists but cannot be read.
+pub fn v2_controllers(root: &Path) -> io::Result<Option<Vec<String>>> {
+    match controllers(&root.join("cgroup.controllers")) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// `memory.max` of a VM: its guest memory plus the VMM's overhead, bytes.
 pub fn memory_limit_bytes(memory_mib: u64, overhead_mib: u64) -> u64 {
     memory_mib.saturating_add(overhead_mib).saturating_mul(1024 * 1024)

@@ -7,10 +7,14 @@
 //! real `/proc`, read through the `procfs` crate ([`proc`]).
 
 pub mod cgroup;
+pub mod check;
 pub mod net;
 pub mod proc;
 
 use std::path::{Path, PathBuf};
+
+/// The KVM device. Always the real host's (the VMM opens it, whatever `host_root` is).
+pub const KVM_DEVICE: &str = "/dev/kvm";
 
 /// Root of the host's sysfs/devfs tree (`/` in production, the simulator's mount in tests).
 ///
@@ -87,6 +91,31 @@ impl HostRoot {
     /// `sys/module/nvidia/version` — the loaded NVIDIA driver version.
     pub fn nvidia_version_path(&self) -> PathBuf {
         self.join("sys/module/nvidia/version")
+    }
+
+    /// `sys/kernel/iommu_groups` — one directory per IOMMU group (empty without an IOMMU).
+    pub fn iommu_groups_dir(&self) -> PathBuf {
+        self.join("sys/kernel/iommu_groups")
+    }
+
+    /// `sys/class/iommu` — one entry per IOMMU unit (`dmar0`, `ivhd0`, …).
+    pub fn iommu_class_dir(&self) -> PathBuf {
+        self.join("sys/class/iommu")
+    }
+
+    /// `sys/bus/pci/drivers/<name>` — present while the PCI driver is registered.
+    pub fn pci_driver_dir(&self, name: &str) -> PathBuf {
+        self.join("sys/bus/pci/drivers").join(name)
+    }
+
+    /// `sys/module/<name>` — present while the kernel module is loaded (or built in).
+    pub fn module_dir(&self, name: &str) -> PathBuf {
+        self.join("sys/module").join(name)
+    }
+
+    /// `proc/driver/nvidia/version` — the NVIDIA driver's banner (`NVRM version: …`).
+    pub fn nvidia_proc_version_path(&self) -> PathBuf {
+        self.join("proc/driver/nvidia/version")
     }
 
     /// Reads the boot id under the host root (a UUID string, trimmed).

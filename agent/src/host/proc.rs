@@ -477,6 +477,17 @@ pub fn scan_open_handles(targets: &[PathBuf]) -> HandleScan {
     }
 }
 
+/// Whether every process's fd table can be read, as [`scan_open_handles`] needs: the number
+/// of processes read. Errors: the first unreadable `/proc` listing or fd table (EACCES
+/// without root), one sentence.
+pub fn fd_tables_readable() -> Result<usize, String> {
+    let pids = all_pids().map_err(|e| e.to_string())?;
+    for &pid in &pids {
+        fd_links_of(pid).map_err(|e| e.to_string())?;
+    }
+    Ok(pids.len())
+}
+
 /// The paths process `pid` holds open (its `/proc/<pid>/fd` links, ` (deleted)` stripped;
 /// sockets, pipes and anonymous inodes included as the kernel prints them).
 ///

@@ -105,6 +105,9 @@ macro_rules! without_params {
 pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     let mut module = RpcModule::new(m);
     with_params!(module, "instance.create", |m, r: CreateRequest| m.create(r));
+    without_params!(module, "host.check", |m| Ok::<_, crate::error::ApiError>(crate::host::check::check_host(
+        m.config()
+    )));
     with_params!(module, "instance.get", |m, r: RefParams| m.get(&r.reference));
     without_params!(module, "instance.list", |m| m.list());
     with_params!(module, "instance.start", |m, r: RefParams| m.start(&r.reference));

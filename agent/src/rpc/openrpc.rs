@@ -88,6 +88,8 @@ pub fn methods() -> Vec<Method> {
             result: ReloadResult, errors: [InvalidRequest]),
         method!("plugin.list", "The loaded policy plugins with call counts.", result: PluginList, errors: []),
         method!("agent.health", "Liveness, readiness and what is degraded.", result: HealthView, errors: []),
+        method!("host.check", "What gpuvisor needs from this host (IOMMU, VFIO, NVIDIA driver and vGPU manager, VFs, types, KVM, hypervisors, /proc, VMM user, cgroup v2), one verdict per check; reads only.",
+            result: crate::host::check::HostReport, errors: []),
         Method {
             name: "agent.metrics",
             summary: "Prometheus text exposition (format 0.0.4).",

@@ -19,9 +19,18 @@ pub struct CtlRequest {
     pub argv: Vec<String>,
 }
 
-/// Parser wrapper so the server can parse `argv` with clap.
+/// Parser wrapper so the server can parse `argv` with clap; its help (from [`CtlCmd`]'s doc
+/// comments, the one table of commands) is what `gpuvisor-sim ctl DIR help` prints.
 #[derive(Debug, Parser)]
-#[command(name = "ctl", no_binary_name = true, disable_help_flag = true)]
+#[command(
+    name = "ctl",
+    no_binary_name = true,
+    disable_help_flag = true,
+    disable_help_subcommand = true,
+    about = "Control commands of a running gpuvisor-sim mount (NVIDIA-HOST.md §10.5).",
+    override_usage = "gpuvisor-sim ctl DIR <COMMAND> [ARGS]...",
+    after_help = "`gpuvisor-sim ctl DIR help COMMAND` shows one command's arguments."
+)]
 pub struct CtlLine {
     /// The command.
     #[command(subcommand)]
@@ -170,6 +179,28 @@ pub enum CtlCmd {
         #[arg(long)]
         vf_delay: Option<u64>,
     },
+}
+
+/// The help text when `argv` asks for it (`help`, `help COMMAND`, `--help`, `-h`), from the
+/// clap definition of [`CtlCmd`]; `None` for any other command. `Err` names an unknown
+/// COMMAND.
+pub fn help(argv: &[String]) -> Option<Result<String, String>> {
+    use clap::CommandFactory;
+    let first = argv.first()?.as_str();
+    if !matches!(first, "help" | "--help" | "-h") {
+        return None;
+    }
+    let mut cmd = CtlLine::command();
+    Some(match argv.get(1) {
+        None => Ok(cmd.render_help().to_string()),
+        Some(topic) => match cmd.find_subcommand_mut(topic) {
+            Some(sub) => {
+                let mut sub = sub.clone().override_usage(format!("gpuvisor-sim ctl DIR {topic} [ARGS]"));
+                Ok(sub.render_help().to_string())
+            }
+            None => Err(format!("unknown command {topic:?}; `gpuvisor-sim ctl DIR help` lists them")),
+        },
+    })
 }
 
 /// Sends one request to the simulator mounted at `dir` and returns its answer,

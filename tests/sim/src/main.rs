@@ -70,6 +70,18 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        // Help needs no mount: it comes from the command table itself.
+        Cmd::Ctl { argv, .. } if ctl::help(&argv).is_some() => match ctl::help(&argv) {
+            Some(Ok(text)) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Some(Err(e)) => {
+                eprintln!("gpuvisor-sim ctl: {e}");
+                ExitCode::from(2)
+            }
+            None => ExitCode::FAILURE,
+        },
         Cmd::Ctl { dir, argv } => match ctl::request(&dir, &argv) {
             Ok(v) => {
                 println!("{v}");

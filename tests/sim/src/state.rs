@@ -444,6 +444,18 @@ impl State {
         t.file(".sim/state.json", FileKind::StateJson, 0o444);
         t.text("proc/sys/kernel/random/boot_id", format!("{}\n", self.boot_id));
         t.text("sys/module/nvidia/version", format!("{}\n", self.driver_version));
+        // What `gpuvisor host check` reads besides: the driver's banner, and the vGPU
+        // manager's module on a vGPU host (NVIDIA-HOST.md §10.1 extra files).
+        t.text(
+            "proc/driver/nvidia/version",
+            format!(
+                "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {}  Release Build  (gpuvisor-sim)\n",
+                self.driver_version
+            ),
+        );
+        if vendor || mdev {
+            t.text("sys/module/nvidia_vgpu_vfio/version", format!("{}\n", self.driver_version));
+        }
         t.dir("sys/bus/pci/devices");
         t.dir("sys/kernel/iommu_groups");
         t.dir("sys/class/mdev_bus");
@@ -1115,6 +1127,9 @@ impl State {
     /// Executes one control command; the answer's extra fields or an error message.
     /// The answer's fields come back as (key, JSON text) pairs, in order.
     pub fn ctl(&mut self, argv: &[String], pid: u32) -> Result<Vec<(String, String)>, String> {
+        if let Some(h) = crate::ctl::help(argv) {
+            return Ok(vec![("help".into(), Value::String(h?).to_string())]);
+        }
         let line = CtlLine::try_parse_from(argv).map_err(|e| e.to_string().trim().to_string())?;
         let now = self.now();
         match line.cmd {

@@ -245,3 +245,33 @@ fn state_dump_file_and_cli() {
     let out = Command::new(bin).arg("ctl").arg(sim.path()).args(["bogus-command"]).output().unwrap();
     assert!(!out.status.success());
 }
+
+/// `gpuvisor-sim ctl DIR help` lists every command of the one command table (`CtlCmd`), with
+/// or without a mount; `help COMMAND` gives one command's arguments; the channel itself
+/// answers `help` with `ok` too.
+#[test]
+fn help_lists_every_command_from_the_table() {
+    use clap::CommandFactory;
+    let bin = gpuvisor_sim::testing::sim_binary().unwrap();
+    let names: Vec<String> =
+        gpuvisor_sim::ctl::CtlLine::command().get_subcommands().map(|c| c.get_name().to_string()).collect();
+    assert!(names.len() >= 20, "{names:?}");
+    let out = Command::new(&bin).args(["ctl", "/nonexistent-dir", "help"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    for n in &names {
+        assert!(text.lines().any(|l| l.split_whitespace().next() == Some(n.as_str())), "{n} missing:\n{text}");
+    }
+    let out = Command::new(&bin).args(["ctl", "/nonexistent-dir", "help", "fail-write"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("<ERRNO>") && text.contains("--times"), "{text}");
+    let out = Command::new(&bin).args(["ctl", "/nonexistent-dir", "help", "no-such"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown command \"no-such\""), "{out:?}");
+    // The channel: a request of `help` answers ok with the same text.
+    let sim = SimMount::start(V).unwrap();
+    let v = sim.ctl(&["help"]).unwrap();
+    let text = v["help"].as_str().unwrap();
+    assert!(names.iter().all(|n| text.contains(n.as_str())), "{text}");
+}
