@@ -127,6 +127,7 @@ fn give_to_group(path: &Path, gid: u32, mode: u32, dir: bool, create: bool) -> s
 /// where one of them should be, or a failing chown/chmod.
 pub fn prepare_run_dir(user: Option<&VmmUser>, run_dir: &Path, vmm_files: &[(&Path, bool)]) -> std::io::Result<()> {
     let Some(u) = user else { return Ok(()) };
+    check_reachable(u, run_dir)?;
     give_to_group(run_dir, u.gid, RUN_DIR_MODE, true, false)?;
     for (f, create) in vmm_files {
         give_to_group(f, u.gid, VMM_FILE_MODE, false, *create)?;
@@ -170,6 +171,35 @@ pub fn staging_path(dst: &Path) -> std::io::Result<std::path::PathBuf> {
     let parent = dst.parent().unwrap_or(Path::new("."));
     let base = dst.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(private_dir(parent)?.join(format!("{base}.{}.tmp", uuid::Uuid::new_v4().simple())))
+}
+
+/// Every directory above `dir` lets `user` search it (`x` for its uid, one of its groups, or
+/// others): a data directory under a `0700` directory (e.g. a `mktemp -d`) would make every
+/// VMM fail on its first open with a bare "Permission denied". Errors name the directory.
+pub fn check_reachable(user: &VmmUser, dir: &Path) -> std::io::Result<()> {
+    for a in dir.ancestors().skip(1) {
+        let m = std::fs::metadata(a)?;
+        let mode = m.mode();
+        let ok = if m.uid() == user.uid {
+            mode & 0o100 != 0
+        } else if user.groups.contains(&m.gid()) {
+            mode & 0o010 != 0
+        } else {
+            mode & 0o001 != 0
+        };
+        if !ok {
+            return Err(std::io::Error::other(format!(
+                "the VMM user {} cannot reach {}: {} is mode {:04o} (owner {}); give it o+x (or make the data \
+                 directory elsewhere)",
+                user.name,
+                dir.display(),
+                a.display(),
+                mode & 0o7777,
+                m.uid()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Gives a device node (a VFIO group, `/dev/vfio/<N>`) to the VMM's group, mode 0660 —
@@ -274,6 +304,24 @@ mod tests {
         assert!(err.to_string().contains("planted"), "{err}");
         let m = std::fs::metadata(&target).unwrap();
         assert_eq!((m.gid(), m.mode() & 0o777), (0, 0o600));
+    }
+
+    #[test]
+    fn a_run_dir_under_a_0700_directory_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let run = dir.path().join("data/instances/x");
+        std::fs::create_dir_all(&run).unwrap();
+        let u = VmmUser { name: "gpuvisor-vmm".into(), uid: 65534, gid: 65534, groups: vec![65534] };
+
+        let err = prepare_run_dir(Some(&u), &run, &[]).unwrap_err().to_string();
+
+        assert!(
+            err.contains("cannot reach") && err.contains(&format!("{} is mode 0700", dir.path().display())),
+            "{err}"
+        );
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        prepare_run_dir(Some(&u), &run, &[]).unwrap();
     }
 
     #[test]

@@ -217,10 +217,12 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
     std::fs::create_dir_all(&spec.run_dir)?;
     let user = spec.run_as.as_ref();
     let vmm_files = spec.vmm_files();
-    super::confine::prepare_run_dir(user, &spec.run_dir, &vmm_files.iter().map(|(p, c)| (p.as_path(), *c)).collect::<Vec<_>>())
-        .map_err(|e| {
-            HypervisorError::start_failed(format!("the instance directory cannot be given to the VMM: {e}"))
-        })?;
+    super::confine::prepare_run_dir(
+        user,
+        &spec.run_dir,
+        &vmm_files.iter().map(|(p, c)| (p.as_path(), *c)).collect::<Vec<_>>(),
+    )
+    .map_err(|e| HypervisorError::start_failed(format!("the instance directory cannot be given to the VMM: {e}")))?;
     for node in &spec.device_nodes {
         super::confine::grant_device(user, node).map_err(|e| {
             HypervisorError::start_failed(format!("{} cannot be given to the VMM user: {e}", node.display()))

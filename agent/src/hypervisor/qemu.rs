@@ -412,7 +412,7 @@ mod tests {
     }
 
     #[test]
-        fn a_bios_boot_boots_the_overlay_with_bootindex_0_and_no_kernel() {
+    fn a_bios_boot_boots_the_overlay_with_bootindex_0_and_no_kernel() {
         let mut s = spec(None);
         s.kernel = None;
         s.initrd = None;

@@ -72,7 +72,10 @@ fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered()
                 | "gpu_release_pending"
                 | "device_unhealthy"
                 | "iommu_group_conflict"
-                | "gpu_busy" => 409,
+                | "gpu_busy"
+                // Beyond LIFECYCLE.md's table (docs/api.md "Errors"): image.delete of an image
+                // that instances use.
+                | "image_in_use" => 409,
                 "vgpu_cleanup_pending"
                 | "vmm_start_failed"
                 | "vmm_kill_failed"
