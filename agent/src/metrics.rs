@@ -88,6 +88,10 @@ pub struct Gauges {
     pub type_mismatches: i64,
     /// Store records that cannot be read.
     pub unreadable_records: i64,
+    /// `(gpu, profile, count)`: vGPUs of each profile each managed GPU can take now.
+    pub placeable: Vec<(String, String, i64)>,
+    /// `(gpu, MiB)`: the framebuffer of the vGPUs claimed on each managed GPU.
+    pub claimed_framebuffer_mib: Vec<(String, i64)>,
 }
 
 /// Every counter and histogram of the agent.
@@ -390,6 +394,34 @@ impl Metrics {
             g.type_mismatches,
         );
         gauge(&reg, "gpuvisor_store_unreadable_records", "Store records that cannot be read", g.unreadable_records);
+        let placeable = IntGaugeVec::new(
+            Opts::new("gpuvisor_gpu_placeable", "vGPUs of each profile each managed GPU can take now"),
+            &["gpu", "profile"],
+        )
+        .expect(VALID);
+        for (gpu, profile, n) in &g.placeable {
+            placeable.with_label_values(&[gpu, profile]).set(*n);
+        }
+        reg.register(Box::new(placeable)).expect(VALID);
+        let fb = IntGaugeVec::new(
+            Opts::new(
+                "gpuvisor_gpu_claimed_framebuffer_mib",
+                "Framebuffer of the vGPUs claimed on each managed GPU, MiB",
+            ),
+            &["gpu"],
+        )
+        .expect(VALID);
+        for (gpu, n) in &g.claimed_framebuffer_mib {
+            fb.with_label_values(&[gpu]).set(*n);
+        }
+        reg.register(Box::new(fb)).expect(VALID);
+        let build = IntGaugeVec::new(
+            Opts::new("gpuvisor_build_info", "The agent's version and build kind (always 1)"),
+            &["version", "build"],
+        )
+        .expect(VALID);
+        build.with_label_values(&[env!("CARGO_PKG_VERSION"), crate::failpoints::BUILD]).set(1);
+        reg.register(Box::new(build)).expect(VALID);
         let mut families = self.registry.gather();
         families.extend(reg.gather());
         let mut out = String::new();

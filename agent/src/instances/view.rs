@@ -970,6 +970,20 @@ impl Manager {
         Ok(self.resources_of(&obs))
     }
 
+    /// How many vGPUs of `profile` GPU `g` can take now: its free devices listing the
+    /// profile, capped by the slots left under the equal-size rule.
+    fn placeable_on(&self, g: &super::inventory::ObservedGpu, profile: &str) -> u64 {
+        let listing = g
+            .devices
+            .iter()
+            .filter(|d| {
+                d.state == gpuvisor_sdk::DeviceState::Free
+                    && d.creatable.iter().any(|c| c.eq_ignore_ascii_case(profile))
+            })
+            .count() as u64;
+        listing.min(self.gpu_slots(g, profile))
+    }
+
     pub(crate) fn resources_of(&self, obs: &Observation) -> Resources {
         use gpuvisor_sdk::DeviceState as S;
         let mut c = DeviceCounts::default();
@@ -1007,15 +1021,12 @@ impl Manager {
         // slots left under the equal-size rule.
         let mut profiles = Vec::new();
         for (name, fb) in self.book.all() {
-            let mut placeable = 0u64;
-            for g in obs.gpus.iter().filter(|g| g.managed && g.passthrough.is_none()) {
-                let listing = g
-                    .devices
-                    .iter()
-                    .filter(|d| d.state == S::Free && d.creatable.iter().any(|c| c.eq_ignore_ascii_case(&name)))
-                    .count() as u64;
-                placeable += listing.min(self.gpu_slots(g, &name));
-            }
+            let placeable = obs
+                .gpus
+                .iter()
+                .filter(|g| g.managed && g.passthrough.is_none())
+                .map(|g| self.placeable_on(g, &name))
+                .sum();
             let type_id = if obs.mode == Ok(HostMode::VendorVfio) { self.type_id_in(obs, &name) } else { None };
             profiles.push(ProfileCapacity { profile: name, type_id, framebuffer_mib: fb, placeable });
         }
@@ -1213,6 +1224,21 @@ impl Manager {
             g.unreadable_devices = counts.unreadable as i64;
             g.catalog_skipped_lines = counts.catalog_skipped_lines as i64;
             g.type_mismatches = obs.devices().filter(|(_, d)| d.type_mismatch.is_some()).count() as i64;
+            let claims = self.store.scan_claims().map(|c| c.records).unwrap_or_default();
+            let book = self.book.all();
+            for gpu in obs.gpus.iter().filter(|g| g.managed && g.passthrough.is_none()) {
+                for (profile, _) in &book {
+                    g.placeable.push((gpu.address.clone(), profile.clone(), self.placeable_on(gpu, profile) as i64));
+                }
+                let fb: u64 = claims
+                    .iter()
+                    .filter(|c| c.gpu.eq_ignore_ascii_case(&gpu.address))
+                    .filter_map(|c| {
+                        book.iter().find(|(p, _)| p.eq_ignore_ascii_case(&c.profile)).and_then(|(_, fb)| *fb)
+                    })
+                    .sum();
+                g.claimed_framebuffer_mib.push((gpu.address.clone(), fb as i64));
+            }
         }
         g
     }
