@@ -252,31 +252,45 @@ pub struct ServeArgs {
     /// TOML config file.
     #[arg(long, env = "GPUVISOR_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Data directory: records, claims, images, instance directories (default
+    /// /var/lib/gpuvisor).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// Root of sysfs/devfs: / on a real host, a gpuvisor-sim mount in tests (default /).
     #[arg(long)]
     pub host_root: Option<PathBuf>,
+    /// QEMU accelerator: kvm or tcg (default kvm).
     #[arg(long)]
     pub accel: Option<String>,
+    /// How VFIO devices reach QEMU: device (sysfs path) or hold-fd (simulated hosts)
+    /// (default device).
     #[arg(long, value_enum)]
     pub vfio_attach: Option<VfioAttach>,
+    /// The QEMU binary, looked up in PATH when not absolute (default qemu-system-x86_64).
     #[arg(long)]
     pub qemu_binary: Option<PathBuf>,
     /// The Cloud Hypervisor binary (default `cloud-hypervisor` from PATH).
     #[arg(long)]
     pub cloud_hypervisor_binary: Option<PathBuf>,
+    /// Where the default plugins are, <dir>/<name>.wasm (default /usr/lib/gpuvisor/plugins).
     #[arg(long)]
     pub plugin_dir: Option<PathBuf>,
+    /// Seconds between SIGTERM and SIGKILL on the kill path of a VMM with a device
+    /// (default 5).
     #[arg(long)]
     pub vfio_term_grace_s: Option<u64>,
+    /// Seconds a graceful stop waits for the guest to power off (default 30).
     #[arg(long)]
     pub stop_timeout_s: Option<u64>,
+    /// Seconds a release retries inline (EBUSY during kernel teardown) before the claim is
+    /// left release_pending (default 30).
     #[arg(long)]
     pub release_retry_s: Option<u64>,
     /// How long each step of a VMM start may take (QMP answering; the Cloud Hypervisor API
     /// answering each request), seconds (default 30).
     #[arg(long, alias = "qmp-ready-timeout-s")]
     pub vmm_ready_timeout_s: Option<u64>,
+    /// The log's format on stderr: text or json (default text).
     #[arg(long)]
     pub log_format: Option<String>,
     /// Write every policy plugin input to this directory (for `gpuvisor plugin test`).
