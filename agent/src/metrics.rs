@@ -135,6 +135,21 @@ fn histogram_vec(reg: &Registry, name: &str, help: &str, labels: &[&str], bucket
     h
 }
 
+/// A labelled gauge of this scrape: one series per row (label values, value).
+fn gauge_vec<'a>(
+    reg: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    rows: impl IntoIterator<Item = (Vec<&'a str>, i64)>,
+) {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect(VALID);
+    for (values, v) in rows {
+        g.with_label_values(&values).set(v);
+    }
+    reg.register(Box::new(g)).expect(VALID);
+}
+
 fn gauge(reg: &Registry, name: &str, help: &str, v: i64) {
     let g = IntGauge::new(name, help).expect(VALID);
     g.set(v);
@@ -352,21 +367,20 @@ impl Metrics {
     /// The exposition: every counter and histogram, then the gauges of this scrape.
     pub fn render(&self, g: &Gauges) -> String {
         let reg = Registry::new();
-        let instances =
-            IntGaugeVec::new(Opts::new("gpuvisor_instances", "Instances by state"), &["state"]).expect(VALID);
-        for (state, n) in &g.instances {
-            instances.with_label_values(&[state]).set(*n);
-        }
-        reg.register(Box::new(instances)).expect(VALID);
-        let claims = IntGaugeVec::new(
-            Opts::new("gpuvisor_vgpu_claims", "Claims by framework and state"),
+        gauge_vec(
+            &reg,
+            "gpuvisor_instances",
+            "Instances by state",
+            &["state"],
+            g.instances.iter().map(|(s, n)| (vec![*s], *n)),
+        );
+        gauge_vec(
+            &reg,
+            "gpuvisor_vgpu_claims",
+            "Claims by framework and state",
             &["framework", "state"],
-        )
-        .expect(VALID);
-        for (fw, state, n) in &g.claims {
-            claims.with_label_values(&[fw, state]).set(*n);
-        }
-        reg.register(Box::new(claims)).expect(VALID);
+            g.claims.iter().map(|(f, s, n)| (vec![*f, *s], *n)),
+        );
         gauge(&reg, "gpuvisor_vgpu_retained_assignments", "Claims kept release_pending", g.retained);
         gauge(&reg, "gpuvisor_vgpu_quarantined_devices", "Quarantined devices", g.quarantined);
         gauge(
@@ -394,34 +408,27 @@ impl Metrics {
             g.type_mismatches,
         );
         gauge(&reg, "gpuvisor_store_unreadable_records", "Store records that cannot be read", g.unreadable_records);
-        let placeable = IntGaugeVec::new(
-            Opts::new("gpuvisor_gpu_placeable", "vGPUs of each profile each managed GPU can take now"),
+        gauge_vec(
+            &reg,
+            "gpuvisor_gpu_placeable",
+            "vGPUs of each profile each managed GPU can take now",
             &["gpu", "profile"],
-        )
-        .expect(VALID);
-        for (gpu, profile, n) in &g.placeable {
-            placeable.with_label_values(&[gpu, profile]).set(*n);
-        }
-        reg.register(Box::new(placeable)).expect(VALID);
-        let fb = IntGaugeVec::new(
-            Opts::new(
-                "gpuvisor_gpu_claimed_framebuffer_mib",
-                "Framebuffer of the vGPUs claimed on each managed GPU, MiB",
-            ),
+            g.placeable.iter().map(|(gpu, p, n)| (vec![gpu.as_str(), p.as_str()], *n)),
+        );
+        gauge_vec(
+            &reg,
+            "gpuvisor_gpu_claimed_framebuffer_mib",
+            "Framebuffer of the vGPUs claimed on each managed GPU, MiB",
             &["gpu"],
-        )
-        .expect(VALID);
-        for (gpu, n) in &g.claimed_framebuffer_mib {
-            fb.with_label_values(&[gpu]).set(*n);
-        }
-        reg.register(Box::new(fb)).expect(VALID);
-        let build = IntGaugeVec::new(
-            Opts::new("gpuvisor_build_info", "The agent's version and build kind (always 1)"),
+            g.claimed_framebuffer_mib.iter().map(|(gpu, n)| (vec![gpu.as_str()], *n)),
+        );
+        gauge_vec(
+            &reg,
+            "gpuvisor_build_info",
+            "The agent's version and build kind (always 1)",
             &["version", "build"],
-        )
-        .expect(VALID);
-        build.with_label_values(&[env!("CARGO_PKG_VERSION"), crate::failpoints::BUILD]).set(1);
-        reg.register(Box::new(build)).expect(VALID);
+            [(vec![env!("CARGO_PKG_VERSION"), crate::failpoints::BUILD], 1)],
+        );
         let mut families = self.registry.gather();
         families.extend(reg.gather());
         let mut out = String::new();
