@@ -64,13 +64,7 @@ fn ch_spec(binary: &Path, run_dir: &Path) -> VmSpec {
         run_dir: run_dir.to_path_buf(),
         vfio: None,
         sandbox: false,
-        run_as: None,
-        cgroup_procs: None,
-        device_nodes: Vec::new(),
-        nics: vec![],
-        seed: None,
-        disk: None,
-        uefi: None,
+        ..VmSpec::test_base()
     }
 }
 

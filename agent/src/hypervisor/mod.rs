@@ -318,6 +318,37 @@ pub struct UefiPflash {
     pub vars: PathBuf,
 }
 
+#[cfg(test)]
+impl VmSpec {
+    /// A spec for unit tests (tests override fields with `..VmSpec::test_base()`): QEMU,
+    /// 1 vCPU, 64 MiB, TCG, no kernel, device, NIC, seed, disk or confinement.
+    pub(crate) fn test_base() -> VmSpec {
+        VmSpec {
+            hypervisor: HypervisorKind::Qemu,
+            id: uuid::Uuid::nil(),
+            name: "test".into(),
+            vcpus: 1,
+            memory_mib: 64,
+            kernel: None,
+            initrd: None,
+            cmdline: String::new(),
+            accel: "tcg".into(),
+            paused: false,
+            binary: PathBuf::from("qemu-system-x86_64"),
+            run_dir: PathBuf::from("/nonexistent"),
+            vfio: None,
+            sandbox: false,
+            run_as: None,
+            cgroup_procs: None,
+            device_nodes: Vec::new(),
+            nics: vec![],
+            seed: None,
+            disk: None,
+            uefi: None,
+        }
+    }
+}
+
 impl VmSpec {
     /// The control socket: `<run_dir>/qmp.sock` (QEMU) or `<run_dir>/ch.sock` (Cloud
     /// Hypervisor).

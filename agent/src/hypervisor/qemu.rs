@@ -251,13 +251,7 @@ mod tests {
             run_dir: "/var/lib/gpuvisor/instances/x".into(),
             vfio,
             sandbox: false,
-            run_as: None,
-            cgroup_procs: None,
-            device_nodes: Vec::new(),
-            nics: vec![],
-            seed: None,
-            disk: None,
-            uefi: None,
+            ..VmSpec::test_base()
         }
     }
 

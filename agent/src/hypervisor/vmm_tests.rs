@@ -36,13 +36,7 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         run_dir: run_dir.to_path_buf(),
         vfio,
         sandbox: false,
-        run_as: None,
-        cgroup_procs: None,
-        device_nodes: Vec::new(),
-        nics: vec![],
-        seed: None,
-        disk: None,
-        uefi: None,
+        ..VmSpec::test_base()
     }
 }
 
