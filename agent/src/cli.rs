@@ -163,6 +163,17 @@ pub enum Command {
     },
     /// Run one reconcile pass now and print its report.
     Reconcile,
+    /// Follow the agent's events as they happen (like `incus monitor`): instance state
+    /// changes, claims, releases, health marks, reconcile passes, policy failures; one line
+    /// each, or one JSON object per line with `--output json`.
+    Events {
+        /// Only events of this type (repeatable).
+        #[arg(long = "type", value_name = "TYPE", value_parser = clap::builder::PossibleValuesParser::new(crate::events::EventKind::TYPES))]
+        types: Vec<String>,
+        /// Exit after this many events (default: follow until the agent stops).
+        #[arg(long)]
+        count: Option<u64>,
+    },
     /// agent.health.
     Health,
     /// agent.metrics (Prometheus text).
@@ -559,6 +570,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
         }
         Command::Console { name, log } => return console(cli, name, *log).await,
         Command::Host { action: HostAction::Check(args) } => return host_check(cli, args),
+        Command::Events { types, count } => return events(cli, types, *count).await,
         Command::Reconcile => ("reconcile.run", json!({})),
         Command::Health => ("agent.health", json!({})),
         Command::Metrics => ("agent.metrics", json!({})),
@@ -679,6 +691,84 @@ fn plugin_test(plugin: &std::path::Path, input: &std::path::Path, kind: Option<&
 
 /// `gpuvisor console NAME [--log]`: the paths come from `instance.get`; the console socket
 /// and the logs are read directly (the CLI runs on the agent's host, as root).
+/// `gpuvisor events`: follows the stream until `count` events were printed, or the agent
+/// closes it (exit 3: no agent any more).
+async fn events(cli: &Cli, types: &[String], count: Option<u64>) -> i32 {
+    use std::io::Write;
+    let mut printed = 0u64;
+    let res = client::follow_events(&cli.socket, types, |ev| {
+        let line = match cli.output {
+            Output::Json => serde_json::to_string(&ev).unwrap_or_default(),
+            Output::Table => event_line(&ev),
+        };
+        let mut out = std::io::stdout().lock();
+        // A closed stdout (`| head`) ends the follow.
+        if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+            return false;
+        }
+        printed += 1;
+        count.is_none_or(|n| printed < n)
+    })
+    .await;
+    match res {
+        Ok(()) if count.is_some_and(|n| printed >= n) => exit::OK,
+        Ok(()) => {
+            eprintln!("error: the agent closed the event stream");
+            exit::UNREACHABLE
+        }
+        Err(e @ ClientError::Unreachable { .. }) => {
+            eprintln!("error: {e}");
+            exit::UNREACHABLE
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            exit::ERROR
+        }
+    }
+}
+
+/// One event as a line for people: time, sequence number, type, what happened.
+pub fn event_line(ev: &crate::events::Event) -> String {
+    use crate::events::EventKind as K;
+    let who = |name: &Option<String>, id: &Option<String>| match (name, id) {
+        (Some(n), _) => n.clone(),
+        (None, Some(id)) => id.clone(),
+        (None, None) => "-".to_string(),
+    };
+    let what = match &ev.kind {
+        K::InstanceState { instance_id, name, from, to, reason } => {
+            let from = from.map(|f| f.as_str()).unwrap_or("new");
+            let why = reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default();
+            format!("{name} ({instance_id}) {from} -> {}{why}", to.as_str())
+        }
+        K::InstanceDeleted { instance_id, name } => format!("{} ({instance_id}) deleted", who(name, &None)),
+        K::Claimed { device, framework, profile, instance_id, name, .. } => {
+            format!("{device} claimed by {} ({framework} {profile})", who(name, &Some(instance_id.clone())))
+        }
+        K::Released { device, what, instance_id, name } => {
+            let by = if instance_id.is_some() || name.is_some() {
+                format!(" from {}", who(name, instance_id))
+            } else {
+                String::new()
+            };
+            format!("{device} released ({what}){by}")
+        }
+        K::ReleaseFailed { device, what, code, error, .. } => format!("{device} not released ({what}): {code}: {error}"),
+        K::HealthMark { device, reason, quarantined, detail } => {
+            let mark = if *quarantined { "quarantined" } else { "suspect" };
+            format!("{device} {mark} ({reason}): {detail}")
+        }
+        K::HealthCleared { device } => format!("{device} health marks cleared"),
+        K::ReconcilePass { complete, duration_ms, released, kept, failed, records, errors } => format!(
+            "{} in {duration_ms} ms: {released} released, {kept} kept, {failed} failed, {records} records changed, {errors} errors",
+            if *complete { "complete" } else { "incomplete" }
+        ),
+        K::PolicyFailure { plugin, kind, reason, message } => format!("{kind} plugin {plugin}: {reason}: {message}"),
+        K::Lagged { missed } => format!("this client fell behind: {missed} events missed"),
+    };
+    format!("{} #{:<5} {:<16} {what}", ev.time, ev.seq, ev.kind.type_name())
+}
+
 async fn console(cli: &Cli, name: &str, log: bool) -> i32 {
     let v = match client::call(&cli.socket, "instance.get", json!({ "ref": name })).await {
         Ok(v) => v,

@@ -14,6 +14,7 @@ pub mod console;
 pub mod devices;
 pub mod disks;
 pub mod error;
+pub mod events;
 pub mod failpoints;
 pub mod host;
 pub mod hypervisor;

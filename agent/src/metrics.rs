@@ -112,6 +112,7 @@ pub struct Metrics {
     policy_rejected: IntCounterVec,
     rpc_calls: IntCounterVec,
     rpc_duration: HistogramVec,
+    events: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -181,7 +182,12 @@ impl Metrics {
             restarts.with_label_values(&[result]);
         }
         r.register(Box::new(restarts.clone())).expect(VALID);
+        let events = counter_vec(&r, "gpuvisor_events_total", "Events published to subscribers, by type", &["type"]);
+        for ty in crate::events::EventKind::TYPES {
+            events.with_label_values(&[ty]);
+        }
         let m = Metrics {
+            events,
             reconcile_runs: counter_vec(
                 &r,
                 "gpuvisor_vgpu_reconcile_runs_total",
@@ -330,6 +336,12 @@ impl Metrics {
     /// A restart under a restart policy: `ok`, `failed`, or `gave_up` (the limit).
     pub fn restart(&self, result: &str) {
         self.restarts.with_label_values(&[result]).inc();
+    }
+
+    /// A counter for each published event (see [`crate::events::Events::count_with`]).
+    pub fn event_counter(&self) -> impl Fn(&'static str) + Send + Sync + 'static {
+        let c = self.events.clone();
+        move |ty| c.with_label_values(&[ty]).inc()
     }
 
     /// A VMM was found dead that no operation stopped.

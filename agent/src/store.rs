@@ -36,6 +36,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use uuid::Uuid;
 
+use crate::events::{EventKind, Events};
 use crate::host::proc::ProcessIdentity;
 
 /// Errors of the store. Messages are one sentence and name the file.
@@ -550,6 +551,9 @@ impl<T> Listing<T> {
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
+    /// What the store makes durable is published here (instance states, claims, health
+    /// marks): one publishing place per event type (see [`crate::events`]).
+    events: Events,
 }
 
 const SUBDIRS: [&str; 7] = ["", "instances", "names", "claims", "mdevs", "health", "images"];
@@ -564,7 +568,7 @@ impl Store {
             let p = root.join(sub);
             fs::create_dir_all(&p).map_err(|e| StoreError::io(&p, e))?;
         }
-        let store = Store { root };
+        let store = Store { root, events: Events::default() };
         if !had_names {
             for rec in store.scan_instances()?.records {
                 if let Err(e) = store.claim_name(&rec.name, rec.id) {
@@ -578,6 +582,11 @@ impl Store {
     /// The data directory.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// The event bus the store publishes on.
+    pub fn events(&self) -> &Events {
+        &self.events
     }
 
     /// Takes the exclusive `flock` on `<data-dir>/lock` (non-blocking). Hold the returned
@@ -606,14 +615,30 @@ impl Store {
         self.instance_dir(id).join("instance.json")
     }
 
-    /// Writes an instance record atomically (creating its directory).
+    /// Writes an instance record atomically (creating its directory). A record written in
+    /// a new state (or for the first time) publishes `instance_state` once it is durable.
     pub fn write_instance(&self, rec: &InstanceRecord) -> Result<()> {
         let dir = self.instance_dir(rec.id);
         if !dir.exists() {
             fs::create_dir_all(&dir).map_err(|e| StoreError::io(&dir, e))?;
             fsync_dir(&self.root.join("instances"))?;
         }
-        write_json_atomic(&self.instance_path(rec.id), rec)
+        // The state it had on disk: an unreadable record counts as a change (from unknown).
+        let before = read_json_opt::<InstanceRecord>(&self.instance_path(rec.id)).ok().flatten().map(|r| r.state);
+        write_json_atomic(&self.instance_path(rec.id), rec)?;
+        if before != Some(rec.state) {
+            let reason = matches!(rec.state, InstanceState::Stopped | InstanceState::CleanupPending)
+                .then(|| rec.last_error.clone())
+                .flatten();
+            self.events.publish(EventKind::InstanceState {
+                instance_id: rec.id.to_string(),
+                name: rec.name.clone(),
+                from: before,
+                to: rec.state,
+                reason,
+            });
+        }
+        Ok(())
     }
 
     /// Reads one instance record; `Ok(None)` if it does not exist.
@@ -691,9 +716,10 @@ impl Store {
                 Err(e) => return Err(StoreError::io(&dir, e)),
             }
         }
-        if let Some(name) = name {
-            self.release_name(&name, id)?;
+        if let Some(name) = &name {
+            self.release_name(name, id)?;
         }
+        self.events.publish(EventKind::InstanceDeleted { instance_id: id.to_string(), name });
         Ok(())
     }
 
@@ -769,7 +795,17 @@ impl Store {
         create_exclusive(&self.claim_path(&claim.device), claim).map_err(|e| match e {
             StoreError::ClaimExists { .. } => StoreError::ClaimExists { device: claim.device.clone() },
             e => e,
-        })
+        })?;
+        self.events.publish(EventKind::Claimed {
+            device: claim.device.clone(),
+            gpu: claim.gpu.clone(),
+            framework: claim.framework.as_str().to_string(),
+            profile: claim.profile.clone(),
+            instance_id: claim.instance_id.to_string(),
+            name: claim.owner_name.clone(),
+            labels: claim.owner_labels.clone().unwrap_or_default(),
+        });
+        Ok(())
     }
 
     /// Replaces an existing claim atomically (state changes, release attempts).
@@ -826,7 +862,14 @@ impl Store {
 
     /// Writes a health mark.
     pub fn write_health(&self, rec: &HealthRecord) -> Result<()> {
-        write_json_atomic(&self.health_path(&rec.device), rec)
+        write_json_atomic(&self.health_path(&rec.device), rec)?;
+        self.events.publish(EventKind::HealthMark {
+            device: rec.device.clone(),
+            reason: rec.reason.clone(),
+            quarantined: rec.quarantined,
+            detail: rec.detail.clone(),
+        });
+        Ok(())
     }
 
     /// The health record of `device`, if any (an undecodable one is an error).
@@ -841,7 +884,13 @@ impl Store {
 
     /// Clears a health mark.
     pub fn remove_health(&self, device: &str) -> Result<()> {
-        remove_file_durable(&self.health_path(device), &self.root.join("health"))
+        let path = self.health_path(device);
+        let had = path.exists();
+        remove_file_durable(&path, &self.root.join("health"))?;
+        if had {
+            self.events.publish(EventKind::HealthCleared { device: device.to_string() });
+        }
+        Ok(())
     }
 
     /// `images/`.

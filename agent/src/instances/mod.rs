@@ -123,6 +123,7 @@ impl Manager {
         let book = inventory::ProfileBook::load(&store);
         let reconciler = reconcile::ReconcileState::load(&store, &host);
         let metrics = Metrics::new();
+        store.events().count_with(metrics.event_counter());
         policies.announce(&metrics);
         Manager {
             cfg,

@@ -6,6 +6,7 @@
 use super::inventory::{Candidate, Observation};
 use super::Manager;
 use crate::error::ApiError;
+use crate::events::EventKind;
 use crate::hypervisor::HypervisorKind;
 use crate::policies::Slot;
 use crate::store::{Framework, Labels};
@@ -73,6 +74,12 @@ impl Manager {
         self.metrics.policy_call(slot.name(), kind.as_str(), answer.as_ref().err().map(|e| e.reason()), secs);
         answer.map_err(|e| {
             tracing::warn!(plugin.name = %slot.name(), kind = %kind.as_str(), reason = %e.reason(), error = %e, "policy plugin call failed");
+            self.store.events().publish(EventKind::PolicyFailure {
+                plugin: slot.name().to_string(),
+                kind: kind.as_str().to_string(),
+                reason: e.reason().to_string(),
+                message: e.to_string(),
+            });
             PolicyFailure { plugin: slot.name().to_string(), kind, reason: e.reason().to_string(), message: e.to_string() }
         })
     }

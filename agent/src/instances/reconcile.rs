@@ -29,6 +29,7 @@ use super::view::{DeletedItem, FailedItem, PassReport, RecordChange, ReleasedIte
 use super::vmm::Dead;
 use super::Manager;
 use crate::devices::{mdev, vendor_vfio};
+use crate::events::EventKind;
 use crate::host::proc::{self, HandleScan, Liveness};
 use crate::host::HostRoot;
 use crate::metrics::{PassStage, StaleResult};
@@ -200,6 +201,15 @@ impl Manager {
         let complete = report.inventory_complete && report.host_complete;
         self.metrics().reconcile_run(complete);
         report.duration_ms = started.elapsed().as_millis() as u64;
+        self.store().events().publish(EventKind::ReconcilePass {
+            complete,
+            duration_ms: report.duration_ms,
+            released: report.released.len(),
+            kept: report.kept.len(),
+            failed: report.failed.len(),
+            records: report.records.len(),
+            errors: report.errors.len(),
+        });
         let msg = "reconcile pass done";
         if complete {
             tracing::info!(
@@ -283,28 +293,17 @@ impl Manager {
                         Some(_) => "the VMM exited".to_string(),
                         None => format!("the agent restarted while the instance was {from}"),
                     };
-                    rec.vmm = None;
-                    rec.last_error = Some(reason.clone());
-                    if let Err(e) = rec.transition(InstanceState::Stopped) {
-                        report.errors.push(e.to_string());
-                        continue;
-                    }
                     // The restart policy (and autostart after a reboot) decides what comes next.
-                    self.record_death(&mut rec, if rebooted { Death::Reboot } else { Death::Failed });
-                    match self.store().write_instance(&rec) {
-                        Ok(()) => {
-                            self.metrics().vm_died();
-                            tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, from = %from, reason = %reason,
-                                "VM found dead: recorded stopped");
-                            report.records.push(RecordChange {
-                                instance: rec.id.to_string(),
-                                name: rec.name.clone(),
-                                from,
-                                to: InstanceState::Stopped,
-                                reason,
-                            })
-                        }
-                        Err(e) => report.errors.push(format!("cannot mark {} stopped: {e}", rec.name)),
+                    let death = if rebooted { Death::Reboot } else { Death::Failed };
+                    match self.record_vmm_death(&mut rec, reason.clone(), death) {
+                        Ok(()) => report.records.push(RecordChange {
+                            instance: rec.id.to_string(),
+                            name: rec.name.clone(),
+                            from,
+                            to: InstanceState::Stopped,
+                            reason,
+                        }),
+                        Err(e) => report.errors.push(e),
                     }
                 }
                 Liveness::Alive { pid } => self.record_live_vmm(rec, pid, boot_id, report),

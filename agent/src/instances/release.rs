@@ -29,6 +29,7 @@ use super::vmm::Dead;
 use super::Manager;
 use crate::devices::{self, mdev, passthrough, vendor_vfio, WriteError};
 use crate::error::ReleaseFailure;
+use crate::events::EventKind;
 use crate::host::proc::{self, HandleScan};
 use crate::store::{Claim, ClaimState, Framework, MdevRecord};
 use crate::sync::lock;
@@ -59,6 +60,14 @@ impl Release<'_> {
             Release::Claim(c, _) | Release::Repair { claim: c, .. } => &c.device,
             Release::OrphanVf { vf, .. } => vf,
             Release::OrphanMdev(m) => &m.parent,
+        }
+    }
+
+    /// The claim being released or repaired, if any.
+    fn owner(&self) -> Option<&Claim> {
+        match self {
+            Release::Claim(c, _) | Release::Repair { claim: c, .. } => Some(c),
+            Release::OrphanVf { .. } | Release::OrphanMdev(_) => None,
         }
     }
 
@@ -152,6 +161,12 @@ impl Manager {
                 Ok(done) => {
                     if done == Released::Cleared {
                         self.metrics.release(true);
+                        self.store.events().publish(EventKind::Released {
+                            device: r.device().to_string(),
+                            what: r.kind().to_string(),
+                            instance_id: r.owner().map(|c| c.instance_id.to_string()),
+                            name: r.owner().and_then(|c| c.owner_name.clone()),
+                        });
                         match r {
                             Release::Claim(c, _) => {
                                 tracing::info!(gpu.device = %c.device, instance.id = %c.instance_id,
@@ -169,6 +184,13 @@ impl Manager {
                 }
                 Err(e) => {
                     self.metrics.release(false);
+                    self.store.events().publish(EventKind::ReleaseFailed {
+                        device: r.device().to_string(),
+                        what: r.kind().to_string(),
+                        instance_id: r.owner().map(|c| c.instance_id.to_string()),
+                        code: e.code().to_string(),
+                        error: e.to_string(),
+                    });
                     if let Release::Claim(c, _) = r {
                         self.mark_release_pending(c, &e);
                     } else {

@@ -506,3 +506,34 @@ mod tests {
         assert!(s.force);
     }
 }
+
+/// `events.subscribe` params: `{}` for every event, or `{"types": ["instance_state", …]}`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EventsParams {
+    /// Only these event types (see `events.event`); absent = every type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16))]
+    pub types: Option<Vec<String>>,
+}
+
+impl EventsParams {
+    /// Errors: an unknown type, named with the valid ones.
+    pub fn validate(&self) -> Result<(), String> {
+        for t in self.types.iter().flatten() {
+            if !crate::events::EventKind::TYPES.contains(&t.as_str()) {
+                return Err(format!(
+                    "invalid params: unknown event type {t:?}; valid: {}",
+                    crate::events::EventKind::TYPES.join(", ")
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// True when `ev` is of a wanted type (a `lagged` notice always is).
+    pub fn wants(&self, ev: &crate::events::Event) -> bool {
+        let ty = ev.kind.type_name();
+        ty == "lagged" || self.types.as_ref().is_none_or(|t| t.iter().any(|x| x == ty))
+    }
+}

@@ -5,7 +5,7 @@
 //! most [`MAX_BACKOFF`]) and at most `restart_limit` times within the window.
 //!
 //! Deaths come from two places: the VMM's reaper while the agent runs ([`Manager::watch_exit`];
-//! its exit status decides "failure"; instances with a policy only), and the reconciler for deaths the agent did not see
+//! every instance; its exit status decides "failure"), and the reconciler for deaths the agent did not see
 //! (a restart of the agent, a host reboot: always a failure; after a reboot `autostart`
 //! restarts whatever the policy). Both record the death with [`Manager::record_death`], the
 //! one place that decides whether and when a restart is due. The agent's supervisor thread
@@ -108,8 +108,9 @@ impl Manager {
     }
 
     /// Records the deaths the reapers saw: a `running` record whose VMM is the watched
-    /// process moves to `stopped` at once (the reconciler would only see it at its next
-    /// pass), with the exit status.
+    /// process moves to `stopped` at once, with the exit status — `ps` and event
+    /// subscribers see the death without waiting for the reconciler's next pass (which
+    /// then releases the claim of the dead owner).
     fn reap_watched(&self) {
         let exited: Vec<(Uuid, i32, ExitStatus)> = lock(&self.supervise.watches)
             .iter()
@@ -121,31 +122,36 @@ impl Manager {
             let Ok(_i) = ilock.try_lock() else { continue };
             lock(&self.supervise.watches).remove(&id);
             let Ok(Some(mut rec)) = self.store.read_instance(id) else { continue };
-            // Only instances with a restart policy are recorded here; the others are left to
-            // the reconciler's next pass, as before (and to `start`, which checks liveness).
-            if rec.restart == RestartPolicy::No
-                || rec.state() != InstanceState::Running
-                || rec.vmm.as_ref().map(|v| v.identity.pid) != Some(pid)
-            {
+            if rec.state() != InstanceState::Running || rec.vmm.as_ref().map(|v| v.identity.pid) != Some(pid) {
                 continue;
             }
-            let reason = format!("the VMM exited ({status})");
-            if rec.transition(InstanceState::Stopped).is_err() {
-                continue;
-            }
-            rec.vmm = None;
-            rec.last_error = Some(reason.clone());
-            self.record_death(&mut rec, Death::of(&status));
-            match self.store.write_instance(&rec) {
-                Ok(()) => {
-                    self.metrics.vm_died();
-                    tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, reason = %reason,
-                        "VM found dead: recorded stopped");
-                }
-                Err(e) => tracing::error!(instance.id = %rec.id, instance.name = %rec.name, error = %e,
-                    "cannot record the VM's death"),
+            if let Err(e) = self.record_vmm_death(&mut rec, format!("the VMM exited ({status})"), Death::of(&status)) {
+                tracing::error!(instance.id = %rec.id, instance.name = %rec.name, error = %e, "cannot record the VM's death");
             }
         }
+    }
+
+    /// Records that the VMM of `rec` died (the caller holds the instance lock and saw it
+    /// dead): `stopped`, no VMM, `reason` in `last_error`, the restart policy consulted;
+    /// persisted — which publishes the `instance_state` event — counted, and logged once at
+    /// WARN. The one sequence for the reaper and the reconciler. Errors: the transition or
+    /// the write failed (the record on disk is unchanged).
+    pub(crate) fn record_vmm_death(
+        &self,
+        rec: &mut InstanceRecord,
+        reason: String,
+        death: Death,
+    ) -> Result<(), String> {
+        let from = rec.state();
+        rec.transition(InstanceState::Stopped).map_err(|e| e.to_string())?;
+        rec.vmm = None;
+        rec.last_error = Some(reason.clone());
+        self.record_death(rec, death);
+        self.store.write_instance(rec).map_err(|e| format!("cannot mark {} stopped: {e}", rec.name))?;
+        self.metrics.vm_died();
+        tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, from = %from, reason = %reason,
+            "VM found dead: recorded stopped");
+        Ok(())
     }
 
     /// Runs the restarts that are due, each through the start path.

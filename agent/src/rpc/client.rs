@@ -1,5 +1,6 @@
-//! A minimal JSON-RPC client over the agent's Unix socket (HTTP/1.1 `POST /`), used by the
-//! CLI. Built on hyper; one connection per call.
+//! A minimal JSON-RPC client over the agent's Unix socket, used by the CLI: calls are
+//! HTTP/1.1 `POST /` (hyper; one connection per call), the event stream a WebSocket
+//! (soketto).
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -18,6 +19,15 @@ pub enum ClientError {
     /// The answer was not JSON-RPC.
     #[error("the agent answered something that is not JSON-RPC: {0}")]
     Protocol(String),
+}
+
+/// A JSON-RPC error object as a [`ClientError::Rpc`].
+fn rpc_error(err: &Value) -> ClientError {
+    ClientError::Rpc {
+        code: err.get("code").and_then(|c| c.as_i64()).unwrap_or(0),
+        message: err.get("message").and_then(|m| m.as_str()).unwrap_or("error").to_string(),
+        data: err.get("data").cloned().unwrap_or(Value::Null),
+    }
 }
 
 /// Calls `method` with `params` (a JSON object) and returns `result`.
@@ -41,11 +51,56 @@ pub async fn call(socket: &Path, method: &str, params: Value) -> Result<Value, C
     let v: Value = serde_json::from_slice(&bytes)
         .map_err(|_| ClientError::Protocol(String::from_utf8_lossy(&bytes).chars().take(200).collect()))?;
     if let Some(err) = v.get("error") {
-        return Err(ClientError::Rpc {
-            code: err.get("code").and_then(|c| c.as_i64()).unwrap_or(0),
-            message: err.get("message").and_then(|m| m.as_str()).unwrap_or("error").to_string(),
-            data: err.get("data").cloned().unwrap_or(Value::Null),
-        });
+        return Err(rpc_error(err));
     }
     v.get("result").cloned().ok_or_else(|| ClientError::Protocol(v.to_string()))
+}
+
+/// Follows the agent's event stream: a WebSocket upgrade on the same socket, then
+/// `events.subscribe` (only `types`, when not empty). Calls `each` with every event until
+/// it returns `false`; returns when the agent closes the stream (an agent stop).
+pub async fn follow_events(
+    socket: &Path,
+    types: &[String],
+    mut each: impl FnMut(crate::events::Event) -> bool,
+) -> Result<(), ClientError> {
+    use tokio_util::compat::TokioAsyncReadCompatExt;
+    let unreachable = |reason: String| ClientError::Unreachable { socket: socket.display().to_string(), reason };
+    let stream = tokio::net::UnixStream::connect(socket).await.map_err(|e| unreachable(e.to_string()))?;
+    let mut ws = soketto::handshake::Client::new(stream.compat(), "gpuvisor", "/");
+    match ws.handshake().await.map_err(|e| unreachable(e.to_string()))? {
+        soketto::handshake::ServerResponse::Accepted { .. } => {}
+        other => return Err(ClientError::Protocol(format!("the WebSocket upgrade was refused: {other:?}"))),
+    }
+    let (mut tx, mut rx) = ws.into_builder().finish();
+    let params = if types.is_empty() { json!({}) } else { json!({ "types": types }) };
+    let sub = json!({ "jsonrpc": "2.0", "id": 1, "method": "events.subscribe", "params": params }).to_string();
+    let lost = |e: soketto::connection::Error| ClientError::Protocol(format!("the event stream broke: {e}"));
+    tx.send_text(sub).await.map_err(lost)?;
+    tx.flush().await.map_err(lost)?;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match rx.receive_data(&mut buf).await {
+            Ok(_) => {}
+            Err(soketto::connection::Error::Closed) => return Ok(()),
+            Err(e) => return Err(lost(e)),
+        }
+        let v: Value = serde_json::from_slice(&buf)
+            .map_err(|_| ClientError::Protocol(String::from_utf8_lossy(&buf).chars().take(200).collect()))?;
+        if let Some(err) = v.get("error") {
+            return Err(rpc_error(err));
+        }
+        if v.get("method").and_then(|m| m.as_str()) != Some("events.event") {
+            continue; // the subscription's answer (its id)
+        }
+        let ev = v
+            .pointer("/params/result")
+            .cloned()
+            .and_then(|r| serde_json::from_value(r).ok())
+            .ok_or_else(|| ClientError::Protocol(format!("an event the CLI cannot read: {v}")))?;
+        if !each(ev) {
+            return Ok(());
+        }
+    }
 }

@@ -1,6 +1,8 @@
-//! # rpc — JSON-RPC 2.0 on a Unix socket (jsonrpsee, HTTP transport)
+//! # rpc — JSON-RPC 2.0 on a Unix socket (jsonrpsee: HTTP and WebSocket)
 //!
-//! A request is an HTTP/1.1 `POST /` with a JSON-RPC body, so
+//! A WebSocket upgrade of `GET /` on the same socket carries the same methods plus the
+//! event subscription `events.subscribe` ([`crate::events`]; `gpuvisor events`). A request
+//! is an HTTP/1.1 `POST /` with a JSON-RPC body, so
 //! `curl --unix-socket /run/gpuvisor/gpuvisor.sock -H 'content-type: application/json' -d '{"jsonrpc":"2.0","id":1,"method":"agent.health"}' http://x/`
 //! works. Methods are `noun.verb`; [`openrpc::methods`] lists every one and `rpc.discover`
 //! publishes them as an OpenRPC document. This layer is thin: it decodes the request types
@@ -134,6 +136,9 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     without_params!(module, "reconcile.run", |m| Ok(m.reconcile()));
     without_params!(module, "agent.health", |m| Ok(m.health()));
     without_params!(module, "agent.metrics", |m| Ok(m.metrics_text()));
+    module.register_subscription("events.subscribe", "events.event", "events.unsubscribe", |p, s, m, e| {
+        subscribe_events(p, s, Arc::clone(&m), e)
+    })?;
     module.register_method("rpc.discover", |p, _m, _| {
         no_params(&p)?;
         Ok::<Value, ErrorObjectOwned>(openrpc::document())
@@ -158,6 +163,48 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         );
     }
     Ok(module)
+}
+
+/// `events.subscribe` (WebSocket only): every event from now on, as `events.event`
+/// notifications, optionally only of some types; a subscriber that falls behind gets a
+/// `lagged` event with the number it missed.
+async fn subscribe_events(
+    params: jsonrpsee::types::Params<'static>,
+    pending: jsonrpsee::PendingSubscriptionSink,
+    m: Arc<Arc<Manager>>,
+    _: jsonrpsee::Extensions,
+) {
+    use crate::events::{Event, EventKind};
+    use tokio::sync::broadcast::error::RecvError;
+    let p: EventsParams =
+        match parse(&params).and_then(|p: EventsParams| p.validate().map(|()| p).map_err(invalid_params)) {
+            Ok(p) => p,
+            Err(e) => return pending.reject(e).await,
+        };
+    // Subscribe before accepting: nothing published after the answer is missed.
+    let mut rx = m.store().events().subscribe();
+    let Ok(sink) = pending.accept().await else { return };
+    loop {
+        let ev = tokio::select! {
+            _ = sink.closed() => return,
+            r = rx.recv() => match r {
+                Ok(ev) => ev,
+                Err(RecvError::Lagged(missed)) => Event {
+                    seq: 0,
+                    time: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
+                    kind: EventKind::Lagged { missed },
+                },
+                Err(RecvError::Closed) => return,
+            },
+        };
+        if !p.wants(&ev) {
+            continue;
+        }
+        let Ok(raw) = serde_json::value::to_raw_value(&ev) else { continue };
+        if sink.send(raw).await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Refuses a request whose `id` jsonrpsee cannot represent (a negative or fractional
@@ -237,8 +284,7 @@ pub async fn serve(
     std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| anyhow::anyhow!("cannot make {} mode 0600: {e}", socket.display()))?;
     let (stop_handle, server_handle) = jsonrpsee::server::stop_channel();
-    let server_cfg =
-        jsonrpsee::server::ServerConfig::builder().max_request_body_size(MAX_REQUEST_BYTES).http_only().build();
+    let server_cfg = jsonrpsee::server::ServerConfig::builder().max_request_body_size(MAX_REQUEST_BYTES).build();
     let builder = jsonrpsee::server::Server::builder().set_config(server_cfg).to_service_builder();
     let methods: jsonrpsee::Methods = module.into();
     tracing::info!(socket = %socket.display(), "JSON-RPC listening");

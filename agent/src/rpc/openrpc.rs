@@ -28,6 +28,10 @@ fn string_result(_: &mut SchemaGenerator) -> Schema {
     schemars::json_schema!({ "type": "string", "description": "Prometheus text exposition format 0.0.4" })
 }
 
+fn bool_result(_: &mut SchemaGenerator) -> Schema {
+    schemars::json_schema!({ "type": "boolean" })
+}
+
 fn any_object(_: &mut SchemaGenerator) -> Schema {
     schemars::json_schema!({ "type": "object" })
 }
@@ -90,6 +94,15 @@ pub fn methods() -> Vec<Method> {
         method!("agent.health", "Liveness, readiness and what is degraded.", result: HealthView, errors: []),
         method!("host.check", "What gpuvisor needs from this host (IOMMU, VFIO, NVIDIA driver and vGPU manager, VFs, types, KVM, hypervisors, /proc, VMM user, cgroup v2), one verdict per check; reads only.",
             result: crate::host::check::HostReport, errors: []),
+        method!("events.subscribe", "WebSocket only: subscribe to the agent's events (instance state changes, claims, releases, health marks, reconcile passes, policy failures), each with `seq` and `time`; notifications are `events.event` with the event as `result`. The answer is the subscription id.",
+            params: EventsParams, result: crate::events::Event, errors: [InvalidRequest]),
+        Method {
+            name: "events.unsubscribe",
+            summary: "End an `events.subscribe` subscription (params: the subscription id).",
+            params: None,
+            result: bool_result,
+            errors: &[],
+        },
         Method {
             name: "agent.metrics",
             summary: "Prometheus text exposition (format 0.0.4).",

@@ -1,0 +1,267 @@
+//! # events — what happened, in order, for subscribers
+//!
+//! Every event has a sequence number (from 1, per agent run, no gaps in what the agent
+//! published) and a wall time. Each kind has one publishing place:
+//!
+//! | type | published by |
+//! |---|---|
+//! | `instance_state`, `instance_deleted` | the store, once the record is durable ([`crate::store::Store::write_instance`], [`crate::store::Store::remove_instance`]) |
+//! | `claimed` | the store, once the claim file exists ([`crate::store::Store::create_claim`]) |
+//! | `released`, `release_failed` | the release path (`instances/release.rs`) |
+//! | `health_mark`, `health_cleared` | the store ([`crate::store::Store::write_health`], [`crate::store::Store::remove_health`]) |
+//! | `reconcile_pass` | the end of every pass |
+//! | `policy_failure` | the one sequence of a plugin call (`instances/policy_calls.rs`) |
+//!
+//! Subscribers (`events.subscribe` over WebSocket, `gpuvisor events`) get them through a
+//! bounded broadcast channel: a subscriber too slow to keep up gets a `lagged` event saying
+//! how many it missed, never a silent gap. Counted per type in `gpuvisor_events_total`.
+
+use crate::store::{InstanceState, Labels};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use tokio::sync::broadcast;
+
+/// How many events a subscriber may fall behind before it is told it lagged.
+pub const BUFFER: usize = 4096;
+
+/// One event as subscribers see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Event {
+    /// 1, 2, 3, … in the order the agent published them (per agent run).
+    pub seq: u64,
+    /// Wall time, RFC 3339 (UTC, milliseconds).
+    pub time: String,
+    #[serde(flatten)]
+    pub kind: EventKind,
+}
+
+/// What happened.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum EventKind {
+    /// An instance record was written in a new state (`from` is absent for a new record).
+    InstanceState {
+        instance_id: String,
+        name: String,
+        from: Option<InstanceState>,
+        to: InstanceState,
+        /// The record's `last_error` when it moved to `stopped` or `cleanup_pending` (e.g.
+        /// "the VMM exited (signal: 9 (SIGKILL))").
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// An instance record and its directory are gone.
+    InstanceDeleted { instance_id: String, name: Option<String> },
+    /// A device was claimed for an instance (the claim file exists).
+    Claimed {
+        device: String,
+        gpu: String,
+        framework: String,
+        profile: String,
+        instance_id: String,
+        name: Option<String>,
+        #[serde(default, skip_serializing_if = "Labels::is_empty")]
+        labels: Labels,
+    },
+    /// A device was cleared through the release path and its claim (if any) removed.
+    Released {
+        device: String,
+        /// `claim`, `orphan_vf`, `orphan_mdev` or `dirty_vf_repair`.
+        what: String,
+        instance_id: Option<String>,
+        name: Option<String>,
+    },
+    /// A release did not complete: a claim stays `release_pending`, an orphan stays.
+    ReleaseFailed {
+        device: String,
+        what: String,
+        instance_id: Option<String>,
+        /// The failure's stable code (`in_use`, `write_failed`, …).
+        code: String,
+        error: String,
+    },
+    /// A health mark was written (suspect, or quarantined).
+    HealthMark { device: String, reason: String, quarantined: bool, detail: String },
+    /// A health mark was cleared.
+    HealthCleared { device: String },
+    /// A reconcile pass ended.
+    ReconcilePass {
+        complete: bool,
+        duration_ms: u64,
+        released: usize,
+        kept: usize,
+        failed: usize,
+        /// Instance records the pass changed.
+        records: usize,
+        errors: usize,
+    },
+    /// A policy plugin call failed (the operation failed closed).
+    PolicyFailure { plugin: String, kind: String, reason: String, message: String },
+    /// This subscriber fell behind and missed `missed` events (never published by the
+    /// agent itself; sequence numbers show the gap).
+    Lagged { missed: u64 },
+}
+
+impl EventKind {
+    /// The `type` tag (the label of `gpuvisor_events_total`).
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            EventKind::InstanceState { .. } => "instance_state",
+            EventKind::InstanceDeleted { .. } => "instance_deleted",
+            EventKind::Claimed { .. } => "claimed",
+            EventKind::Released { .. } => "released",
+            EventKind::ReleaseFailed { .. } => "release_failed",
+            EventKind::HealthMark { .. } => "health_mark",
+            EventKind::HealthCleared { .. } => "health_cleared",
+            EventKind::ReconcilePass { .. } => "reconcile_pass",
+            EventKind::PolicyFailure { .. } => "policy_failure",
+            EventKind::Lagged { .. } => "lagged",
+        }
+    }
+
+    /// Every type a subscriber may filter on.
+    pub const TYPES: [&'static str; 9] = [
+        "instance_state",
+        "instance_deleted",
+        "claimed",
+        "released",
+        "release_failed",
+        "health_mark",
+        "health_cleared",
+        "reconcile_pass",
+        "policy_failure",
+    ];
+}
+
+/// The agent's event bus; cheap to clone (one bus per store).
+#[derive(Clone)]
+pub struct Events {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    tx: broadcast::Sender<Event>,
+    /// Serialises numbering and sending, so subscribers see seq in order.
+    seq: std::sync::Mutex<u64>,
+    published: AtomicU64,
+    /// Called with each published event's type (the metrics counter), once set.
+    count: OnceLock<Box<dyn Fn(&'static str) + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Events").field("published", &self.published()).finish()
+    }
+}
+
+impl Default for Events {
+    fn default() -> Events {
+        let (tx, _) = broadcast::channel(BUFFER);
+        Events {
+            inner: Arc::new(Inner {
+                tx,
+                seq: std::sync::Mutex::new(0),
+                published: AtomicU64::new(0),
+                count: OnceLock::new(),
+            }),
+        }
+    }
+}
+
+impl Events {
+    /// Publishes one event: numbered, timed, counted, sent to every subscriber.
+    pub fn publish(&self, kind: EventKind) {
+        let ty = kind.type_name();
+        {
+            let mut seq = crate::sync::lock(&self.inner.seq);
+            *seq += 1;
+            let ev = Event { seq: *seq, time: now(), kind };
+            // No subscriber is not an error.
+            let _ = self.inner.tx.send(ev);
+        }
+        self.inner.published.fetch_add(1, Ordering::Relaxed);
+        if let Some(count) = self.inner.count.get() {
+            count(ty);
+        }
+    }
+
+    /// A new subscriber: sees every event published from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.inner.tx.subscribe()
+    }
+
+    /// Events published so far (the last sequence number).
+    pub fn published(&self) -> u64 {
+        self.inner.published.load(Ordering::Relaxed)
+    }
+
+    /// Sets the counter called per published event (once; later calls are ignored).
+    pub fn count_with(&self, f: impl Fn(&'static str) + Send + Sync + 'static) {
+        let _ = self.inner.count.set(Box::new(f));
+    }
+}
+
+fn now() -> String {
+    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_numbered_in_order_and_counted() {
+        let ev = Events::default();
+        let counted = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let c = counted.clone();
+        ev.count_with(move |t| c.lock().unwrap().push(t));
+        let mut rx = ev.subscribe();
+        ev.publish(EventKind::HealthCleared { device: "0000:41:00.4".into() });
+        ev.publish(EventKind::PolicyFailure {
+            plugin: "p".into(),
+            kind: "placement".into(),
+            reason: "trap".into(),
+            message: "m".into(),
+        });
+        let a = rx.try_recv().unwrap();
+        let b = rx.try_recv().unwrap();
+        assert_eq!((a.seq, b.seq), (1, 2));
+        assert_eq!(*counted.lock().unwrap(), vec!["health_cleared", "policy_failure"]);
+        let j = serde_json::to_value(&a).unwrap();
+        assert_eq!(j["type"], "health_cleared");
+        assert_eq!(j["device"], "0000:41:00.4");
+        assert!(j["time"].as_str().unwrap().ends_with('Z'), "{j}");
+        let back: Event = serde_json::from_value(j).unwrap();
+        assert_eq!(back, a);
+    }
+
+    #[test]
+    fn a_slow_subscriber_is_told_it_lagged() {
+        let ev = Events::default();
+        let mut rx = ev.subscribe();
+        for _ in 0..BUFFER + 3 {
+            ev.publish(EventKind::HealthCleared { device: "x".into() });
+        }
+        assert!(matches!(rx.try_recv(), Err(broadcast::error::TryRecvError::Lagged(3))));
+    }
+
+    #[test]
+    fn every_filterable_type_is_a_type_name() {
+        let all = [
+            EventKind::InstanceDeleted { instance_id: String::new(), name: None },
+            EventKind::HealthCleared { device: String::new() },
+        ];
+        for k in all {
+            assert!(EventKind::TYPES.contains(&k.type_name()));
+        }
+    }
+
+    #[test]
+    fn times_are_rfc3339() {
+        let t = now();
+        assert_eq!(t.len(), "2026-12-02T11:31:01.000Z".len(), "{t}");
+        assert!(t.starts_with("20"), "{t}");
+    }
+}
