@@ -42,11 +42,76 @@ pub struct Cli {
     /// The agent's JSON-RPC socket.
     #[arg(long, global = true, env = "GPUVISOR_SOCKET", default_value = "/run/gpuvisor/gpuvisor.sock")]
     pub socket: PathBuf,
-    /// Output format.
+    /// Output format of client commands.
     #[arg(long, short = 'o', global = true, value_enum, default_value = "table")]
     pub output: Output,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// The subcommands whose output `-o/--output` does not change: they print no result
+/// (`serve`), or always the same form (`completions`, `manpages`, `console`, `plugin test`).
+/// The flag is left out of their help, man page and completions, and refused on their
+/// command line (before or after the subcommand).
+const WITHOUT_OUTPUT: &[&[&str]] = &[&["serve"], &["completions"], &["manpages"], &["console"], &["plugin", "test"]];
+
+impl Cli {
+    /// The command-line definition: the derive's, with `-o/--output` taken off the
+    /// [`WITHOUT_OUTPUT`] subcommands. `--help`, the man pages and the completions all use it.
+    pub fn definition() -> clap::Command {
+        /// A hidden `output` argument: it keeps the global one from being propagated into
+        /// `cmd` (clap skips a global whose id the subcommand already has).
+        fn shadow(path: &[&str], cmd: clap::Command) -> clap::Command {
+            match path {
+                [] => cmd.arg(
+                    clap::Arg::new("output")
+                        .long("output")
+                        .short('o')
+                        .hide(true)
+                        .value_parser(clap::value_parser!(Output)),
+                ),
+                [first, rest @ ..] => cmd.mut_subcommand(first, |s| shadow(rest, s)),
+            }
+        }
+        WITHOUT_OUTPUT.iter().fold(<Cli as clap::CommandFactory>::command(), |cmd, path| shadow(path, cmd))
+    }
+
+    /// Parses a command line (the first item is the program name). Errors are clap's, ready
+    /// to print: a bad flag, or `-o/--output` given to a [`WITHOUT_OUTPUT`] subcommand.
+    pub fn try_parse_args_from<I, T>(args: I) -> Result<Cli, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::FromArgMatches;
+        let mut cmd = Cli::definition();
+        let m = cmd.try_get_matches_from_mut(args)?;
+        let mut path = Vec::new();
+        let mut sub = &m;
+        while let Some((name, next)) = sub.subcommand() {
+            path.push(name);
+            sub = next;
+        }
+        // Global values reach every level, so the top level tells whether it was given.
+        if m.value_source("output") == Some(clap::parser::ValueSource::CommandLine)
+            && WITHOUT_OUTPUT.contains(&path.as_slice())
+        {
+            return Err(cmd.error(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!(
+                    "-o/--output does not apply to `gpuvisor {}`: it changes only how client commands print their results",
+                    path.join(" ")
+                ),
+            ));
+        }
+        Cli::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
+    }
+
+    /// Parses the process's command line; prints the error (or the help) and exits as clap
+    /// does otherwise.
+    pub fn parse_args() -> Cli {
+        Cli::try_parse_args_from(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
 }
 
 /// Output format of client commands.
@@ -257,62 +322,62 @@ pub enum PluginAction {
     Reload,
 }
 
-/// `gpuvisor serve` flags; each overrides the config file's key of the same name.
+/// `gpuvisor serve` flags; each overrides the config file's key of the same name. Their
+/// help lines are the keys' descriptions and defaults in [`config::KEYS`](crate::config::KEYS)
+/// (filled in by [`describe_key_flag`]), so the fields carry no doc comments.
 #[derive(Debug, Args)]
+#[command(mut_args(describe_key_flag))]
 pub struct ServeArgs {
-    /// TOML config file.
+    /// TOML config file [default: none: every key has its default]
     #[arg(long, env = "GPUVISOR_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Data directory: records, claims, images, instance directories (default
-    /// /var/lib/gpuvisor).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
-    /// Root of sysfs/devfs: / on a real host, a gpuvisor-sim mount in tests (default /).
     #[arg(long)]
     pub host_root: Option<PathBuf>,
-    /// QEMU accelerator: kvm or tcg (default kvm).
     #[arg(long)]
     pub accel: Option<String>,
-    /// How VFIO devices reach QEMU: device (sysfs path) or hold-fd (simulated hosts)
-    /// (default device).
     #[arg(long, value_enum)]
     pub vfio_attach: Option<VfioAttach>,
-    /// The QEMU binary, looked up in PATH when not absolute (default qemu-system-x86_64).
     #[arg(long)]
     pub qemu_binary: Option<PathBuf>,
-    /// The Cloud Hypervisor binary (default `cloud-hypervisor` from PATH).
     #[arg(long)]
     pub cloud_hypervisor_binary: Option<PathBuf>,
-    /// Where the default plugins are, <dir>/<name>.wasm (default /usr/lib/gpuvisor/plugins).
     #[arg(long)]
     pub plugin_dir: Option<PathBuf>,
-    /// Seconds between SIGTERM and SIGKILL on the kill path of a VMM with a device
-    /// (default 5).
     #[arg(long)]
     pub vfio_term_grace_s: Option<u64>,
-    /// Seconds a graceful stop waits for the guest to power off (default 30).
     #[arg(long)]
     pub stop_timeout_s: Option<u64>,
-    /// Seconds a release retries inline (EBUSY during kernel teardown) before the claim is
-    /// left release_pending (default 30).
     #[arg(long)]
     pub release_retry_s: Option<u64>,
-    /// How long each step of a VMM start may take (QMP answering; the Cloud Hypervisor API
-    /// answering each request), seconds (default 30).
     #[arg(long, alias = "qmp-ready-timeout-s")]
     pub vmm_ready_timeout_s: Option<u64>,
-    /// The log's format on stderr: text or json (default text).
     #[arg(long)]
     pub log_format: Option<String>,
-    /// Write every policy plugin input to this directory (for `gpuvisor plugin test`).
     #[arg(long)]
     pub record_policy_inputs: Option<PathBuf>,
-    /// Serve `GET /metrics` on this loopback address (e.g. 127.0.0.1:9464).
     #[arg(long)]
     pub metrics_listen: Option<std::net::SocketAddr>,
-    /// GPUs handed out whole (comma-separated PCI addresses; default none).
+    /// (comma-separated; replaces the file's list)
     #[arg(long, value_delimiter = ',')]
     pub passthrough_gpus: Option<Vec<String>>,
+}
+
+/// The help line of a `serve` flag named like a config key: the key's description and
+/// default from [`config::KEYS`](crate::config::KEYS). A flag's own doc comment, if any,
+/// follows it. Other arguments are left as they are.
+fn describe_key_flag(a: clap::Arg) -> clap::Arg {
+    match crate::config::key_doc(a.get_id().as_str()) {
+        Some(k) => {
+            let help = match a.get_help() {
+                Some(own) => format!("{} {own} [default: {}]", k.help, k.shown_default()),
+                None => k.flag_help(),
+            };
+            a.help(help)
+        }
+        None => a,
+    }
 }
 
 /// `--restart` values.
@@ -422,7 +487,6 @@ fn duplicate_label(labels: &[(String, String)]) -> Option<&str> {
 /// `gpuvisor manpages DIR`: `gpuvisor.1` and `gpuvisor-<subcommand>.1` (nested ones as
 /// `gpuvisor-<a>-<b>.1`), generated from this CLI definition; hidden subcommands are left out.
 fn manpages(dir: &std::path::Path) -> i32 {
-    use clap::CommandFactory;
     fn write(cmd: &clap::Command, name: &str, dir: &std::path::Path) -> std::io::Result<()> {
         let cmd = cmd.clone().name(name.to_string());
         let mut out = Vec::new();
@@ -433,7 +497,7 @@ fn manpages(dir: &std::path::Path) -> i32 {
         }
         Ok(())
     }
-    let mut cli = Cli::command();
+    let mut cli = Cli::definition();
     cli.build();
     match std::fs::create_dir_all(dir).and_then(|()| write(&cli, "gpuvisor", dir)) {
         Ok(()) => exit::OK,
@@ -459,8 +523,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
             return exit::USAGE;
         }
         Command::Completions { shell } => {
-            use clap::CommandFactory;
-            clap_complete::generate(*shell, &mut Cli::command(), "gpuvisor", &mut std::io::stdout());
+            clap_complete::generate(*shell, &mut Cli::definition(), "gpuvisor", &mut std::io::stdout());
             return exit::OK;
         }
         Command::Manpages { dir } => return manpages(dir),
@@ -1081,4 +1144,111 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
         _ => println!("{}", serde_json::to_string_pretty(v).unwrap_or_default()),
     }
     exit::OK
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::KEYS;
+
+    /// The built `serve` subcommand (globals propagated, as `--help` shows it).
+    fn serve_command() -> clap::Command {
+        let mut cmd = Cli::definition();
+        cmd.build();
+        cmd.find_subcommand("serve").expect("serve exists").clone()
+    }
+
+    #[test]
+    fn serve_help_shows_a_description_with_the_default_for_every_flag() {
+        let help = serve_command().render_long_help().to_string();
+        // One block per option: its `-x, --name <V>` line, then its description.
+        let options = help.split("Options:").nth(1).unwrap_or_else(|| panic!("no options in {help}"));
+        let mut blocks: Vec<String> = Vec::new();
+        for line in options.lines() {
+            if line.trim_start().starts_with('-') && line.starts_with("  ") && !line.starts_with("          ") {
+                blocks.push(String::new());
+            }
+            if let Some(b) = blocks.last_mut() {
+                b.push_str(line);
+                b.push('\n');
+            }
+        }
+        let flags: Vec<&str> =
+            blocks.iter().filter_map(|b| b.split_whitespace().find(|w| w.starts_with("--"))).collect();
+        for k in KEYS.iter().filter(|k| k.serve_flag) {
+            assert!(flags.contains(&k.flag().as_str()), "{} is not in serve --help:\n{help}", k.flag());
+        }
+        for b in blocks.iter().filter(|b| !b.contains("--help")) {
+            let description = b.lines().nth(1).map(str::trim).unwrap_or_default();
+            assert!(!description.is_empty(), "no description:\n{b}");
+            assert!(b.contains("[default: "), "no default:\n{b}");
+        }
+        // The default is the key's, with its unit.
+        assert!(help.contains("How long a graceful stop waits for the guest to power off [default: 30 s]"), "{help}");
+    }
+
+    #[test]
+    fn the_serve_man_page_has_every_flag_s_description_and_default() {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(serve_command().name("gpuvisor-serve")).render(&mut page).unwrap();
+        let page = String::from_utf8(page).unwrap();
+        // roff escapes `-` and `'`.
+        let serve = serve_command();
+        for k in KEYS.iter().filter(|k| k.serve_flag && k.key != "socket") {
+            let help = serve.get_arguments().find(|a| a.get_id() == k.key).and_then(|a| a.get_help()).unwrap();
+            let help = help.to_string();
+            assert!(help.starts_with(k.help) && help.ends_with(&format!("[default: {}]", k.shown_default())), "{help}");
+            let line = help.replace('-', "\\-").replace('\'', "\\*(Aq");
+            assert!(page.contains(&line), "{}: no {line:?} in\n{page}", k.key);
+        }
+        assert!(!page.contains("\\-\\-output"), "{page}");
+    }
+
+    #[test]
+    fn the_serve_flags_are_the_keys_marked_serve_flag() {
+        let mut flags: Vec<String> = serve_command()
+            .get_arguments()
+            .filter(|a| !a.is_hide_set())
+            .map(|a| a.get_id().to_string())
+            .filter(|id| id != "help" && id != "config")
+            .collect();
+        flags.sort();
+        let mut keys: Vec<String> = KEYS.iter().filter(|k| k.serve_flag).map(|k| k.key.to_string()).collect();
+        keys.sort();
+        assert_eq!(flags, keys);
+    }
+
+    #[test]
+    fn output_is_refused_where_it_does_nothing() {
+        for args in [
+            &["gpuvisor", "serve", "-o", "json"][..],
+            &["gpuvisor", "-o", "json", "serve"],
+            &["gpuvisor", "serve", "--output=table"],
+            &["gpuvisor", "completions", "bash", "-o", "json"],
+            &["gpuvisor", "console", "vm", "--output", "json"],
+            &["gpuvisor", "plugin", "test", "p.wasm", "--input", "i.json", "-o", "json"],
+        ] {
+            let e = Cli::try_parse_args_from(args).expect_err(&format!("{args:?} must be refused"));
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{args:?}: {e}");
+            assert!(e.to_string().contains("-o/--output does not apply to `gpuvisor "), "{args:?}: {e}");
+        }
+        let serve = serve_command().render_long_help().to_string();
+        assert!(!serve.contains("--output"), "{serve}");
+    }
+
+    #[test]
+    fn output_is_taken_before_or_after_a_client_command() {
+        for args in [
+            &["gpuvisor", "-o", "json", "ps"][..],
+            &["gpuvisor", "ps", "-o", "json"],
+            &["gpuvisor", "--output", "json", "stop", "a", "--force"],
+            &["gpuvisor", "host", "check", "-o", "json"],
+            &["gpuvisor", "plugin", "ls", "--output", "json"],
+        ] {
+            let cli = Cli::try_parse_args_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(cli.output, Output::Json, "{args:?}");
+        }
+        let cli = Cli::try_parse_args_from(["gpuvisor", "serve", "--data-dir", "/d"]).unwrap();
+        assert_eq!(cli.output, Output::Table);
+    }
 }

@@ -2,12 +2,16 @@
 //!
 //! Unknown keys are refused (a typo must not silently fall back to a default). Durations
 //! carry their unit in the key name (`_s`, `_ms`).
+//!
+//! [`KEYS`] is the one description of every key (what it sets, its default, its unit,
+//! whether a `serve` flag overrides it): `Config`'s field docs, the `serve` flags' help,
+//! the man page and the table in `docs/configuration.md` are generated from it.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// How a VFIO device reaches QEMU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum VfioAttach {
     /// `-device vfio-pci,sysfsdev=...` (production).
@@ -18,7 +22,7 @@ pub enum VfioAttach {
 }
 
 /// Limits and site parameters of one policy plugin slot (`[plugins.<kind>]`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginSlot {
     /// Path of the `.wasm` (or `.wat`) module.
@@ -38,121 +42,295 @@ pub struct PluginSlot {
 }
 
 /// The `[plugins]` table.
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Plugins {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub placement: Option<PluginSlot>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub hypervisor: Option<PluginSlot>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub grace: Option<PluginSlot>,
 }
 
-/// The agent's configuration. Defaults are production defaults (ARCHITECTURE.md
-/// "Configuration").
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Config {
-    /// Data directory (records, claims, images). Default `/var/lib/gpuvisor`.
-    pub data_dir: PathBuf,
-    /// JSON-RPC Unix socket (mode 0600). Default `/run/gpuvisor/gpuvisor.sock`.
-    pub socket: PathBuf,
-    /// Root of sysfs/devfs: `/` on a real host, a `gpuvisor-sim` mount in tests.
-    pub host_root: PathBuf,
-    /// QEMU binary (looked up in `PATH` when not absolute).
-    pub qemu_binary: PathBuf,
-    /// Cloud Hypervisor binary (looked up in `PATH` when not absolute).
-    pub cloud_hypervisor_binary: PathBuf,
-    /// Hypervisor for plain instances when the request names none (`qemu`).
-    pub default_hypervisor: String,
-    /// QEMU accelerator: `kvm` (production) or `tcg` (nested/simulated hosts).
-    pub accel: String,
-    /// How VFIO devices reach QEMU.
-    pub vfio_attach: VfioAttach,
-    /// PF addresses gpuvisor may touch for vGPUs; absent = every NVIDIA GPU found (except
-    /// the passthrough GPUs).
-    pub managed_gpus: Option<Vec<String>>,
-    /// GPU addresses gpuvisor may hand out whole (bound to `vfio-pci` with their IOMMU
-    /// group); none by default. A GPU is never both a vGPU parent and a passthrough GPU.
-    pub passthrough_gpus: Vec<String>,
-    /// A command (argv) that stops the host services holding a passthrough GPU through the
-    /// host driver (`/dev/nvidia*`: persistenced, DCGM) before the GPU leaves `nvidia`;
-    /// empty = none are stopped and a held GPU is refused with `gpu_busy`.
-    pub passthrough_stop_services: Vec<String>,
-    /// The command (argv) that starts those services again after the bind.
-    pub passthrough_start_services: Vec<String>,
-    /// Directory of the default plugins (`placement-spread.wasm`, `hypervisor-default.wasm`,
-    /// `grace-default.wasm`) used for slots not set under `[plugins]`.
-    pub plugin_dir: PathBuf,
-    pub plugins: Plugins,
-    /// Seconds between reconcile passes.
-    pub reconcile_interval_s: u64,
-    /// Protection of claims without a recorded VMM, and of orphans, in seconds.
-    pub claim_grace_s: u64,
-    /// SIGTERM → SIGKILL grace for VMMs holding VFIO devices, seconds (NVIDIA-HOST.md §9).
-    pub vfio_term_grace_s: u64,
-    /// How long a graceful stop waits for the guest to power off, seconds.
-    pub stop_timeout_s: u64,
-    /// How long a release retries inline (EBUSY during kernel teardown) before leaving the
-    /// claim `release_pending`, seconds.
-    pub release_retry_s: u64,
-    /// How long each step of a VMM start may take before the start counts as failed,
-    /// seconds: QEMU answering QMP; Cloud Hypervisor answering `vmm.ping`, then each of
-    /// `vm.create`, `vm.boot`, `vm.info`. (`qmp_ready_timeout_s` is the older name.)
+/// What a number of a config key counts (the key's name carries it too: `_s`, `_mib`,
+/// `_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// Not a quantity (a path, a name, a list, a switch), or a plain count.
+    None,
+    Seconds,
+    Mib,
+    Bytes,
+    /// A multiple of a host quantity (its `MemTotal`, its CPUs).
+    Times,
+}
+
+impl Unit {
+    /// The unit as printed after a number (`30 s`), or "" for [`Unit::None`].
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Unit::None => "",
+            Unit::Seconds => "s",
+            Unit::Mib => "MiB",
+            Unit::Bytes => "bytes",
+            Unit::Times => "×",
+        }
+    }
+}
+
+/// One config key as users see it, in `gpuvisor serve --help`, the man page and
+/// `docs/configuration.md` (all three generated from [`KEYS`]).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyDoc {
+    /// The TOML key (the `Config` field's serde name); its `serve` flag is `--<key with ->`.
+    pub key: &'static str,
+    /// One line: what the key sets (no default, no unit: those are rendered from the fields
+    /// below).
+    pub help: &'static str,
+    /// The default as a TOML value (`"/var/lib/gpuvisor"`, `60`, `[]`), `None` when the key
+    /// is absent by default. Checked against [`Config::default`] by a unit test.
+    pub default: Option<&'static str>,
+    pub unit: Unit,
+    /// A `gpuvisor serve` flag of the same name overrides the file's value.
+    pub serve_flag: bool,
+}
+
+impl KeyDoc {
+    /// The default as users read it: a TOML string without its quotes, other values as
+    /// written, `none` for an absent key.
+    pub fn shown_value(&self) -> &'static str {
+        match self.default {
+            None => "none",
+            Some(d) => d.strip_prefix('"').and_then(|d| d.strip_suffix('"')).unwrap_or(d),
+        }
+    }
+
+    /// [`shown_value`](Self::shown_value) with the unit after a number (`30 s`).
+    pub fn shown_default(&self) -> String {
+        match (self.unit, self.default) {
+            (Unit::None, _) | (_, None) => self.shown_value().to_string(),
+            (u, Some(_)) => format!("{} {}", self.shown_value(), u.symbol()),
+        }
+    }
+
+    /// The `serve` flag (`--stop-timeout-s`).
+    pub fn flag(&self) -> String {
+        format!("--{}", self.key.replace('_', "-"))
+    }
+
+    /// The help line of the key's `serve` flag: the description and the default.
+    pub fn flag_help(&self) -> String {
+        format!("{} [default: {}]", self.help, self.shown_default())
+    }
+}
+
+/// The generated part of `docs/configuration.md` (between [`DOC_BEGIN`] and [`DOC_END`]):
+/// a Markdown table of every key with its default, unit, `serve` flag and description.
+pub fn keys_markdown() -> String {
+    let mut out = String::from("| key | default | unit | `serve` flag | description |\n|---|---|---|---|---|\n");
+    for k in KEYS {
+        let flag = if k.serve_flag { format!("`{}`", k.flag()) } else { String::new() };
+        let help = k.help.replace('<', "&lt;").replace('>', "&gt;");
+        out.push_str(&format!("| `{}` | `{}` | {} | {flag} | {help} |\n", k.key, k.shown_value(), k.unit.symbol()));
+    }
+    out
+}
+
+/// The marker lines around the generated table in `docs/configuration.md`.
+pub const DOC_BEGIN: &str = "<!-- keys:begin (generated from agent/src/config.rs KEYS; do not edit) -->";
+pub const DOC_END: &str = "<!-- keys:end -->";
+
+/// The [`KeyDoc`] of a key.
+pub fn key_doc(key: &str) -> Option<&'static KeyDoc> {
+    KEYS.iter().find(|k| k.key == key)
+}
+
+/// Declares the `Config` struct and [`KEYS`] from one list, so every field has exactly one
+/// description (used as its doc comment too) and every description a field.
+macro_rules! config_keys {
+    ($(
+        $(#[$attr:meta])*
+        $key:ident: $ty:ty {
+            help: $help:literal,
+            default: $default:expr,
+            unit: $unit:ident,
+            serve_flag: $flag:literal $(,)?
+        }
+    ),* $(,)?) => {
+        /// The agent's configuration. Defaults are production defaults (ARCHITECTURE.md
+        /// "Configuration"); each key's description, default and unit are in [`KEYS`].
+        #[derive(Debug, Clone, Deserialize, Serialize)]
+        #[serde(deny_unknown_fields, default)]
+        pub struct Config {
+            $(
+                #[doc = $help]
+                $(#[$attr])*
+                pub $key: $ty,
+            )*
+        }
+
+        /// Every config key, in the order of `Config`'s fields and of the docs' table.
+        pub const KEYS: &[KeyDoc] = &[$(
+            KeyDoc { key: stringify!($key), help: $help, default: $default, unit: Unit::$unit, serve_flag: $flag },
+        )*];
+    };
+}
+
+config_keys! {
+    data_dir: PathBuf {
+        help: "Data directory: records, claims, images, instance directories",
+        default: Some(r#""/var/lib/gpuvisor""#), unit: None, serve_flag: true,
+    },
+    socket: PathBuf {
+        help: "The JSON-RPC Unix socket (mode 0600)",
+        default: Some(r#""/run/gpuvisor/gpuvisor.sock""#), unit: None, serve_flag: true,
+    },
+    host_root: PathBuf {
+        help: "Root of sysfs/devfs: / on a real host, a gpuvisor-sim mount in tests",
+        default: Some(r#""/""#), unit: None, serve_flag: true,
+    },
+    qemu_binary: PathBuf {
+        help: "The QEMU binary, looked up in PATH when not absolute",
+        default: Some(r#""qemu-system-x86_64""#), unit: None, serve_flag: true,
+    },
+    cloud_hypervisor_binary: PathBuf {
+        help: "The Cloud Hypervisor binary, looked up in PATH when not absolute",
+        default: Some(r#""cloud-hypervisor""#), unit: None, serve_flag: true,
+    },
+    default_hypervisor: String {
+        help: "Hypervisor for plain instances when the request names none (not used yet: the hypervisor plugin decides)",
+        default: Some(r#""qemu""#), unit: None, serve_flag: false,
+    },
+    accel: String {
+        help: "QEMU accelerator: kvm (production) or tcg (nested or simulated hosts)",
+        default: Some(r#""kvm""#), unit: None, serve_flag: true,
+    },
+    vfio_attach: VfioAttach {
+        help: "How VFIO devices reach QEMU: device (the sysfs path) or hold-fd (simulated hosts)",
+        default: Some(r#""device""#), unit: None, serve_flag: true,
+    },
+    managed_gpus: Option<Vec<String>> {
+        help: "PF addresses gpuvisor may touch for vGPUs; absent = every NVIDIA GPU found except the passthrough GPUs",
+        default: None, unit: None, serve_flag: false,
+    },
+    passthrough_gpus: Vec<String> {
+        help: "GPU addresses handed out whole (bound to vfio-pci with their IOMMU group); never also a vGPU parent",
+        default: Some("[]"), unit: None, serve_flag: true,
+    },
+    passthrough_stop_services: Vec<String> {
+        help: "A command (argv) that stops the host services holding a passthrough GPU before its bind; empty = a held GPU is refused (gpu_busy)",
+        default: Some("[]"), unit: None, serve_flag: false,
+    },
+    passthrough_start_services: Vec<String> {
+        help: "The command (argv) that starts those services again after the bind",
+        default: Some("[]"), unit: None, serve_flag: false,
+    },
+    plugin_dir: PathBuf {
+        help: "Directory of the default plugins (<name>.wasm) used for the slots not set under [plugins]",
+        default: Some(r#""/usr/lib/gpuvisor/plugins""#), unit: None, serve_flag: true,
+    },
+    plugins: Plugins {
+        help: "The policy plugin slots [plugins.placement], [plugins.hypervisor], [plugins.grace]",
+        default: Some("{}"), unit: None, serve_flag: false,
+    },
+    reconcile_interval_s: u64 {
+        help: "Time between reconcile passes (at least 1)",
+        default: Some("60"), unit: Seconds, serve_flag: false,
+    },
+    claim_grace_s: u64 {
+        help: "Protection of claims without a recorded VMM, and of orphans (the grace plugin's params.claim_grace_s)",
+        default: Some("300"), unit: Seconds, serve_flag: false,
+    },
+    vfio_term_grace_s: u64 {
+        help: "SIGTERM to SIGKILL wait on the kill path of a VMM holding a VFIO device",
+        default: Some("5"), unit: Seconds, serve_flag: true,
+    },
+    stop_timeout_s: u64 {
+        help: "How long a graceful stop waits for the guest to power off",
+        default: Some("30"), unit: Seconds, serve_flag: true,
+    },
+    release_retry_s: u64 {
+        help: "How long a release retries inline (EBUSY during kernel teardown) before leaving the claim release_pending",
+        default: Some("30"), unit: Seconds, serve_flag: true,
+    },
     #[serde(alias = "qmp_ready_timeout_s")]
-    pub vmm_ready_timeout_s: u64,
-    /// Kernel command line appended for images that do not set one.
-    pub default_cmdline: String,
-    /// The largest a serial console log (`serial.log`) may grow, bytes, before it is
-    /// rotated to `serial.log.1` (QEMU instances). Default 8 MiB; at least 4096.
-    pub console_log_max_bytes: u64,
-    /// The wait before the first restart under a restart policy, seconds; doubled for each
-    /// further restart within `restart_window_s`, at most 60 s.
-    pub restart_backoff_s: u64,
-    /// At most this many restarts within `restart_window_s`; then the instance stays
-    /// `stopped` until started by hand.
-    pub restart_limit: u32,
-    /// The window of `restart_limit`, seconds.
-    pub restart_window_s: u64,
-    /// An instance may have at most this times the host's `MemTotal` of guest memory; a
-    /// create or start beyond it is refused. Default 1.0.
-    pub memory_overcommit: f64,
-    /// An instance may have at most this times the host's CPUs as vCPUs. Default 4.0.
-    pub vcpu_overcommit: f64,
-    /// QEMU runs under its seccomp sandbox (`-sandbox on` with obsolete, elevateprivileges,
-    /// spawn and resourcecontrol denied). Default true.
-    pub qemu_sandbox: bool,
-    /// The unprivileged user every VMM runs as (no capabilities, `no_new_privs`); `root`
-    /// runs them as the agent. Default `gpuvisor-vmm` (created by `scripts/setup`).
-    pub vmm_user: String,
-    /// Where cgroup v2 has the memory controller: each VMM runs in its own cgroup
-    /// (`/sys/fs/cgroup/gpuvisor/vm-<id>`) whose `memory.max` is the guest memory plus
-    /// `cgroup_memory_overhead_mib`. Default true.
-    pub vmm_cgroup: bool,
-    /// The VMM's own memory on top of the guest's, in its cgroup's limit, MiB. Default 1024.
-    pub cgroup_memory_overhead_mib: u64,
-    /// `text` or `json`.
-    pub log_format: String,
-    /// When set, every policy plugin input the agent sends is also written to this directory
-    /// as `<kind>-<unix ms>-<n>.json`, so a site can test a new plugin on its real data with
-    /// `gpuvisor plugin test` before swapping it in.
-    pub record_policy_inputs: Option<PathBuf>,
-    /// Optional loopback HTTP listener serving `GET /metrics` (Prometheus text), e.g.
-    /// `127.0.0.1:9464`. Only loopback addresses are accepted.
-    pub metrics_listen: Option<std::net::SocketAddr>,
-    /// `user` NICs run QEMU user-mode networking with `restrict=on`: the guest reaches only
-    /// its host port forwards, never the host's other services or the outside network.
-    /// Default true.
-    pub user_net_restrict: bool,
-    /// `qemu-img` (looked up in `PATH` when not absolute): inspects imported disks, copies
-    /// them into images, creates the instances' overlays. Default `qemu-img` (Debian
-    /// `qemu-utils`).
-    pub qemu_img_binary: PathBuf,
-    /// The UEFI firmware code (read-only pflash unit 0) for `boot = "uefi"`. Default
-    /// `/usr/share/OVMF/OVMF_CODE_4M.fd` (Debian `ovmf`).
-    pub ovmf_code: PathBuf,
-    /// The UEFI variable store template, copied once per instance to
-    /// `<instance dir>/efivars.fd` (pflash unit 1). Default `/usr/share/OVMF/OVMF_VARS_4M.fd`;
-    /// it must match `ovmf_code` (both 4M, or both 2M).
-    pub ovmf_vars: PathBuf,
+    vmm_ready_timeout_s: u64 {
+        help: "How long each step of a VMM start may take (QMP answering; each Cloud Hypervisor API request); older name qmp_ready_timeout_s",
+        default: Some("30"), unit: Seconds, serve_flag: true,
+    },
+    default_cmdline: String {
+        help: "Kernel command line for images imported without one",
+        default: Some(r#""console=ttyS0 panic=-1""#), unit: None, serve_flag: false,
+    },
+    console_log_max_bytes: u64 {
+        help: "The largest a QEMU instance's serial.log grows before it is rotated to serial.log.1 (8 MiB; at least 4096)",
+        default: Some("8388608"), unit: Bytes, serve_flag: false,
+    },
+    restart_backoff_s: u64 {
+        help: "Wait before the first restart under a restart policy; doubled per further restart within restart_window_s, at most 60 s",
+        default: Some("1"), unit: Seconds, serve_flag: false,
+    },
+    restart_limit: u32 {
+        help: "At most this many restarts within restart_window_s; then the instance stays stopped until started by hand",
+        default: Some("5"), unit: None, serve_flag: false,
+    },
+    restart_window_s: u64 {
+        help: "The window of restart_limit",
+        default: Some("600"), unit: Seconds, serve_flag: false,
+    },
+    memory_overcommit: f64 {
+        help: "An instance may have at most this times the host's MemTotal of guest memory (above 0, at most 1000)",
+        default: Some("1.0"), unit: Times, serve_flag: false,
+    },
+    vcpu_overcommit: f64 {
+        help: "An instance may have at most this times the host's CPUs as vCPUs (above 0, at most 1000)",
+        default: Some("4.0"), unit: Times, serve_flag: false,
+    },
+    qemu_sandbox: bool {
+        help: "QEMU runs under its seccomp sandbox (-sandbox on, obsolete/elevateprivileges/spawn/resourcecontrol denied)",
+        default: Some("true"), unit: None, serve_flag: false,
+    },
+    vmm_user: String {
+        help: "The unprivileged user every VMM runs as (no capabilities, no_new_privs); root runs them as the agent",
+        default: Some(r#""gpuvisor-vmm""#), unit: None, serve_flag: false,
+    },
+    vmm_cgroup: bool {
+        help: "Each VMM runs in its own cgroup v2 (gpuvisor/vm-<id>) with memory.max = guest memory + cgroup_memory_overhead_mib",
+        default: Some("true"), unit: None, serve_flag: false,
+    },
+    cgroup_memory_overhead_mib: u64 {
+        help: "The VMM's own memory on top of the guest's, in its cgroup's limit",
+        default: Some("1024"), unit: Mib, serve_flag: false,
+    },
+    log_format: String {
+        help: "Format of the agent's log on stderr: text or json (level: GPUVISOR_LOG)",
+        default: Some(r#""text""#), unit: None, serve_flag: true,
+    },
+    record_policy_inputs: Option<PathBuf> {
+        help: "Write every policy plugin input to this directory as <kind>-<unix ms>-<n>.json (to replay with gpuvisor plugin test)",
+        default: None, unit: None, serve_flag: true,
+    },
+    metrics_listen: Option<std::net::SocketAddr> {
+        help: "Serve GET /metrics (Prometheus text) on this loopback address, e.g. 127.0.0.1:9464",
+        default: None, unit: None, serve_flag: true,
+    },
+    user_net_restrict: bool {
+        help: "user NICs run QEMU user-mode networking with restrict=on: the guest reaches only its port forwards",
+        default: Some("true"), unit: None, serve_flag: false,
+    },
+    qemu_img_binary: PathBuf {
+        help: "qemu-img (Debian qemu-utils), looked up in PATH when not absolute: imports disks, creates overlays",
+        default: Some(r#""qemu-img""#), unit: None, serve_flag: false,
+    },
+    ovmf_code: PathBuf {
+        help: "The UEFI firmware code (Debian ovmf) for boot = \"uefi\", read-only pflash unit 0",
+        default: Some(r#""/usr/share/OVMF/OVMF_CODE_4M.fd""#), unit: None, serve_flag: false,
+    },
+    ovmf_vars: PathBuf {
+        help: "The UEFI variable store template, copied once per instance (pflash unit 1); must match ovmf_code (4M or 2M)",
+        default: Some(r#""/usr/share/OVMF/OVMF_VARS_4M.fd""#), unit: None, serve_flag: false,
+    },
 }
 
 impl Default for Config {
@@ -377,6 +555,103 @@ mod tests {
         assert!(e.contains("loopback"), "{e}");
         let e = Config::parse("vfio_attach = \"magic\"").unwrap_err().to_string();
         assert!(e.contains("magic") || e.contains("vfio_attach"), "{e}");
+    }
+
+    /// The field names serde knows (the "expected one of" list of an unknown-key error).
+    fn serde_field_names() -> Vec<String> {
+        let e = Config::parse("no_such_key = 1").unwrap_err().to_string();
+        let list = e.split("expected one of").nth(1).unwrap_or_else(|| panic!("no field list in {e}"));
+        list.split('`').skip(1).step_by(2).map(String::from).collect()
+    }
+
+    #[test]
+    fn every_config_field_has_exactly_one_key_doc_and_every_key_doc_a_field() {
+        let keys: Vec<&str> = KEYS.iter().map(|k| k.key).collect();
+        for (i, k) in keys.iter().enumerate() {
+            assert!(!keys[..i].contains(k), "{k} is in KEYS twice");
+        }
+        // The serialised default: exactly the fields, in order.
+        let fields: Vec<String> = match serde_json::to_value(Config::default()).unwrap() {
+            serde_json::Value::Object(m) => m.keys().cloned().collect(),
+            v => panic!("not an object: {v}"),
+        };
+        let mut sorted_keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        sorted_keys.sort();
+        let mut sorted_fields = fields.clone();
+        sorted_fields.sort();
+        assert_eq!(sorted_fields, sorted_keys);
+        // What an unknown-key error lists: the keys, and the older name of vmm_ready_timeout_s.
+        let mut named = serde_field_names();
+        named.retain(|n| n != "qmp_ready_timeout_s");
+        named.sort();
+        assert_eq!(named, sorted_keys);
+    }
+
+    #[test]
+    fn every_key_doc_default_is_the_real_default() {
+        let real = serde_json::to_value(Config::default()).unwrap();
+        for k in KEYS {
+            let shown = match k.default {
+                None => serde_json::Value::Null,
+                Some(lit) => {
+                    let t: toml::Table = toml::from_str(&format!("v = {lit}"))
+                        .unwrap_or_else(|e| panic!("{}: default {lit} is not a TOML value: {e}", k.key));
+                    serde_json::to_value(&t["v"]).unwrap()
+                }
+            };
+            assert_eq!(
+                shown, real[k.key],
+                "{}: KEYS says {:?}, Config::default() has {}",
+                k.key, k.default, real[k.key]
+            );
+        }
+    }
+
+    #[test]
+    fn every_key_doc_has_a_one_line_description_and_the_unit_its_name_says() {
+        for k in KEYS {
+            assert!(!k.help.is_empty() && !k.help.contains('\n') && !k.help.ends_with('.'), "{}: {:?}", k.key, k.help);
+            let by_name = if k.key.ends_with("_s") {
+                Unit::Seconds
+            } else if k.key.ends_with("_mib") {
+                Unit::Mib
+            } else if k.key.ends_with("_bytes") {
+                Unit::Bytes
+            } else {
+                k.unit
+            };
+            assert_eq!(k.unit, by_name, "{}", k.key);
+        }
+        assert_eq!(
+            key_doc("stop_timeout_s").unwrap().flag_help(),
+            format!("{} [default: 30 s]", key_doc("stop_timeout_s").unwrap().help)
+        );
+        assert_eq!(key_doc("data_dir").unwrap().shown_default(), "/var/lib/gpuvisor");
+        assert_eq!(key_doc("metrics_listen").unwrap().shown_default(), "none");
+    }
+
+    /// `docs/configuration.md` between the markers is [`keys_markdown`]; with
+    /// `GPUVISOR_UPDATE_DOCS=1` the test rewrites it instead.
+    #[test]
+    fn the_configuration_doc_lists_every_key_as_the_table_generates() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configuration.md");
+        let doc = std::fs::read_to_string(&path).unwrap();
+        let (Some(b), Some(e)) = (doc.find(DOC_BEGIN), doc.find(DOC_END)) else {
+            panic!("{} has no {DOC_BEGIN} ... {DOC_END} section", path.display())
+        };
+        let start = b + DOC_BEGIN.len() + 1;
+        let want = keys_markdown();
+        if doc[start..e] == want {
+            return;
+        }
+        if std::env::var_os("GPUVISOR_UPDATE_DOCS").is_some() {
+            std::fs::write(&path, format!("{}{want}{}", &doc[..start], &doc[e..])).unwrap();
+            return;
+        }
+        panic!(
+            "docs/configuration.md's key table differs from config::KEYS; regenerate it with\n  \
+             GPUVISOR_UPDATE_DOCS=1 cargo test -p gpuvisor --lib config::tests::the_configuration_doc_lists_every_key_as_the_table_generates"
+        );
     }
 
     #[test]

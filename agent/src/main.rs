@@ -1,7 +1,6 @@
 //! The `gpuvisor` binary: `gpuvisor serve` runs the agent; other subcommands are clients.
 
 use anyhow::Context;
-use clap::Parser;
 use gpuvisor::cli::{Cli, Command};
 use gpuvisor::config::Config;
 use gpuvisor::instances::Manager;
@@ -137,7 +136,7 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_args();
     // FAILPOINTS=<name>=return,... (only in builds with the `failpoints` feature).
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();

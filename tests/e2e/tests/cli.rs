@@ -180,6 +180,9 @@ fn bad_flags_are_refused_with_a_clear_error() {
         (vec!["create", "x", "--image", "demo", "--label", "a=1", "--label", "a=2"], "\"a\" is given more than once"),
         (vec!["create", "x", "--image", "demo", "--vcpus", "many"], "many"),
         (vec!["--output", "yaml", "ps"], "yaml"),
+        // -o/--output changes only how client commands print: serve refuses it.
+        (vec!["serve", "-o", "json"], "-o/--output does not apply to `gpuvisor serve`"),
+        (vec!["-o", "json", "serve"], "-o/--output does not apply to `gpuvisor serve`"),
         (vec!["frobnicate"], "frobnicate"),
     ] {
         let o = cli_alone(&args);
