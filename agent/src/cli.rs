@@ -816,7 +816,14 @@ pub fn event_line(ev: &crate::events::Event) -> String {
             };
             format!("{device} released ({what}){by}")
         }
-        K::ReleaseFailed { device, what, code, error, .. } => format!("{device} not released ({what}): {code}: {error}"),
+        K::ReleaseFailed { device, what, instance_id, name, code, error } => {
+            let of = if instance_id.is_some() || name.is_some() {
+                format!(" of {}", who(name, instance_id))
+            } else {
+                String::new()
+            };
+            format!("{device} not released ({what}){of}: {error} [{code}]")
+        }
         K::HealthMark { device, reason, quarantined, detail } => {
             let mark = if *quarantined { "quarantined" } else { "suspect" };
             format!("{device} {mark} ({reason}): {detail}")

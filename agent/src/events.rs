@@ -78,6 +78,7 @@ pub enum EventKind {
         device: String,
         what: String,
         instance_id: Option<String>,
+        name: Option<String>,
         /// The failure's stable code (`in_use`, `write_failed`, …).
         code: String,
         error: String,

@@ -188,6 +188,7 @@ impl Manager {
                         device: r.device().to_string(),
                         what: r.kind().to_string(),
                         instance_id: r.owner().map(|c| c.instance_id.to_string()),
+                        name: r.owner().and_then(|c| c.owner_name.clone()),
                         code: e.code().to_string(),
                         error: e.to_string(),
                     });
