@@ -137,7 +137,7 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     without_params!(module, "agent.health", |m| Ok(m.health()));
     without_params!(module, "agent.metrics", |m| Ok(m.metrics_text()));
     module.register_subscription("events.subscribe", "events.event", "events.unsubscribe", |p, s, m, e| {
-        subscribe_events(p, s, Arc::clone(&m), e)
+        subscribe_events(p, s, Arc::clone(&*m), e)
     })?;
     module.register_method("rpc.discover", |p, _m, _| {
         no_params(&p)?;
@@ -171,7 +171,7 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
 async fn subscribe_events(
     params: jsonrpsee::types::Params<'static>,
     pending: jsonrpsee::PendingSubscriptionSink,
-    m: Arc<Arc<Manager>>,
+    m: Arc<Manager>,
     _: jsonrpsee::Extensions,
 ) {
     use crate::events::{Event, EventKind};
