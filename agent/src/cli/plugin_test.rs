@@ -115,7 +115,9 @@ pub fn run(output: Output, a: &TestArgs<'_>) -> i32 {
             obj.insert("params".into(), p.clone());
         }
         let run_one = |p: &Plugin, file: &InputFile| {
-            gpuvisor_policy::run_input(p, &file.input).map(|(result, report)| Run { result, report })
+            gpuvisor_policy::run_input(p, &file.input)
+                .map(|(result, report)| Run { result, report })
+                .map_err(|e| format!("input file {}: {e}", path.display()))
         };
         let outcome = run_one(&plugin, &file).and_then(|a| {
             let b = other.as_ref().map(|o| run_one(o, &file)).transpose()?;
