@@ -111,6 +111,9 @@ pub fn run(output: Output, a: &TestArgs<'_>) -> i32 {
                 continue;
             }
         };
+        if dir_mode && file.kind.is_some_and(|k| k != slot) {
+            continue; // a recording of another kind
+        }
         if let (Some((p, _)), Some(obj)) = (&params, file.input.as_object_mut()) {
             obj.insert("params".into(), p.clone());
         }
@@ -319,7 +322,7 @@ fn print_single(plugin: &Plugin, params: Option<&(Value, String)>, rows: &[Row])
 
 fn print_rows(names: &(String, Option<String>), params: Option<&(Value, String)>, rows: &[Row], summary: &Summary) {
     if let Some((v, from)) = params {
-        println!("params {} (from {}; replace every input's params)", compact(&v.clone(), 200), from);
+        println!("params {} (from {}; replace every input's params)", compact(v, 200), from);
     }
     let file = |r: &Row| r.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     match &names.1 {
