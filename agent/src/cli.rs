@@ -13,6 +13,8 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
+mod plugin_test;
+
 /// The exit codes of client commands.
 pub mod exit {
     /// Done.
@@ -50,10 +52,10 @@ pub struct Cli {
 }
 
 /// The subcommands whose output `-o/--output` does not change: they print no result
-/// (`serve`), or always the same form (`completions`, `manpages`, `console`, `plugin test`).
+/// (`serve`), or always the same form (`completions`, `manpages`, `console`).
 /// The flag is left out of their help, man page and completions, and refused on their
 /// command line (before or after the subcommand).
-const WITHOUT_OUTPUT: &[&[&str]] = &[&["serve"], &["completions"], &["manpages"], &["console"], &["plugin", "test"]];
+const WITHOUT_OUTPUT: &[&[&str]] = &[&["serve"], &["completions"], &["manpages"], &["console"]];
 
 impl Cli {
     /// The command-line definition: the derive's, with `-o/--output` taken off the
@@ -307,14 +309,32 @@ pub enum ImageAction {
 
 #[derive(Debug, Subcommand)]
 pub enum PluginAction {
-    /// Run a plugin on a recorded JSON input, locally (no agent needed).
+    /// Run a plugin locally (no agent needed) on a JSON input or a directory of recorded
+    /// inputs: its log lines, fuel, time and answer. Exit 1 when a plugin or a call fails.
     Test {
         plugin: PathBuf,
+        /// An input file (a fixture, or a file `record_policy_inputs` wrote), or a directory
+        /// of them (each `*.json` of the plugin's kind, sorted).
         #[arg(long)]
         input: PathBuf,
         /// placement | hypervisor | grace (default: the plugin's only kind).
         #[arg(long)]
         kind: Option<String>,
+        /// Site params (TOML or JSON: the params table, or an agent config file's
+        /// [plugins.<kind>.params]); they replace every input's params.
+        #[arg(long)]
+        params: Option<PathBuf>,
+        /// An agent config file: the slot's fuel, memory_mib, deadline_ms (and its params
+        /// unless --params is given). Default: the agent's default limits.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// A second plugin of the same kind: run both on each input and show where their
+        /// answers differ.
+        #[arg(long)]
+        against: Option<PathBuf>,
+        /// Exit 1 also when an answer differs (from --against's, else from the recorded one).
+        #[arg(long)]
+        fail_on_diff: bool,
     },
     /// The loaded plugins.
     Ls,
@@ -628,8 +648,19 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Image { action: ImageAction::Rm { name } } => ("image.delete", json!({ "name": name })),
         Command::Plugin { action: PluginAction::Ls } => ("plugin.list", json!({})),
         Command::Plugin { action: PluginAction::Reload } => ("plugin.reload", json!({})),
-        Command::Plugin { action: PluginAction::Test { plugin, input, kind } } => {
-            return plugin_test(plugin, input, kind.as_deref());
+        Command::Plugin {
+            action: PluginAction::Test { plugin, input, kind, params, config, against, fail_on_diff },
+        } => {
+            let args = plugin_test::TestArgs {
+                plugin,
+                input,
+                kind: kind.as_deref(),
+                params: params.as_deref(),
+                config: config.as_deref(),
+                against: against.as_deref(),
+                fail_on_diff: *fail_on_diff,
+            };
+            return plugin_test::run(cli.output, &args);
         }
         Command::Console { name, log } => return console(cli, name, *log).await,
         Command::Host { action: HostAction::Check(args) } => return host_check(cli, args),
@@ -727,29 +758,6 @@ fn host_check(cli: &Cli, args: &HostCheckArgs) -> i32 {
 /// A request type as JSON-RPC params.
 fn to_params<T: serde::Serialize>(p: &T) -> Value {
     serde_json::to_value(p).unwrap_or_else(|_| json!({}))
-}
-
-fn plugin_test(plugin: &std::path::Path, input: &std::path::Path, kind: Option<&str>) -> i32 {
-    let kind = match kind {
-        None => None,
-        Some("placement") => Some(gpuvisor_sdk::PolicyKind::Placement),
-        Some("hypervisor") => Some(gpuvisor_sdk::PolicyKind::Hypervisor),
-        Some("grace") => Some(gpuvisor_sdk::PolicyKind::Grace),
-        Some(k) => {
-            eprintln!("error: unknown kind {k:?} (placement, hypervisor, grace)");
-            return 2;
-        }
-    };
-    match gpuvisor_policy::run_plugin_file(plugin, input, kind) {
-        Ok(v) => {
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-            0
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            1
-        }
-    }
 }
 
 /// `gpuvisor console NAME [--log]`: the paths come from `instance.get`; the console socket
@@ -1233,7 +1241,6 @@ mod tests {
             &["gpuvisor", "serve", "--output=table"],
             &["gpuvisor", "completions", "bash", "-o", "json"],
             &["gpuvisor", "console", "vm", "--output", "json"],
-            &["gpuvisor", "plugin", "test", "p.wasm", "--input", "i.json", "-o", "json"],
         ] {
             let e = Cli::try_parse_args_from(args).expect_err(&format!("{args:?} must be refused"));
             assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{args:?}: {e}");
@@ -1251,6 +1258,7 @@ mod tests {
             &["gpuvisor", "--output", "json", "stop", "a", "--force"],
             &["gpuvisor", "host", "check", "-o", "json"],
             &["gpuvisor", "plugin", "ls", "--output", "json"],
+            &["gpuvisor", "plugin", "test", "p.wasm", "--input", "i.json", "-o", "json"],
         ] {
             let cli = Cli::try_parse_args_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
             assert_eq!(cli.output, Output::Json, "{args:?}");

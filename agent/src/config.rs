@@ -308,7 +308,7 @@ config_keys! {
         default: Some(r#""text""#), unit: None, serve_flag: true,
     },
     record_policy_inputs: Option<PathBuf> {
-        help: "Write every policy plugin input to this directory as <kind>-<unix ms>-<n>.json (to replay with gpuvisor plugin test)",
+        help: "Write every policy plugin call (the input and the answer) to this directory as <kind>-<unix ms>-<n>.json (to replay with gpuvisor plugin test)",
         default: None, unit: None, serve_flag: true,
     },
     metrics_listen: Option<std::net::SocketAddr> {

@@ -32,20 +32,104 @@ mod plugin;
 
 pub use engine::{MAX_MEMORY_BYTES, POOL_INSTANCES, TICK};
 pub use error::{CallError, LoadError, RunError};
-pub use plugin::{Limits, Plugin, PluginStats, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND, LOG_LINE_MAX_BYTES};
+pub use plugin::{
+    CallReport, Limits, LogLine, Plugin, PluginStats, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND, LOG_LINE_MAX_BYTES,
+};
 
 use gpuvisor_sdk::{
     GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput, PolicyKind,
 };
 use std::path::Path;
 
-/// Runs the plugin at `wasm` on the JSON input file `input_json`, as
-/// `gpuvisor plugin test <plugin.wasm> --input <file>` does, with default [`Limits`].
+/// A policy input read from a file: either the input JSON alone (a fixture, or a file an
+/// older agent recorded) or a recording of the agent's `record_policy_inputs`
+/// ([`Recording`]), which also holds the answer the agent got.
+#[derive(Debug, Clone)]
+pub struct InputFile {
+    /// The input, as sent to the plugin.
+    pub input: serde_json::Value,
+    /// The recorded kind, when the file is a [`Recording`].
+    pub kind: Option<PolicyKind>,
+    /// The recorded reply (`{"ok": ..}` or `{"error": {"reason", "message"}}`), when the
+    /// file is a [`Recording`].
+    pub answer: Option<serde_json::Value>,
+}
+
+/// What `record_policy_inputs` writes per call: `{"recorded": "gpuvisor policy call",
+/// "kind", "plugin", "input", "answer"}`; `answer` is `{"ok": <answer>}` or
+/// `{"error": {"reason": .., "message": ..}}` ([`reply_json`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Recording<'a, I: serde::Serialize> {
+    /// Always [`RECORDING_TAG`]: tells a recording from a bare input.
+    pub recorded: &'static str,
+    pub kind: PolicyKind,
+    pub plugin: &'a str,
+    pub input: &'a I,
+    pub answer: serde_json::Value,
+}
+
+/// The `recorded` member of a [`Recording`].
+pub const RECORDING_TAG: &str = "gpuvisor policy call";
+
+/// A call's result as JSON, as recorded and as `plugin test` compares it: `{"ok": answer}`
+/// or `{"error": {"reason": .., "message": ..}}`.
+pub fn reply_json<A: serde::Serialize>(result: &Result<A, CallError>) -> serde_json::Value {
+    match result {
+        Ok(a) => serde_json::json!({ "ok": serde_json::to_value(a).unwrap_or(serde_json::Value::Null) }),
+        Err(e) => serde_json::json!({ "error": { "reason": e.reason(), "message": e.to_string() } }),
+    }
+}
+
+/// Reads a policy input file ([`InputFile`]). Errors: [`RunError::Input`] (unreadable,
+/// not JSON).
+pub fn read_input_file(path: &Path) -> Result<InputFile, RunError> {
+    let input_err = |reason: String| RunError::Input { path: path.to_path_buf(), reason };
+    let text = std::fs::read_to_string(path).map_err(|e| input_err(e.to_string()))?;
+    let mut v: serde_json::Value = serde_json::from_str(&text).map_err(|e| input_err(format!("not JSON: {e}")))?;
+    if v.get("recorded").and_then(|t| t.as_str()) == Some(RECORDING_TAG) {
+        let kind = v.get("kind").cloned().and_then(|k| serde_json::from_value(k).ok());
+        let answer = v.get_mut("answer").map(serde_json::Value::take);
+        let input = v
+            .get_mut("input")
+            .map(serde_json::Value::take)
+            .ok_or_else(|| input_err("a recording without an input".into()))?;
+        return Ok(InputFile { input, kind, answer });
+    }
+    Ok(InputFile { input: v, kind: None, answer: None })
+}
+
+/// Calls `plugin` (its slot's entry point) on `input`, after checking that `input` decodes
+/// as the kind's input type (so what is tested is what the agent could send); the answer
+/// is decoded as the kind's answer type and re-encoded as JSON. Returns the call's result
+/// and its [`CallReport`] (log lines, fuel, wall time).
+///
+/// Errors: `Err(reason)` when the input is not a valid input of the kind (nothing called).
+pub fn run_input(
+    plugin: &Plugin,
+    input: &serde_json::Value,
+) -> Result<(Result<serde_json::Value, CallError>, CallReport), String> {
+    fn go<I: serde::de::DeserializeOwned + serde::Serialize, A: serde::de::DeserializeOwned + serde::Serialize>(
+        plugin: &Plugin,
+        input: &serde_json::Value,
+    ) -> Result<(Result<serde_json::Value, CallError>, CallReport), String> {
+        let typed: I = I::deserialize(input).map_err(|e| format!("not a valid input of this kind: {e}"))?;
+        let (result, report) = plugin.call_report::<I, A>(plugin.slot(), &typed);
+        let result = result.map(|a| serde_json::to_value(a).unwrap_or(serde_json::Value::Null));
+        Ok((result, report))
+    }
+    match plugin.slot() {
+        PolicyKind::Placement => go::<PlacementInput, PlacementAnswer>(plugin, input),
+        PolicyKind::Hypervisor => go::<HypervisorInput, HypervisorAnswer>(plugin, input),
+        PolicyKind::Grace => go::<GraceInput, GraceAnswer>(plugin, input),
+    }
+}
+
+/// Runs the plugin at `wasm` on the JSON input file `input_json` (a bare input or a
+/// [`Recording`]) with default [`Limits`].
 ///
 /// `kind` selects the entry point; `None` takes it from the manifest when it lists exactly
-/// one kind. The input must decode as the kind's input type (so what is tested is what the
-/// agent could send). Returns the answer (the `ok` member of the reply) after decoding it
-/// as the kind's answer type, re-encoded as JSON.
+/// one kind. The input must decode as the kind's input type. Returns the answer (the `ok`
+/// member of the reply) after decoding it as the kind's answer type, re-encoded as JSON.
 ///
 /// Errors: [`RunError::Input`] (unreadable file, not JSON, not the kind's input),
 /// [`RunError::Load`], [`RunError::Call`] (including the plugin's `{"error": ..}`).
@@ -54,34 +138,12 @@ pub fn run_plugin_file(
     input_json: &Path,
     kind: Option<PolicyKind>,
 ) -> Result<serde_json::Value, RunError> {
-    let input_err = |reason: String| RunError::Input { path: input_json.to_path_buf(), reason };
-    let text = std::fs::read_to_string(input_json).map_err(|e| input_err(e.to_string()))?;
+    let file = read_input_file(input_json)?;
     let plugin = match kind {
         Some(kind) => Plugin::load(wasm, kind, Limits::default())?,
         None => Plugin::load_any(wasm, Limits::default())?,
     };
-    let encode = |v: Result<serde_json::Value, serde_json::Error>| {
-        v.map_err(|e| input_err(format!("the answer does not re-encode: {e}")))
-    };
-    match plugin.slot() {
-        PolicyKind::Placement => {
-            let input: PlacementInput = decode(&text).map_err(input_err)?;
-            let answer: PlacementAnswer = plugin.call_placement(&input)?;
-            encode(serde_json::to_value(answer))
-        }
-        PolicyKind::Hypervisor => {
-            let input: HypervisorInput = decode(&text).map_err(input_err)?;
-            let answer: HypervisorAnswer = plugin.call_hypervisor(&input)?;
-            encode(serde_json::to_value(answer))
-        }
-        PolicyKind::Grace => {
-            let input: GraceInput = decode(&text).map_err(input_err)?;
-            let answer: GraceAnswer = plugin.call_grace(&input)?;
-            encode(serde_json::to_value(answer))
-        }
-    }
-}
-
-fn decode<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
-    serde_json::from_str(text).map_err(|e| format!("not a valid input of this kind: {e}"))
+    let (result, _report) =
+        run_input(&plugin, &file.input).map_err(|reason| RunError::Input { path: input_json.to_path_buf(), reason })?;
+    Ok(result?)
 }

@@ -61,6 +61,44 @@ pub struct PluginStats {
     pub log_lines_dropped: u64,
 }
 
+/// One `gpuvisor.log` line of a call, as the plugin wrote it (truncated to
+/// [`LOG_LINE_MAX_BYTES`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LogLine {
+    /// `error`, `warn`, `info`, `debug` or `trace` (the ABI's levels 0..=3, 4+ is trace).
+    pub level: &'static str,
+    /// The line.
+    pub line: String,
+}
+
+/// What one call cost and said, besides its answer ([`Plugin::call_json_report`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct CallReport {
+    /// The lines the plugin logged (admitted by the rate limits), in order.
+    pub logs: Vec<LogLine>,
+    /// Lines of this call dropped by the rate limits or as unreadable.
+    pub logs_dropped: u64,
+    /// Fuel consumed (instantiation included).
+    pub fuel_used: u64,
+    /// Wall-clock time of the call (input encoding, instantiation, the call, reply decoding).
+    #[serde(serialize_with = "ser_ms")]
+    pub wall: Duration,
+}
+
+fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1000.0)
+}
+
+fn level_name(level: i32) -> &'static str {
+    match level {
+        0 => "error",
+        1 => "warn",
+        2 => "info",
+        3 => "debug",
+        _ => "trace",
+    }
+}
+
 /// Log lines a plugin may emit per call; further lines are dropped and counted.
 pub const LOG_LINES_PER_CALL: u32 = 16;
 /// Log lines a plugin may emit per second over all its calls.
@@ -259,17 +297,37 @@ impl Plugin {
         self.call_typed(kind, input)
     }
 
+    /// As [`Plugin::call_json`], and what the call cost and logged ([`CallReport`]), for
+    /// `gpuvisor plugin test`. The log lines still go to `tracing` as in any call.
+    pub fn call_json_report(
+        &self,
+        kind: PolicyKind,
+        input: &serde_json::Value,
+    ) -> (Result<serde_json::Value, CallError>, CallReport) {
+        self.call_report(kind, input)
+    }
+
     fn call_typed<I: Serialize, T: DeserializeOwned>(&self, kind: PolicyKind, input: &I) -> Result<T, CallError> {
+        self.call_report(kind, input).0
+    }
+
+    /// The one call sequence (every call above goes through it): encode, call in a fresh
+    /// instance, decode as `T`; count it in the stats; report fuel, time and log lines.
+    pub(crate) fn call_report<I: Serialize, T: DeserializeOwned>(
+        &self,
+        kind: PolicyKind,
+        input: &I,
+    ) -> (Result<T, CallError>, CallReport) {
         let started = Instant::now();
-        let mut fuel_used = 0;
-        let result = self.call_inner(kind, input, &mut fuel_used);
-        let elapsed = started.elapsed();
+        let mut report = CallReport::default();
+        let result = self.call_inner(kind, input, &mut report);
+        report.wall = started.elapsed();
         let mut stats = match self.stats.lock() {
             Ok(s) => s,
             Err(poisoned) => poisoned.into_inner(),
         };
-        stats.total_duration += elapsed;
-        stats.fuel_consumed += fuel_used;
+        stats.total_duration += report.wall;
+        stats.fuel_consumed += report.fuel_used;
         match &result {
             Ok(_) => stats.calls_ok += 1,
             Err(e) => *stats.calls_failed.entry(e.reason()).or_insert(0) += 1,
@@ -278,14 +336,14 @@ impl Plugin {
         if let Err(e) = &result {
             tracing::debug!(plugin = %self.manifest.name, kind = %kind.as_str(), error = %e, "policy plugin call failed");
         }
-        result
+        (result, report)
     }
 
     fn call_inner<I: Serialize, T: DeserializeOwned>(
         &self,
         kind: PolicyKind,
         input: &I,
-        fuel_used: &mut u64,
+        report: &mut CallReport,
     ) -> Result<T, CallError> {
         let label = &self.sandbox.label;
         if !self.manifest.kinds.contains(&kind) {
@@ -305,7 +363,7 @@ impl Plugin {
             });
         }
         let limits = self.limits;
-        let reply = self.sandbox.with_instance_fuel(kind, fuel_used, |store, instance, label| {
+        let reply = self.sandbox.with_instance_report(kind, report, |store, instance, label| {
             let alloc: TypedFunc<i32, i32> = typed(instance, store, "gpuvisor_alloc", label, kind)?;
             let len = i32::try_from(bytes.len()).map_err(|_| CallError::InputTooLarge {
                 plugin: label.to_string(),
@@ -403,6 +461,10 @@ struct CallLog {
     plugin: Arc<str>,
     left: u32,
     shared: Arc<LogLimiter>,
+    /// The admitted lines of this call, for its [`CallReport`].
+    lines: Vec<LogLine>,
+    /// Lines of this call dropped.
+    dropped: u64,
 }
 
 /// Per-plugin log rate limit (lines per one-second window) and drop counter.
@@ -470,16 +532,16 @@ impl Sandbox {
         kind: PolicyKind,
         f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
-        let mut fuel_used = 0;
-        self.with_instance_fuel(kind, &mut fuel_used, f)
+        let mut report = CallReport::default();
+        self.with_instance_report(kind, &mut report, f)
     }
 
     /// Runs `f` with a fresh store (fuel, memory limit, deadline set) and instance;
-    /// reports the fuel consumed in `fuel_used`.
-    fn with_instance_fuel<R>(
+    /// puts the fuel consumed and the log lines in `report`.
+    fn with_instance_report<R>(
         &self,
         kind: PolicyKind,
-        fuel_used: &mut u64,
+        report: &mut CallReport,
         f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
         let label: &str = &self.label;
@@ -489,7 +551,13 @@ impl Sandbox {
             self.pre.module().engine(),
             CallState {
                 limiter: Limiter { memory_bytes: self.limits.memory_bytes, memory_hit: false },
-                log: CallLog { plugin: self.label.clone(), left: LOG_LINES_PER_CALL, shared: self.log.clone() },
+                log: CallLog {
+                    plugin: self.label.clone(),
+                    left: LOG_LINES_PER_CALL,
+                    shared: self.log.clone(),
+                    lines: Vec::new(),
+                    dropped: 0,
+                },
             },
         );
         store.limiter(|state| &mut state.limiter);
@@ -510,7 +578,10 @@ impl Sandbox {
                 other => other,
             }),
         };
-        *fuel_used = self.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+        report.fuel_used = self.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+        let log = &mut store.data_mut().log;
+        report.logs = std::mem::take(&mut log.lines);
+        report.logs_dropped = log.dropped;
         result
     }
 }
@@ -617,29 +688,36 @@ fn host_log(mut caller: Caller<'_, CallState>, level: i32, ptr: i32, len: i32) {
         let log = &mut caller.data_mut().log;
         if log.left == 0 {
             log.shared.drop_one();
+            log.dropped += 1;
             false
         } else if log.shared.admit() {
             log.left -= 1;
             true
         } else {
+            log.dropped += 1;
             false
         }
     };
     if !admitted {
         return;
     }
+    let unreadable = |caller: &mut Caller<'_, CallState>| {
+        let log = &mut caller.data_mut().log;
+        log.shared.drop_one();
+        log.dropped += 1;
+    };
     let Some(memory) = caller.get_export("memory").and_then(|e| e.into_memory()) else {
-        caller.data().log.shared.drop_one();
+        unreadable(&mut caller);
         return;
     };
     let data = memory.data(&caller);
     let start = ptr as u32 as usize;
     let len = (len as u32 as usize).min(LOG_LINE_MAX_BYTES);
     let Some(bytes) = start.checked_add(len).and_then(|end| data.get(start..end)) else {
-        caller.data().log.shared.drop_one();
+        unreadable(&mut caller);
         return;
     };
-    let line = String::from_utf8_lossy(bytes);
+    let line = String::from_utf8_lossy(bytes).into_owned();
     let plugin: &str = &caller.data().log.plugin;
     match level {
         0 => tracing::error!(plugin = %plugin, "{line}"),
@@ -648,6 +726,7 @@ fn host_log(mut caller: Caller<'_, CallState>, level: i32, ptr: i32, len: i32) {
         3 => tracing::debug!(plugin = %plugin, "{line}"),
         _ => tracing::trace!(plugin = %plugin, "{line}"),
     }
+    caller.data_mut().log.lines.push(LogLine { level: level_name(level), line });
 }
 
 fn check_imports(path: &Path, module: &Module) -> Result<(), LoadError> {

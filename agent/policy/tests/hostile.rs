@@ -259,6 +259,28 @@ fn a_chatty_plugin_is_rate_limited_not_failed() {
 }
 
 #[test]
+fn a_call_report_holds_the_calls_log_lines_fuel_and_time() {
+    let p = load("chatty.wat");
+    let input = serde_json::to_value(input()).unwrap();
+    let (answer, report) = p.call_json_report(PolicyKind::Placement, &input);
+    assert_eq!(answer.unwrap(), serde_json::json!({"ranked": []}));
+    // The per-call budget admits the first lines; the rest of the 100 are counted dropped.
+    assert_eq!(report.logs.len(), gpuvisor_policy::LOG_LINES_PER_CALL as usize, "{report:?}");
+    assert!(report.logs.iter().all(|l| l.level == "info" && l.line == "hello from a chatty plugin"), "{report:?}");
+    assert_eq!(report.logs_dropped, 100 - u64::from(gpuvisor_policy::LOG_LINES_PER_CALL));
+    assert!(report.fuel_used > 100, "{report:?}");
+    assert!(!report.wall.is_zero());
+    // The same call path as the typed calls: the stats count it.
+    let stats = p.stats();
+    assert_eq!((stats.calls_ok, stats.fuel_consumed), (1, report.fuel_used));
+    // A failed call reports too.
+    let p = load_with("loop.wat", Limits { fuel: 1_000_000, deadline: Duration::from_secs(60), ..Limits::default() });
+    let (answer, report) = p.call_json_report(PolicyKind::Placement, &input);
+    assert_eq!(answer.unwrap_err().reason(), "out_of_fuel");
+    assert_eq!(report.fuel_used, p.limits().fuel);
+}
+
+#[test]
 fn concurrent_calls_from_many_threads_each_get_their_own_instance() {
     let p = std::sync::Arc::new(load("stateful.wat"));
     let threads: Vec<_> = (0..8)

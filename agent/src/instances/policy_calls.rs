@@ -1,5 +1,5 @@
-//! Every plugin call goes through [`Manager::call_policy`]: record the input (when
-//! `record_policy_inputs` is set), time the call, count it by plugin, kind and result, log
+//! Every plugin call goes through [`Manager::call_policy`]: time the call, record the input
+//! and the answer (when `record_policy_inputs` is set), count it by plugin, kind and result, log
 //! a failure once. The kind-specific callers then validate the answer natively
 //! (PLUGINS.md "The rule that makes this safe"): a plugin advises, the agent decides.
 
@@ -45,32 +45,47 @@ pub struct PlacementAsk<'a> {
 }
 
 impl Manager {
-    /// Writes a policy input to `record_policy_inputs` (if configured). Best effort: a
+    /// Writes a policy call to `record_policy_inputs` (if configured): the input and the
+    /// answer the plugin gave (before the agent's validation), as a
+    /// [`gpuvisor_policy::Recording`] that `gpuvisor plugin test` reads. Best effort: a
     /// failure is logged, never fails the operation.
-    fn record_input<T: Serialize>(&self, kind: PolicyKind, input: &T) {
+    fn record_call<T: Serialize, A: Serialize>(
+        &self,
+        kind: PolicyKind,
+        plugin: &str,
+        input: &T,
+        answer: &Result<A, CallError>,
+    ) {
         let Some(dir) = &self.cfg.record_policy_inputs else { return };
+        let recording = gpuvisor_policy::Recording {
+            recorded: gpuvisor_policy::RECORDING_TAG,
+            kind,
+            plugin,
+            input,
+            answer: gpuvisor_policy::reply_json(answer),
+        };
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
         let path = dir.join(format!("{}-{ms}-{}.json", kind.as_str(), SEQ.fetch_add(1, Ordering::Relaxed)));
         let res = std::fs::create_dir_all(dir)
-            .and_then(|_| std::fs::write(&path, serde_json::to_vec_pretty(input).map_err(std::io::Error::other)?));
+            .and_then(|_| std::fs::write(&path, serde_json::to_vec_pretty(&recording).map_err(std::io::Error::other)?));
         if let Err(e) = res {
             tracing::warn!(path = %path.display(), error = %e, "cannot record a policy input");
         }
     }
 
-    /// The one sequence of a plugin call: record, time, call, count, log a failure once.
-    fn call_policy<I: Serialize, A>(
+    /// The one sequence of a plugin call: time, call, record, count, log a failure once.
+    fn call_policy<I: Serialize, A: Serialize>(
         &self,
         kind: PolicyKind,
         slot: &Slot,
         input: &I,
         call: impl FnOnce(&Plugin) -> Result<A, CallError>,
     ) -> Result<A, PolicyFailure> {
-        self.record_input(kind, input);
         let started = Instant::now();
         let answer = call(&slot.plugin);
         let secs = started.elapsed().as_secs_f64();
+        self.record_call(kind, slot.name(), input, &answer);
         self.metrics.policy_call(slot.name(), kind.as_str(), answer.as_ref().err().map(|e| e.reason()), secs);
         answer.map_err(|e| {
             tracing::warn!(plugin.name = %slot.name(), kind = %kind.as_str(), reason = %e.reason(), error = %e, "policy plugin call failed");

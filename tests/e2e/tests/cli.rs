@@ -152,9 +152,9 @@ fn without_an_agent_the_cli_says_it_cannot_reach_it() {
 fn plugin_test_prints_the_plugins_answer_without_an_agent() {
     let wasm = plugin("placement-spread");
     let input = repo_root().join("plugins/fixtures/placement-second-2q.json");
-    let o = cli_alone(&["plugin", "test", wasm.to_str().unwrap(), "--input", input.to_str().unwrap()]);
-    let v: Value = serde_json::from_str(&ok(o)).expect("plugin test prints JSON");
-    let ranked: Vec<&str> = v["ranked"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()).collect();
+    let o = cli_alone(&["-o", "json", "plugin", "test", wasm.to_str().unwrap(), "--input", input.to_str().unwrap()]);
+    let v: Value = serde_json::from_str(&ok(o)).expect("plugin test -o json prints JSON");
+    let ranked: Vec<&str> = v["answer"]["ranked"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()).collect();
     // GPU 0 already holds a 2Q: spread ranks the idle GPU first, and never the claimed VF.
     assert_eq!(ranked.first(), Some(&"0001:81:00.4"), "{ranked:?}");
     assert!(!ranked.contains(&"0000:41:00.4"), "{ranked:?}");
@@ -169,6 +169,166 @@ fn plugin_test_prints_the_plugins_answer_without_an_agent() {
     let o = cli_alone(&["plugin", "test", wasm.to_str().unwrap(), "--input", input.to_str().unwrap(), "--kind", "x"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("unknown kind"), "{}", stderr(&o));
+}
+
+fn fixture(name: &str) -> String {
+    repo_root().join("plugins/fixtures").join(name).display().to_string()
+}
+
+fn wasm(name: &str) -> String {
+    plugin(name).display().to_string()
+}
+
+#[test]
+fn plugin_test_shows_the_log_lines_fuel_time_and_answer() {
+    // hypervisor-default logs (info) when the requested hypervisor cannot run a GPU.
+    let args = ["plugin", "test", &wasm("hypervisor-default"), "--input", &fixture("hypervisor-gpu-requests-ch.json")];
+    let out = ok(cli_alone(&args));
+    assert!(out.contains("plugin:  hypervisor-default"), "{out}");
+    assert!(out.contains("limits:  fuel 10000000, memory 64 MiB, deadline 100 ms"), "default limits: {out}");
+    assert!(
+        out.contains("log:     info   requested hypervisor cloud-hypervisor is unavailable or lacks vendor_vfio"),
+        "{out}"
+    );
+    let fuel = row(&out, "fuel:").expect("a fuel line")[1].parse::<u64>().unwrap();
+    assert!(fuel > 1000, "{out}");
+    assert!(row(&out, "time:").is_some_and(|r| r[2] == "ms"), "{out}");
+    assert!(out.contains("\"hypervisor\": \"qemu\""), "{out}");
+
+    // -o json: one object with the same facts.
+    let mut json_args = vec!["-o", "json"];
+    json_args.extend(args);
+    let v: Value = serde_json::from_str(&ok(cli_alone(&json_args))).unwrap();
+    assert_eq!(v["plugin"], "hypervisor-default");
+    assert_eq!(v["answer"]["hypervisor"], "qemu", "{v}");
+    assert_eq!(v["logs"][0]["level"], "info", "{v}");
+    assert!(v["logs"][0]["line"].as_str().unwrap().starts_with("requested hypervisor cloud-hypervisor"), "{v}");
+    assert_eq!(v["fuel_used"].as_u64(), Some(fuel));
+    assert!(v["wall_ms"].as_f64().unwrap() > 0.0, "{v}");
+}
+
+#[test]
+fn plugin_test_params_and_config_change_the_answer_and_the_limits() {
+    let grace = wasm("grace-default");
+    let input = fixture("grace-mixed.json");
+    let action = |v: &Value, dev: &str| -> String {
+        let d = v["answer"]["decisions"].as_array().unwrap().iter().find(|d| d["device"] == dev).unwrap();
+        d["action"].as_str().unwrap().to_string()
+    };
+    let run = |extra: &[&str]| -> Value {
+        let mut args = vec!["-o", "json", "plugin", "test", &grace, "--input", &input];
+        args.extend(extra);
+        serde_json::from_str(&ok(cli_alone(&args))).unwrap()
+    };
+    // The fixture's params: the default 300 s grace keeps a 120 s old claim.
+    let v = run(&[]);
+    assert_eq!(action(&v, "0000:41:00.7"), "keep", "{v}");
+    assert_eq!(v["params"], Value::Null);
+
+    let dir = tempfile::tempdir().unwrap();
+    // A params table (TOML) with a 5 s grace releases it.
+    let toml = dir.path().join("params.toml");
+    std::fs::write(&toml, "claim_grace_s = 5\n").unwrap();
+    let v = run(&["--params", toml.to_str().unwrap()]);
+    assert_eq!(action(&v, "0000:41:00.7"), "release", "{v}");
+    assert_eq!(v["params"]["value"]["claim_grace_s"], 5);
+    // The same as JSON.
+    let json = dir.path().join("params.json");
+    std::fs::write(&json, r#"{"claim_grace_s": 5}"#).unwrap();
+    assert_eq!(action(&run(&["--params", json.to_str().unwrap()]), "0000:41:00.7"), "release");
+    // The table output says the params replace the input's.
+    let out = ok(cli_alone(&["plugin", "test", &grace, "--input", &input, "--params", toml.to_str().unwrap()]));
+    assert!(out.contains("params:  {\"claim_grace_s\":5} (from "), "{out}");
+    assert!(out.contains("replaces the input's params"), "{out}");
+
+    // An agent config: its [plugins.grace.params] (via --params or --config) and, with
+    // --config, its limits.
+    let cfg = dir.path().join("gpuvisor.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[plugins.grace]\npath = {:?}\nfuel = 5000000\nmemory_mib = 32\ndeadline_ms = 250\n[plugins.grace.params]\nclaim_grace_s = 5\n",
+            grace
+        ),
+    )
+    .unwrap();
+    assert_eq!(action(&run(&["--params", cfg.to_str().unwrap()]), "0000:41:00.7"), "release");
+    let v = run(&["--config", cfg.to_str().unwrap()]);
+    assert_eq!(action(&v, "0000:41:00.7"), "release", "{v}");
+    assert_eq!(v["limits"], serde_json::json!({"fuel": 5000000, "memory_bytes": 32 << 20, "deadline_ms": 250}));
+    // --params wins over the config's params.
+    std::fs::write(&toml, "claim_grace_s = 1000\n").unwrap();
+    let v = run(&["--config", cfg.to_str().unwrap(), "--params", toml.to_str().unwrap()]);
+    assert_eq!(action(&v, "0000:41:01.0"), "keep", "a 301 s claim within 1000 s: {v}");
+    // A config's fuel too small for the call: the call fails, exit 1.
+    std::fs::write(&cfg, format!("[plugins.grace]\npath = {grace:?}\nfuel = 150000\n")).unwrap();
+    let o = cli_alone(&["plugin", "test", &grace, "--input", &input, "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    assert!(stdout(&o).contains("ran out of fuel (150000 units)"), "{}", stdout(&o));
+}
+
+/// A directory of placement inputs: the fixtures, as bare inputs (an older recording).
+fn placement_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["placement-empty-2q.json", "placement-mixed-states.json", "placement-second-2q.json"] {
+        std::fs::copy(fixture(name), dir.path().join(name)).unwrap();
+    }
+    // Another kind's input in the same directory is skipped.
+    std::fs::copy(fixture("grace-mixed.json"), dir.path().join("grace-mixed.json")).unwrap();
+    dir
+}
+
+#[test]
+fn plugin_test_replays_a_directory_and_compares_two_plugins() {
+    let dir = placement_dir();
+    let d = dir.path().to_str().unwrap();
+    let spread = wasm("placement-spread");
+    let pack = wasm("placement-pack");
+
+    // Replay: one line per input, sorted, and a summary.
+    let out = ok(cli_alone(&["plugin", "test", &spread, "--input", d]));
+    let names: Vec<&str> = out.lines().skip(1).filter_map(|l| l.split_whitespace().next()).collect();
+    assert_eq!(
+        names,
+        ["placement-empty-2q.json", "placement-mixed-states.json", "placement-second-2q.json", "summary:"],
+        "{out}"
+    );
+    let second = row(&out, "placement-second-2q.json").unwrap();
+    assert_eq!(&second[1..4], ["ranked", "31:", "0001:81:00.4,"], "spread prefers the idle GPU: {out}");
+    assert!(out.contains("summary: 3 inputs, 0 failed"), "{out}");
+
+    // Against pack: the same on an idle host and on mixed states (one GPU usable), but on
+    // a host where GPU 0 holds a 2Q, spread picks the idle GPU and pack fills GPU 0.
+    let out = ok(cli_alone(&["plugin", "test", &spread, "--input", d, "--against", &pack]));
+    assert!(out.contains("placement-empty-2q.json  same: ranked 32: 0000:41:00.4"), "{out}");
+    assert!(out.contains("placement-mixed-states.json  same: "), "{out}");
+    assert!(out.contains("placement-second-2q.json  differs\n"), "{out}");
+    assert!(out.contains("  A placement-spread: ranked 31: 0001:81:00.4"), "{out}");
+    assert!(out.contains("  B placement-pack: ranked 31: 0000:41:00.5"), "{out}");
+    assert!(out.trim_end().ends_with("summary: 3 inputs, 0 failed, 1 differ"), "{out}");
+
+    let v: Value = serde_json::from_str(&ok(cli_alone(&[
+        "-o",
+        "json",
+        "plugin",
+        "test",
+        &spread,
+        "--input",
+        d,
+        "--against",
+        &pack,
+    ])))
+    .unwrap();
+    assert_eq!(v["summary"]["inputs"], 3);
+    assert_eq!(v["summary"]["differ"], 1);
+    let same: Vec<bool> =
+        v["inputs"].as_array().unwrap().iter().map(|i| i["same_as_against"].as_bool().unwrap()).collect();
+    assert_eq!(same, [true, true, false]);
+
+    // --fail-on-diff turns a difference into exit 1; the same plugin twice differs nowhere.
+    let o = cli_alone(&["plugin", "test", &spread, "--input", d, "--against", &pack, "--fail-on-diff"]);
+    assert_eq!(o.status.code(), Some(1));
+    ok(cli_alone(&["plugin", "test", &spread, "--input", d, "--against", &spread, "--fail-on-diff"]));
 }
 
 #[test]

@@ -498,7 +498,9 @@ fn placement_sees_owner_labels_from_claims_when_the_owner_record_is_unreadable()
         if !name.starts_with("placement-") {
             continue;
         }
-        let input: Value = serde_json::from_str(&std::fs::read_to_string(e.path()).unwrap()).unwrap();
+        // A recording: the input and the answer the agent got.
+        let recording: Value = serde_json::from_str(&std::fs::read_to_string(e.path()).unwrap()).unwrap();
+        let input = &recording["input"];
         if input["request"]["name"] == "t1" {
             continue;
         }

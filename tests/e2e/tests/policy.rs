@@ -172,8 +172,21 @@ fn recorded_policy_inputs_replay_offline_with_plugin_test() {
     names.sort();
     let placement = names.iter().find(|n| n.starts_with("placement-")).expect("a recorded placement input");
     assert!(names.iter().any(|n| n.starts_with("hypervisor-")), "{names:?}");
+    // Each file holds the input and the answer the agent got.
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(rec_dir.path().join(placement)).unwrap()).unwrap();
+    assert_eq!(rec["recorded"], "gpuvisor policy call", "{rec}");
+    assert_eq!((&rec["kind"], &rec["plugin"]), (&json!("placement"), &json!("placement-spread")), "{rec}");
+    assert_eq!(rec["input"]["request"]["profile"], "L40S-2Q", "{rec}");
+    assert_eq!(rec["answer"]["ok"]["ranked"][0], inst["gpu"]["device"], "{rec}");
+    let hyp = names.iter().find(|n| n.starts_with("hypervisor-")).unwrap();
+    let hrec: serde_json::Value = serde_json::from_slice(&std::fs::read(rec_dir.path().join(hyp)).unwrap()).unwrap();
+    assert_eq!(hrec["answer"]["ok"]["hypervisor"], "qemu", "{hrec}");
+
     // The recorded input, replayed offline, gives the answer the agent acted on.
     let out = a.cli(&[
+        "-o",
+        "json",
         "plugin",
         "test",
         plugin("placement-spread").to_str().unwrap(),
@@ -181,10 +194,25 @@ fn recorded_policy_inputs_replay_offline_with_plugin_test() {
         rec_dir.path().join(placement).to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let first =
-        answer["ok"]["ranked"][0].as_str().or_else(|| answer["ranked"][0].as_str()).unwrap_or_default().to_string();
-    assert_eq!(first, inst["gpu"]["device"].as_str().unwrap(), "{answer}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["answer"]["ranked"][0], inst["gpu"]["device"], "{v}");
+    assert_eq!(v["same_as_recorded"], true, "{v}");
+
+    // A second create, then the whole directory: every placement input replays to its
+    // recorded answer; placement-pack answers the second one differently.
+    a.create_gpu("rec2", "L40S-2Q").unwrap();
+    let dir = rec_dir.path().to_str().unwrap();
+    let out = a.cli(&["plugin", "test", plugin("placement-spread").to_str().unwrap(), "--input", dir]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("placement-")).collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert!(lines.iter().all(|l| l.trim_end().ends_with("same")), "{text}");
+    assert!(text.contains("summary: 2 inputs, 0 failed, 0 of 2 recorded answers differ"), "{text}");
+    let out = a.cli(&["plugin", "test", plugin("placement-pack").to_str().unwrap(), "--input", dir]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("1 of 2 recorded answers differ"), "{text}");
+    assert!(text.contains("differs (recorded {\"ok\":{\"ranked\":[\"0001:81:00.4\""), "{text}");
 }
 
 #[test]
