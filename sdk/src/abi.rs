@@ -42,6 +42,17 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::fmt::Display;
 
+/// The exports every v1 module has besides its entry points
+/// ([`PolicyKind::export_name`](crate::PolicyKind::export_name)), with their wasm types:
+/// `memory`, `gpuvisor_abi_version() -> i32`, `gpuvisor_alloc(i32) -> i32`,
+/// `gpuvisor_free(i32, i32)`, `gpuvisor_manifest() -> i64`. Every entry point is
+/// `(i32, i32) -> i64`. The C header `sdk/include/gpuvisor_v1.h` declares the same names.
+pub const BASE_EXPORTS: [&str; 5] =
+    ["memory", "gpuvisor_abi_version", "gpuvisor_alloc", "gpuvisor_free", "gpuvisor_manifest"];
+
+/// The only import a v1 module may have, `(module, name)`: `gpuvisor.log(i32, i32, i32)`.
+pub const LOG_IMPORT: (&str, &str) = ("gpuvisor", "log");
+
 /// Levels of the `gpuvisor.log(level, ptr, len)` import: the wire value is the enum's
 /// `i32` discriminant (`0` error … `4` trace); the host maps unknown values to trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

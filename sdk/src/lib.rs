@@ -6,7 +6,8 @@
 //! policy function natively against recorded JSON inputs.
 //!
 //! The SDK depends on `serde` and `serde_json` only, so it builds for
-//! `wasm32-unknown-unknown`.
+//! `wasm32-unknown-unknown`. The optional feature `schema` adds `schemars` and the
+//! [`schema`] module (JSON Schemas of the wire types); plugins leave it off.
 //!
 //! ABI v1 (see `docs/plugins.md`): the module exports `memory`, `gpuvisor_abi_version`,
 //! `gpuvisor_alloc`, `gpuvisor_free`, `gpuvisor_manifest` and one entry point per policy
@@ -16,6 +17,8 @@
 //! The only import a plugin may have is `gpuvisor.log(level: i32, ptr: i32, len: i32)`.
 
 pub mod abi;
+#[cfg(feature = "schema")]
+pub mod schema;
 pub mod testing;
 pub mod types;
 

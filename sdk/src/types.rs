@@ -14,6 +14,7 @@ pub const ABI_VERSION: i32 = 1;
 
 /// The policy kinds a plugin can implement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
     /// Which device a new GPU instance gets (`gpuvisor_placement`).
@@ -46,6 +47,7 @@ impl PolicyKind {
 
 /// The JSON object `gpuvisor_manifest()` points at.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Manifest {
     pub name: String,
     pub version: String,
@@ -54,6 +56,7 @@ pub struct Manifest {
 
 /// The reply envelope of every entry point: `{"ok": answer}` or `{"error": "message"}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Reply<T> {
     Ok(T),
@@ -62,6 +65,7 @@ pub enum Reply<T> {
 
 /// How a GPU is given to an instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Framework {
     /// A type id written to an SR-IOV VF's `nvidia/current_vgpu_type` (Linux >= 6.8, vGPU 17+).
@@ -88,6 +92,7 @@ impl Framework {
 
 /// Input of `gpuvisor_placement`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PlacementInput {
     pub request: PlacementRequest,
     pub inventory: Inventory,
@@ -98,6 +103,7 @@ pub struct PlacementInput {
 
 /// The instance asking for a device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PlacementRequest {
     pub instance_id: String,
     pub name: String,
@@ -112,12 +118,14 @@ pub struct PlacementRequest {
 
 /// Every managed GPU with its devices, as observed under the allocation lock.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Inventory {
     pub gpus: Vec<GpuView>,
 }
 
 /// One physical GPU (PF).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GpuView {
     /// The PF's BDF, e.g. `0000:41:00.0`.
     pub address: String,
@@ -135,6 +143,7 @@ pub struct GpuView {
 
 /// The state of one placeable device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceState {
     Free,
@@ -147,6 +156,7 @@ pub enum DeviceState {
 
 /// One VF, mdev parent or passthrough GPU.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct DeviceView {
     /// BDF of the VF / parent / GPU.
     pub address: String,
@@ -162,6 +172,7 @@ pub struct DeviceView {
 
 /// The instance that claims a device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct DeviceOwner {
     /// Empty when even the owner's id is unknown (its claim record cannot be read).
     pub instance_id: String,
@@ -181,6 +192,7 @@ fn yes() -> bool {
 
 /// Answer of `gpuvisor_placement`: `{"ranked": [...]}` best first, or `{"reject": "reason"}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum PlacementAnswer {
     Ranked(Vec<String>),
@@ -192,6 +204,7 @@ pub enum PlacementAnswer {
 
 /// Input of `gpuvisor_hypervisor`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct HypervisorInput {
     pub request: HypervisorRequest,
     pub hypervisors: Vec<HypervisorInfo>,
@@ -202,6 +215,7 @@ pub struct HypervisorInput {
 
 /// The instance to place on a hypervisor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct HypervisorRequest {
     pub name: String,
     #[serde(default)]
@@ -216,6 +230,7 @@ pub struct HypervisorRequest {
 
 /// What a hypervisor can carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Capability {
     VendorVfio,
@@ -238,6 +253,7 @@ impl Capability {
 
 /// One hypervisor the agent has.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct HypervisorInfo {
     /// `qemu` or `cloud-hypervisor`.
     pub name: String,
@@ -248,6 +264,7 @@ pub struct HypervisorInfo {
 
 /// Answer of `gpuvisor_hypervisor`: `{"hypervisor": "qemu"}` or `{"reject": "reason"}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum HypervisorAnswer {
     Hypervisor(String),
@@ -259,6 +276,7 @@ pub enum HypervisorAnswer {
 
 /// Input of `gpuvisor_grace`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceInput {
     /// CLOCK_BOOTTIME now, in milliseconds.
     pub now_boottime_ms: u64,
@@ -271,6 +289,7 @@ pub struct GraceInput {
 
 /// What kind of eligible item is asked about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum GraceItemKind {
     StaleClaim,
@@ -280,6 +299,7 @@ pub enum GraceItemKind {
 
 /// One item the native checks found eligible (owner provably dead or absent).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceItem {
     pub kind: GraceItemKind,
     pub device: String,
@@ -298,6 +318,7 @@ pub struct GraceItem {
 
 /// The owning instance of a stale claim.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceOwner {
     pub instance_id: String,
     /// The instance's state (`starting`, `running`, `stopped`, ...), `absent` when gone.
@@ -309,12 +330,14 @@ pub struct GraceOwner {
 
 /// Answer of `gpuvisor_grace`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceAnswer {
     pub decisions: Vec<GraceDecision>,
 }
 
 /// Release now or keep one item.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceDecision {
     pub device: String,
     pub action: GraceAction,
@@ -325,6 +348,7 @@ pub struct GraceDecision {
 
 /// `release` or `keep`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum GraceAction {
     Release,
