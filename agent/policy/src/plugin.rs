@@ -677,7 +677,8 @@ fn truncate(mut s: String, max: usize) -> String {
 
 fn link(engine: &Engine, module: &Module) -> wasmtime::Result<InstancePre<CallState>> {
     let mut linker: Linker<CallState> = Linker::new(engine);
-    linker.func_wrap("gpuvisor", "log", host_log)?;
+    let (import_module, import_name) = gpuvisor_sdk::abi::LOG_IMPORT;
+    linker.func_wrap(import_module, import_name, host_log)?;
     linker.instantiate_pre(module)
 }
 
@@ -732,8 +733,7 @@ fn host_log(mut caller: Caller<'_, CallState>, level: i32, ptr: i32, len: i32) {
 fn check_imports(path: &Path, module: &Module) -> Result<(), LoadError> {
     for import in module.imports() {
         let (m, n) = (import.module(), import.name());
-        let allowed = m == "gpuvisor"
-            && n == "log"
+        let allowed = (m, n) == gpuvisor_sdk::abi::LOG_IMPORT
             && matches!(import.ty(), ExternType::Func(ref f) if sig_is(f, &[I32, I32, I32], &[]));
         if allowed {
             continue;
@@ -810,6 +810,12 @@ fn sig_is(f: &FuncType, params: &[Ty], results: &[Ty]) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_checked_exports_are_the_sdks() {
+        let names: Vec<&str> = super::BASE_EXPORTS.iter().map(|e| e.0).collect();
+        assert_eq!(names, gpuvisor_sdk::abi::BASE_EXPORTS);
+    }
+
     use super::*;
 
     fn assert_send_sync<T: Send + Sync>() {}
