@@ -19,7 +19,6 @@
 use crate::store::{InstanceState, Labels};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use tokio::sync::broadcast;
 
@@ -144,9 +143,8 @@ pub struct Events {
 
 struct Inner {
     tx: broadcast::Sender<Event>,
-    /// Serialises numbering and sending, so subscribers see seq in order.
+    /// The last sequence number; held while sending, so subscribers see seq in order.
     seq: std::sync::Mutex<u64>,
-    published: AtomicU64,
     /// Called with each published event's type (the metrics counter), once set.
     count: OnceLock<Box<dyn Fn(&'static str) + Send + Sync>>,
 }
@@ -164,7 +162,6 @@ impl Default for Events {
             inner: Arc::new(Inner {
                 tx,
                 seq: std::sync::Mutex::new(0),
-                published: AtomicU64::new(0),
                 count: OnceLock::new(),
             }),
         }
@@ -182,7 +179,6 @@ impl Events {
             // No subscriber is not an error.
             let _ = self.inner.tx.send(ev);
         }
-        self.inner.published.fetch_add(1, Ordering::Relaxed);
         if let Some(count) = self.inner.count.get() {
             count(ty);
         }
@@ -195,7 +191,7 @@ impl Events {
 
     /// Events published so far (the last sequence number).
     pub fn published(&self) -> u64 {
-        self.inner.published.load(Ordering::Relaxed)
+        *crate::sync::lock(&self.inner.seq)
     }
 
     /// Sets the counter called per published event (once; later calls are ignored).
