@@ -158,13 +158,7 @@ impl std::fmt::Debug for Events {
 impl Default for Events {
     fn default() -> Events {
         let (tx, _) = broadcast::channel(BUFFER);
-        Events {
-            inner: Arc::new(Inner {
-                tx,
-                seq: std::sync::Mutex::new(0),
-                count: OnceLock::new(),
-            }),
-        }
+        Events { inner: Arc::new(Inner { tx, seq: std::sync::Mutex::new(0), count: OnceLock::new() }) }
     }
 }
 
