@@ -104,6 +104,14 @@ pub enum EventKind {
     Lagged { missed: u64 },
 }
 
+impl Event {
+    /// The notice to a subscriber that fell behind and missed `missed` events (`seq` 0:
+    /// not an event the agent published).
+    pub fn lagged(missed: u64) -> Event {
+        Event { seq: 0, time: now(), kind: EventKind::Lagged { missed } }
+    }
+}
+
 impl EventKind {
     /// The `type` tag (the label of `gpuvisor_events_total`).
     pub fn type_name(&self) -> &'static str {

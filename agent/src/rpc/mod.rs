@@ -174,7 +174,7 @@ async fn subscribe_events(
     m: Arc<Manager>,
     _: jsonrpsee::Extensions,
 ) {
-    use crate::events::{Event, EventKind};
+    use crate::events::Event;
     use tokio::sync::broadcast::error::RecvError;
     let p: EventsParams =
         match parse(&params).and_then(|p: EventsParams| p.validate().map(|()| p).map_err(invalid_params)) {
@@ -189,11 +189,7 @@ async fn subscribe_events(
             _ = sink.closed() => return,
             r = rx.recv() => match r {
                 Ok(ev) => ev,
-                Err(RecvError::Lagged(missed)) => Event {
-                    seq: 0,
-                    time: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
-                    kind: EventKind::Lagged { missed },
-                },
+                Err(RecvError::Lagged(missed)) => Event::lagged(missed),
                 Err(RecvError::Closed) => return,
             },
         };
