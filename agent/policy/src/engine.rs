@@ -18,8 +18,19 @@ pub const TICK: Duration = Duration::from_millis(1);
 /// the size of a pooled memory slot.
 pub const MAX_MEMORY_BYTES: usize = 256 << 20;
 
-/// How many plugin instances may be alive at once (concurrent calls, all plugins).
+/// How many plugin instances may be alive at once (concurrent calls, all plugins): v1
+/// module instances, and v2 component instances.
 pub const POOL_INSTANCES: u32 = 64;
+
+/// Core instances one component may have (a guest built by componentize-py or
+/// componentize-js has a handful: the program, its WASI adapter, shims).
+pub(crate) const MAX_CORE_INSTANCES_PER_COMPONENT: u32 = 32;
+/// Linear memories one component may have.
+pub(crate) const MAX_MEMORIES_PER_COMPONENT: u32 = 8;
+/// Tables one component may have.
+pub(crate) const MAX_TABLES_PER_COMPONENT: u32 = 32;
+/// Elements of one table (an interpreter's function table is large).
+pub(crate) const MAX_TABLE_ELEMENTS: usize = 100_000;
 
 /// The engine and its ticker.
 pub(crate) struct Shared {
@@ -48,11 +59,20 @@ fn base_config() -> Config {
 
 fn create() -> Result<Shared, String> {
     let mut pool = PoolingAllocationConfig::new();
-    pool.total_core_instances(POOL_INSTANCES)
-        .total_memories(POOL_INSTANCES)
-        .total_tables(POOL_INSTANCES)
+    // Every slot of the pool is virtual address space reserved up front, committed only
+    // when used: core instances (and their memories and tables) for v1 calls and for the
+    // core instances inside components.
+    let core = POOL_INSTANCES * 4;
+    pool.total_component_instances(POOL_INSTANCES)
+        .total_core_instances(core)
+        .total_memories(core)
+        .total_tables(core)
+        .max_core_instances_per_component(MAX_CORE_INSTANCES_PER_COMPONENT)
+        .max_memories_per_component(MAX_MEMORIES_PER_COMPONENT)
+        .max_tables_per_component(MAX_TABLES_PER_COMPONENT)
         .max_memories_per_module(1)
-        .max_tables_per_module(1)
+        .max_tables_per_module(4)
+        .table_elements(MAX_TABLE_ELEMENTS)
         .max_memory_size(MAX_MEMORY_BYTES);
     let mut config = base_config();
     config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));

@@ -28,8 +28,10 @@ pub enum LoadError {
     /// The module imports WASI; a policy has no files, network, clock or randomness.
     #[error("policy plugin {path}: imports WASI ({module}.{name}); the only allowed import is gpuvisor.log")]
     WasiImport { path: PathBuf, module: String, name: String },
-    /// The module imports something other than `gpuvisor.log(i32, i32, i32)`.
-    #[error("policy plugin {path}: forbidden import {module}.{name}; the only allowed import is gpuvisor.log(i32, i32, i32)")]
+    /// The module imports something other than `gpuvisor.log(i32, i32, i32)`; for a
+    /// component, `module` is the import's name (`name` empty) and the message names what
+    /// a component may import.
+    #[error("policy plugin {path}: forbidden import {module}{}{name}; {}", if name.is_empty() { "" } else { "." }, if name.is_empty() { "a component may import gpuvisor:policy/log@2.0.0 and WASI 0.2 only" } else { "the only allowed import is gpuvisor.log(i32, i32, i32)" })]
     ForbiddenImport { path: PathBuf, module: String, name: String },
     /// A required export is missing.
     #[error("policy plugin {path}: missing export {export} ({expected})")]
@@ -37,9 +39,22 @@ pub enum LoadError {
     /// An export exists with the wrong kind or signature.
     #[error("policy plugin {path}: export {export} has the wrong type (expected {expected})")]
     ExportType { path: PathBuf, export: &'static str, expected: &'static str },
-    /// `gpuvisor_abi_version()` returned something other than 1.
-    #[error("policy plugin {path}: ABI version {found} is not supported (this agent speaks ABI version {expected})")]
-    AbiVersion { path: PathBuf, found: i32, expected: i32 },
+    /// `gpuvisor_abi_version()` returned something other than 1 (a core module), or the
+    /// manifest's `abi-version` is not 2 (a component).
+    #[error("policy plugin {path}: ABI version {found} is not supported (a core module speaks ABI version 1, a component ABI version 2; this one says {found}, expected {expected})")]
+    AbiVersion { path: PathBuf, found: i64, expected: i64 },
+    /// A component imports or exports an interface of `gpuvisor:policy` at another version.
+    #[error("policy plugin {path}: {name} is not the WIT package this agent speaks (gpuvisor:policy@{expected}); rebuild the plugin against sdk/wit of this agent")]
+    WitVersion { path: PathBuf, name: String, expected: &'static str },
+    /// A component imports a WASI interface the host does not link.
+    #[error("policy plugin {path}: imports {name}, which the host does not grant (only wasi:cli, wasi:clocks, wasi:filesystem, wasi:io, wasi:random and wasi:sockets are linked, and they grant nothing)")]
+    WasiNotGranted { path: PathBuf, name: String },
+    /// A component's imports do not match what the host links (e.g. a `log` of another shape).
+    #[error("policy plugin {path}: the component does not link against the host: {reason}")]
+    Link { path: PathBuf, reason: String },
+    /// A component's manifest lists other kinds than the interfaces it exports.
+    #[error("policy plugin {path} ({name}): the manifest lists {listed:?} but the component exports {exported:?}")]
+    KindsMismatch { path: PathBuf, name: String, listed: Vec<PolicyKind>, exported: Vec<PolicyKind> },
     /// Calling `gpuvisor_abi_version` or `gpuvisor_manifest` failed (trap, limit, bad pointer).
     #[error("policy plugin {path}: {what} failed at load")]
     Init {

@@ -26,10 +26,12 @@
 // No unwrap() outside tests (STYLE.md): a panic is a crash.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod component;
 mod engine;
 mod error;
 mod plugin;
 
+pub use component::{ABI_VERSION_V2, PACKAGE, PACKAGE_VERSION};
 pub use engine::{MAX_MEMORY_BYTES, POOL_INSTANCES, TICK};
 pub use error::{CallError, LoadError, RunError};
 pub use plugin::{
@@ -108,7 +110,7 @@ pub fn run_input(
     plugin: &Plugin,
     input: &serde_json::Value,
 ) -> Result<(Result<serde_json::Value, CallError>, CallReport), String> {
-    fn go<I: serde::de::DeserializeOwned + serde::Serialize, A: serde::de::DeserializeOwned + serde::Serialize>(
+    fn go<I: serde::de::DeserializeOwned + serde::Serialize + 'static, A: serde::de::DeserializeOwned + serde::Serialize + 'static>(
         plugin: &Plugin,
         input: &serde_json::Value,
     ) -> Result<(Result<serde_json::Value, CallError>, CallReport), String> {

@@ -1,7 +1,9 @@
 //! [`Plugin`]: one loaded, checked policy module and its calls.
 
+use crate::component;
 use crate::engine::{self, deadline_ticks};
 use crate::error::{CallError, LoadError};
+pub(crate) use gpuvisor_sdk::abi::LogLevel;
 use gpuvisor_sdk::abi::unpack;
 use gpuvisor_sdk::{
     GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, Manifest, PlacementAnswer, PlacementInput, PolicyKind,
@@ -9,6 +11,7 @@ use gpuvisor_sdk::{
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -174,6 +177,10 @@ impl Plugin {
         }
         let shared = engine::shared().map_err(|reason| LoadError::Engine { path: p(), reason })?;
         let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: p(), source })?;
+        let bytes = wat::parse_bytes(&bytes).map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
+        if component::is_component(&bytes) {
+            return Self::load_component(path, slot, limits, &shared.engine, &bytes);
+        }
         let module = Module::new(&shared.engine, &bytes)
             .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
         check_imports(path, &module)?;
@@ -184,8 +191,12 @@ impl Plugin {
             link(&shared.engine, &module).map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
 
         // Ask the module who it is, in a sandbox like any call's.
-        let mut sandbox =
-            Sandbox { label: Arc::from(path.display().to_string()), pre, limits, log: Arc::new(LogLimiter::default()) };
+        let sandbox = Sandbox {
+            label: Arc::from(path.display().to_string()),
+            code: Code::Module(pre),
+            limits,
+            log: Arc::new(LogLimiter::default()),
+        };
         let init = |what: &'static str| {
             move |source: CallError| LoadError::Init { path: path.to_path_buf(), what, source: Box::new(source) }
         };
@@ -214,35 +225,92 @@ impl Plugin {
             })
             .map_err(init("calling gpuvisor_abi_version / gpuvisor_manifest"))?;
         if version != ABI_VERSION {
-            return Err(LoadError::AbiVersion { path: p(), found: version, expected: ABI_VERSION });
+            return Err(LoadError::AbiVersion { path: p(), found: version.into(), expected: ABI_VERSION.into() });
         }
         let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
             .map_err(|e| LoadError::Manifest { path: p(), reason: e.to_string() })?;
-        let slot = match slot {
-            Some(slot) => slot,
-            None => match manifest.kinds.as_slice() {
-                [only] => *only,
-                _ => return Err(LoadError::AmbiguousKind { path: p(), name: manifest.name, kinds: manifest.kinds }),
-            },
-        };
-        if !manifest.kinds.contains(&slot) {
-            return Err(LoadError::WrongSlot { path: p(), name: manifest.name, slot, kinds: manifest.kinds });
-        }
+        let slot = slot_of(path, slot, &manifest)?;
         for kind in &manifest.kinds {
             check_entry_point(path, &module, *kind)?;
         }
+        Ok(Self::loaded(path, slot, manifest, sandbox))
+    }
+
+    /// The ABI v2 half of [`Plugin::load`]: compile and check the component
+    /// ([`component::compile`]), ask for its manifest in a sandbox like any call's, check
+    /// the manifest against the exports and the slot.
+    fn load_component(
+        path: &Path,
+        slot: Option<PolicyKind>,
+        limits: Limits,
+        engine: &Engine,
+        bytes: &[u8],
+    ) -> Result<Plugin, LoadError> {
+        let p = || path.to_path_buf();
+        let compiled = wasmtime::component::Component::new(engine, bytes)
+            .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
+        let (compiled, exported) = component::compile(engine, path, compiled)?;
+        let sandbox = Sandbox {
+            label: Arc::from(path.display().to_string()),
+            code: Code::Component(Box::new(compiled)),
+            limits,
+            log: Arc::new(LogLimiter::default()),
+        };
+        let kind_for_errors = slot.unwrap_or(exported[0]);
+        let (manifest, abi_version) = sandbox
+            .with_store(kind_for_errors, &mut CallReport::default(), |store, code, label| match code {
+                Code::Component(c) => c.manifest(store).map_err(|e| classify(e, store, label, kind_for_errors, &limits)),
+                Code::Module(_) => Err(CallError::Trap {
+                    plugin: label.to_string(),
+                    kind: kind_for_errors,
+                    message: "not a component".into(),
+                }),
+            })
+            .map_err(|source| LoadError::Init { path: p(), what: "calling manifest", source: Box::new(source) })?;
+        if abi_version != component::ABI_VERSION_V2 {
+            return Err(LoadError::AbiVersion {
+                path: p(),
+                found: i64::from(abi_version),
+                expected: i64::from(component::ABI_VERSION_V2),
+            });
+        }
+        let mut listed = manifest.kinds.clone();
+        listed.sort();
+        listed.dedup();
+        if listed != exported {
+            return Err(LoadError::KindsMismatch { path: p(), name: manifest.name, listed: manifest.kinds, exported });
+        }
+        let slot = slot_of(path, slot, &manifest)?;
+        Ok(Self::loaded(path, slot, manifest, sandbox))
+    }
+
+    fn loaded(path: &Path, slot: PolicyKind, manifest: Manifest, mut sandbox: Sandbox) -> Plugin {
         sandbox.label = Arc::from(manifest.name.as_str());
         tracing::info!(
             plugin = %manifest.name,
             version = %manifest.version,
+            abi = sandbox.code.abi(),
             slot = %slot.as_str(),
             path = %path.display(),
             "policy plugin loaded"
         );
-        Ok(Plugin { path: p(), slot, manifest, limits, sandbox, stats: Mutex::new(PluginStats::default()) })
+        Plugin {
+            path: path.to_path_buf(),
+            slot,
+            manifest,
+            limits: sandbox.limits,
+            sandbox,
+            stats: Mutex::new(PluginStats::default()),
+        }
     }
 
-    /// The manifest the module returned at load.
+    /// The ABI the plugin speaks: 1 (a core module, JSON) or 2 (a component of
+    /// `gpuvisor:policy@2.0.0`).
+    pub fn abi_version(&self) -> u32 {
+        self.sandbox.code.abi()
+    }
+
+    /// The manifest the plugin returned at load.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -307,13 +375,13 @@ impl Plugin {
         self.call_report(kind, input)
     }
 
-    fn call_typed<I: Serialize, T: DeserializeOwned>(&self, kind: PolicyKind, input: &I) -> Result<T, CallError> {
+    fn call_typed<I: Serialize + Any, T: DeserializeOwned + Any>(&self, kind: PolicyKind, input: &I) -> Result<T, CallError> {
         self.call_report(kind, input).0
     }
 
     /// The one call sequence (every call above goes through it): encode, call in a fresh
     /// instance, decode as `T`; count it in the stats; report fuel, time and log lines.
-    pub(crate) fn call_report<I: Serialize, T: DeserializeOwned>(
+    pub(crate) fn call_report<I: Serialize + Any, T: DeserializeOwned + Any>(
         &self,
         kind: PolicyKind,
         input: &I,
@@ -339,7 +407,7 @@ impl Plugin {
         (result, report)
     }
 
-    fn call_inner<I: Serialize, T: DeserializeOwned>(
+    fn call_inner<I: Serialize + Any, T: DeserializeOwned + Any>(
         &self,
         kind: PolicyKind,
         input: &I,
@@ -348,6 +416,9 @@ impl Plugin {
         let label = &self.sandbox.label;
         if !self.manifest.kinds.contains(&kind) {
             return Err(CallError::NotProvided { plugin: label.to_string(), kind });
+        }
+        if let Code::Component(_) = self.sandbox.code {
+            return self.call_component(kind, input, report);
         }
         let bytes = serde_json::to_vec(input).map_err(|e| CallError::InputEncode {
             plugin: label.to_string(),
@@ -412,28 +483,173 @@ impl Plugin {
     }
 }
 
+/// The slot a plugin is loaded for: the configured one, which its manifest must list, or
+/// (none configured) the manifest's only kind.
+fn slot_of(path: &Path, slot: Option<PolicyKind>, manifest: &Manifest) -> Result<PolicyKind, LoadError> {
+    let slot = match slot {
+        Some(slot) => slot,
+        None => match manifest.kinds.as_slice() {
+            [only] => *only,
+            _ => {
+                return Err(LoadError::AmbiguousKind {
+                    path: path.to_path_buf(),
+                    name: manifest.name.clone(),
+                    kinds: manifest.kinds.clone(),
+                })
+            }
+        },
+    };
+    if !manifest.kinds.contains(&slot) {
+        return Err(LoadError::WrongSlot {
+            path: path.to_path_buf(),
+            name: manifest.name.clone(),
+            slot,
+            kinds: manifest.kinds.clone(),
+        });
+    }
+    Ok(slot)
+}
+
+/// Counts the bytes of a JSON encoding without keeping them: the size limits of v2 calls
+/// are the sizes of the same values as v1 JSON, so a limit means one thing for both ABIs.
+struct JsonLen(usize);
+
+impl std::io::Write for JsonLen {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn json_len<V: Serialize + ?Sized>(value: &V) -> usize {
+    let mut len = JsonLen(0);
+    match serde_json::to_writer(&mut len, value) {
+        Ok(()) => len.0,
+        Err(_) => usize::MAX,
+    }
+}
+
+impl Plugin {
+    /// The v2 half of the call sequence: the input as the kind's SDK type (itself, or JSON
+    /// decoded as it), its JSON size checked, the typed call in a fresh store, the answer's
+    /// JSON size checked, the answer as `T` (itself, or through JSON).
+    fn call_component<I: Serialize + Any, T: DeserializeOwned + Any>(
+        &self,
+        kind: PolicyKind,
+        input: &I,
+        report: &mut CallReport,
+    ) -> Result<T, CallError> {
+        let label = &self.sandbox.label;
+        let limits = self.limits;
+        let len = json_len(input);
+        if len > limits.max_input_bytes {
+            return Err(CallError::InputTooLarge { plugin: label.to_string(), kind, len, max: limits.max_input_bytes });
+        }
+        let bad_input = |reason: String| CallError::InputEncode { plugin: label.to_string(), kind, reason };
+        let (mut p, mut h, mut g) = (None, None, None);
+        let typed = match kind {
+            PolicyKind::Placement => component::Input::Placement(as_typed(input, &mut p).map_err(bad_input)?),
+            PolicyKind::Hypervisor => component::Input::Hypervisor(as_typed(input, &mut h).map_err(bad_input)?),
+            PolicyKind::Grace => component::Input::Grace(as_typed(input, &mut g).map_err(bad_input)?),
+        };
+        let answer = self.sandbox.with_store(kind, report, |store, code, label| match code {
+            Code::Component(c) => c.call(store, typed).map_err(|e| classify(e, store, label, kind, &limits)),
+            Code::Module(_) => Err(component::not_exported(label, kind)),
+        })?;
+        let answer = answer.map_err(|message| CallError::Plugin {
+            plugin: label.to_string(),
+            kind,
+            message: truncate(message, MAX_ERROR_MESSAGE_BYTES),
+        })?;
+        let (len, converted) = match answer {
+            component::Answer::Placement(a) => (json_len(&a), answer_as::<T, _>(a)),
+            component::Answer::Hypervisor(a) => (json_len(&a), answer_as::<T, _>(a)),
+            component::Answer::Grace(a) => (json_len(&a), answer_as::<T, _>(a)),
+        };
+        if len > limits.max_output_bytes {
+            return Err(CallError::OutputTooLarge { plugin: label.to_string(), kind, len, max: limits.max_output_bytes });
+        }
+        converted.map_err(|reason| CallError::UndecodableReply { plugin: label.to_string(), kind, reason })
+    }
+}
+
+/// `input` as the SDK type `X`: itself when it is one, else decoded from its JSON into
+/// `slot`.
+fn as_typed<'a, X: DeserializeOwned + Any, I: Serialize + Any>(
+    input: &'a I,
+    slot: &'a mut Option<X>,
+) -> Result<&'a X, String> {
+    if let Some(x) = (input as &dyn Any).downcast_ref::<X>() {
+        return Ok(x);
+    }
+    let value = serde_json::to_value(input).map_err(|e| e.to_string())?;
+    let x = X::deserialize(value).map_err(|e| format!("not a valid input of this kind: {e}"))?;
+    Ok(slot.insert(x))
+}
+
+/// An answer `A` as the caller's `T`: itself when `T` is `A`, else through JSON (e.g.
+/// `serde_json::Value` for [`Plugin::call_json`]).
+fn answer_as<T: DeserializeOwned + Any, A: Serialize + Any>(answer: A) -> Result<T, String> {
+    let any: Box<dyn Any> = Box::new(answer);
+    match any.downcast::<T>() {
+        Ok(t) => Ok(*t),
+        Err(any) => match any.downcast::<A>() {
+            Ok(a) => serde_json::to_value(&*a).and_then(T::deserialize).map_err(|e| e.to_string()),
+            Err(_) => Err("the answer has an unexpected type".into()),
+        },
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // sandbox
 
 /// What a call's store carries.
-struct CallState {
+pub(crate) struct CallState {
     limiter: Limiter,
-    log: CallLog,
+    pub(crate) log: CallLog,
+    /// WASI (components only; built on first use).
+    pub(crate) wasi: component::WasiState,
 }
 
 /// Memory/table limits of one call; remembers a refused memory growth so the resulting
-/// trap is reported as [`CallError::MemoryLimit`].
+/// trap is reported as [`CallError::MemoryLimit`]. `memory_bytes` bounds the sum of every
+/// linear memory of the call (a component may have several).
 struct Limiter {
     memory_bytes: usize,
+    used: usize,
     memory_hit: bool,
+    counts: Counts,
 }
 
-const MAX_TABLE_ELEMENTS: usize = 100_000;
+/// How many instances, memories and tables one call may create.
+#[derive(Clone, Copy)]
+struct Counts {
+    instances: usize,
+    memories: usize,
+    tables: usize,
+}
+
+/// A v1 module: one instance, one memory.
+const MODULE_COUNTS: Counts = Counts { instances: 1, memories: 1, tables: 4 };
+/// A component: its core instances (a guest built by a language toolchain has a few).
+const COMPONENT_COUNTS: Counts = Counts {
+    instances: engine::MAX_CORE_INSTANCES_PER_COMPONENT as usize,
+    memories: engine::MAX_MEMORIES_PER_COMPONENT as usize,
+    tables: engine::MAX_TABLES_PER_COMPONENT as usize,
+};
+
+use engine::MAX_TABLE_ELEMENTS;
 
 impl ResourceLimiter for Limiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
-        let ok = desired <= self.memory_bytes && maximum.is_none_or(|m| desired <= m);
-        if !ok {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let used = self.used.saturating_sub(current).saturating_add(desired);
+        let ok = used <= self.memory_bytes && maximum.is_none_or(|m| desired <= m);
+        if ok {
+            self.used = used;
+        } else {
             self.memory_hit = true;
         }
         Ok(ok)
@@ -444,20 +660,20 @@ impl ResourceLimiter for Limiter {
     }
 
     fn instances(&self) -> usize {
-        1
+        self.counts.instances
     }
 
     fn tables(&self) -> usize {
-        4
+        self.counts.tables
     }
 
     fn memories(&self) -> usize {
-        1
+        self.counts.memories
     }
 }
 
 /// Per-call log budget.
-struct CallLog {
+pub(crate) struct CallLog {
     plugin: Arc<str>,
     left: u32,
     shared: Arc<LogLimiter>,
@@ -518,10 +734,25 @@ impl LogLimiter {
     }
 }
 
-/// A compiled, linked module plus its limits: creates a fresh store and instance per call.
+/// What a plugin's code is: a v1 core module or a v2 component, compiled and linked.
+enum Code {
+    Module(InstancePre<CallState>),
+    Component(Box<component::Compiled>),
+}
+
+impl Code {
+    fn abi(&self) -> u32 {
+        match self {
+            Code::Module(_) => 1,
+            Code::Component(_) => component::ABI_VERSION_V2,
+        }
+    }
+}
+
+/// A compiled, linked plugin plus its limits: creates a fresh store and instance per call.
 struct Sandbox {
     label: Arc<str>,
-    pre: InstancePre<CallState>,
+    code: Code,
     limits: Limits,
     log: Arc<LogLimiter>,
 }
@@ -536,21 +767,50 @@ impl Sandbox {
         self.with_instance_report(kind, &mut report, f)
     }
 
-    /// Runs `f` with a fresh store (fuel, memory limit, deadline set) and instance;
-    /// puts the fuel consumed and the log lines in `report`.
+    /// Runs `f` with a fresh store and a fresh instance of the v1 module.
     fn with_instance_report<R>(
         &self,
         kind: PolicyKind,
         report: &mut CallReport,
         f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
+        let limits = self.limits;
+        self.with_store(kind, report, |store, code, label| {
+            let Code::Module(pre) = code else {
+                return Err(CallError::Trap { plugin: label.to_string(), kind, message: "not a core module".into() });
+            };
+            match pre.instantiate(&mut *store) {
+                Ok(instance) => f(store, &instance, label),
+                Err(e) => Err(match classify(e, store, label, kind, &limits) {
+                    CallError::Trap { message, .. } => {
+                        CallError::Instantiate { plugin: label.to_string(), kind, reason: message }
+                    }
+                    other => other,
+                }),
+            }
+        })
+    }
+
+    /// The one store sequence of every call, v1 and v2: a fresh store (fuel, memory
+    /// limiter, deadline set, the ticker running), `f`, then the fuel consumed and the log
+    /// lines (the plugin's own and, for components, its stdout/stderr) into `report`.
+    fn with_store<R>(
+        &self,
+        kind: PolicyKind,
+        report: &mut CallReport,
+        f: impl FnOnce(&mut Store<CallState>, &Code, &str) -> Result<R, CallError>,
+    ) -> Result<R, CallError> {
         let label: &str = &self.label;
         let shared =
             engine::shared().map_err(|reason| CallError::Instantiate { plugin: label.to_string(), kind, reason })?;
+        let counts = match self.code {
+            Code::Module(_) => MODULE_COUNTS,
+            Code::Component(_) => COMPONENT_COUNTS,
+        };
         let mut store = Store::new(
-            self.pre.module().engine(),
+            &shared.engine,
             CallState {
-                limiter: Limiter { memory_bytes: self.limits.memory_bytes, memory_hit: false },
+                limiter: Limiter { memory_bytes: self.limits.memory_bytes, used: 0, memory_hit: false, counts },
                 log: CallLog {
                     plugin: self.label.clone(),
                     left: LOG_LINES_PER_CALL,
@@ -558,6 +818,7 @@ impl Sandbox {
                     lines: Vec::new(),
                     dropped: 0,
                 },
+                wasi: component::WasiState::default(),
             },
         );
         store.limiter(|state| &mut state.limiter);
@@ -569,17 +830,13 @@ impl Sandbox {
         store.epoch_deadline_trap();
         let _running = shared.running();
         store.set_epoch_deadline(deadline_ticks(self.limits.deadline));
-        let result = match self.pre.instantiate(&mut store) {
-            Ok(instance) => f(&mut store, &instance, label),
-            Err(e) => Err(match classify(e, &store, label, kind, &self.limits) {
-                CallError::Trap { message, .. } => {
-                    CallError::Instantiate { plugin: label.to_string(), kind, reason: message }
-                }
-                other => other,
-            }),
-        };
+        let result = f(&mut store, &self.code, label);
         report.fuel_used = self.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
-        let log = &mut store.data_mut().log;
+        let state = store.data_mut();
+        for line in state.take_stdio_lines() {
+            state.log.line(LogLevel::Info, line);
+        }
+        let log = &mut state.log;
         report.logs = std::mem::take(&mut log.lines);
         report.logs_dropped = log.dropped;
         result
@@ -682,52 +939,73 @@ fn link(engine: &Engine, module: &Module) -> wasmtime::Result<InstancePre<CallSt
     linker.instantiate_pre(module)
 }
 
-/// `gpuvisor.log(level, ptr, len)`: forwards one line to `tracing` with the plugin name.
-/// Never traps: an unreadable line or one over the rate limit is dropped and counted.
+/// `gpuvisor.log(level, ptr, len)`: one line to the log ([`CallLog::line`]). Never traps:
+/// an unreadable line is dropped and counted.
 fn host_log(mut caller: Caller<'_, CallState>, level: i32, ptr: i32, len: i32) {
-    let admitted = {
-        let log = &mut caller.data_mut().log;
-        if log.left == 0 {
-            log.shared.drop_one();
-            log.dropped += 1;
-            false
-        } else if log.shared.admit() {
-            log.left -= 1;
-            true
-        } else {
-            log.dropped += 1;
-            false
-        }
-    };
-    if !admitted {
-        return;
-    }
-    let unreadable = |caller: &mut Caller<'_, CallState>| {
-        let log = &mut caller.data_mut().log;
-        log.shared.drop_one();
-        log.dropped += 1;
-    };
     let Some(memory) = caller.get_export("memory").and_then(|e| e.into_memory()) else {
-        unreadable(&mut caller);
+        caller.data_mut().log.unreadable();
         return;
     };
     let data = memory.data(&caller);
     let start = ptr as u32 as usize;
     let len = (len as u32 as usize).min(LOG_LINE_MAX_BYTES);
     let Some(bytes) = start.checked_add(len).and_then(|end| data.get(start..end)) else {
-        unreadable(&mut caller);
+        caller.data_mut().log.unreadable();
         return;
     };
     let line = String::from_utf8_lossy(bytes).into_owned();
-    let plugin: &str = &caller.data().log.plugin;
-    match level {
-        0 => tracing::error!(plugin = %plugin, "{line}"),
-        1 => tracing::warn!(plugin = %plugin, "{line}"),
-        2 => tracing::info!(plugin = %plugin, "{line}"),
-        3 => tracing::debug!(plugin = %plugin, "{line}"),
-        _ => tracing::trace!(plugin = %plugin, "{line}"),
+    let level = match level {
+        0 => LogLevel::Error,
+        1 => LogLevel::Warn,
+        2 => LogLevel::Info,
+        3 => LogLevel::Debug,
+        _ => LogLevel::Trace,
+    };
+    caller.data_mut().log.line(level, line);
+}
+
+impl CallLog {
+    /// The one log path of a plugin (v1 `gpuvisor.log`, v2 `log`, v2 stdout/stderr):
+    /// admits the line under the per-call and per-second budgets, truncates it to
+    /// [`LOG_LINE_MAX_BYTES`], sends it to `tracing` with the plugin's name and keeps it
+    /// for the call's [`CallReport`]; a line over budget is dropped and counted.
+    pub(crate) fn line(&mut self, level: LogLevel, mut line: String) {
+        let admitted = if self.left == 0 {
+            self.shared.drop_one();
+            false
+        } else if self.shared.admit() {
+            self.left -= 1;
+            true
+        } else {
+            false
+        };
+        if !admitted {
+            self.dropped += 1;
+            return;
+        }
+        if line.len() > LOG_LINE_MAX_BYTES {
+            let mut cut = LOG_LINE_MAX_BYTES;
+            while !line.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            line.truncate(cut);
+        }
+        let plugin: &str = &self.plugin;
+        match level {
+            LogLevel::Error => tracing::error!(plugin = %plugin, "{line}"),
+            LogLevel::Warn => tracing::warn!(plugin = %plugin, "{line}"),
+            LogLevel::Info => tracing::info!(plugin = %plugin, "{line}"),
+            LogLevel::Debug => tracing::debug!(plugin = %plugin, "{line}"),
+            LogLevel::Trace => tracing::trace!(plugin = %plugin, "{line}"),
+        }
+        self.lines.push(LogLine { level: level_name(level as i32), line });
     }
-    caller.data_mut().log.lines.push(LogLine { level: level_name(level), line });
+
+    /// A line that could not be read from the plugin's memory: dropped and counted.
+    fn unreadable(&mut self) {
+        self.shared.drop_one();
+        self.dropped += 1;
+    }
 }
 
 fn check_imports(path: &Path, module: &Module) -> Result<(), LoadError> {

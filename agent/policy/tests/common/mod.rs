@@ -56,3 +56,70 @@ fn build_plugins() -> Result<PathBuf, String> {
     }
     Ok(target_dir.join("wasm32-unknown-unknown/release"))
 }
+
+/// The component at `core` (a wasm32 core module with a `component-type` section, as
+/// wit-bindgen builds it) made into a component at `out` by `wasm-tools component new`
+/// (`scripts/setup` installs wasm-tools).
+pub fn componentize(core: &Path, out: &Path) -> Result<(), String> {
+    let tool = wasm_tools();
+    let status = Command::new(&tool)
+        .args(["component", "new"])
+        .arg(core)
+        .arg("-o")
+        .arg(out)
+        .status()
+        .map_err(|e| format!("cannot run {} ({e}); run scripts/setup", tool.display()))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("wasm-tools component new {} failed ({status})", core.display()))
+    }
+}
+
+/// `wasm-tools`: from PATH, else cargo's bin directory.
+pub fn wasm_tools() -> PathBuf {
+    let in_cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .map(|h| h.join("bin/wasm-tools"));
+    match in_cargo_home {
+        Some(p) if p.exists() => p,
+        _ => PathBuf::from("wasm-tools"),
+    }
+}
+
+/// The hostile ABI v2 test plugin (`tests/hostile-v2`) as a component, built once per
+/// feature set (`""` for none) per test run.
+pub fn hostile_v2(features: &str) -> PathBuf {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    static BUILT: Mutex<BTreeMap<String, Result<PathBuf, String>>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    let result = built.entry(features.to_string()).or_insert_with(|| build_hostile_v2(features));
+    result.clone().unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn build_hostile_v2(features: &str) -> Result<PathBuf, String> {
+    let target_root = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let variant = if features.is_empty() { "default" } else { features };
+    // One target directory for every feature set (the builds are serialised by the lock in
+    // `hostile_v2`); each build is made into its own component file at once.
+    let target_dir = target_root.join("hostile-v2");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(root())
+        .args(["build", "--target", "wasm32-unknown-unknown", "--release", "-p", "hostile-v2"])
+        .arg("--target-dir")
+        .arg(&target_dir);
+    if !features.is_empty() {
+        cmd.args(["--features", features]);
+    }
+    let status = cmd.status().map_err(|e| format!("cannot run cargo to build hostile-v2: {e}"))?;
+    if !status.success() {
+        return Err(format!("building hostile-v2 ({variant}) failed ({status})"));
+    }
+    let core = target_dir.join("wasm32-unknown-unknown/release/hostile_v2.wasm");
+    let out = target_dir.join(format!("hostile-v2-{variant}.component.wasm"));
+    componentize(&core, &out)?;
+    Ok(out)
+}

@@ -1,0 +1,2 @@
+;; A component that exports no policy interface.
+(component)
