@@ -1148,13 +1148,14 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                         p.slot.clone(),
                         p.name.clone(),
                         p.version.clone(),
+                        format!("v{}", p.abi),
                         p.calls_ok.to_string(),
                         p.calls_failed.to_string(),
                         p.path.clone(),
                     ]
                 })
                 .collect();
-            table(&["SLOT", "NAME", "VERSION", "OK", "FAILED", "PATH"], rows);
+            table(&["SLOT", "NAME", "VERSION", "ABI", "OK", "FAILED", "PATH"], rows);
         }
         _ => println!("{}", serde_json::to_string_pretty(v).unwrap_or_default()),
     }

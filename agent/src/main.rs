@@ -4,7 +4,7 @@ use anyhow::Context;
 use gpuvisor::cli::{Cli, Command};
 use gpuvisor::config::Config;
 use gpuvisor::instances::Manager;
-use gpuvisor::policies::Policies;
+use gpuvisor::policies::{Policies, PLUGIN_CACHE_DIR};
 use gpuvisor::store::Store;
 use std::sync::Arc;
 
@@ -64,6 +64,9 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
         check_writable_dir(dir)
             .with_context(|| format!("record_policy_inputs: {} is not a writable directory", dir.display()))?;
     }
+    // Compiled plugins are kept under the data directory, so a start does not compile them
+    // again (the key is the file's hash and the engine's configuration).
+    gpuvisor_policy::set_cache_dir(Some(cfg.data_dir.join(PLUGIN_CACHE_DIR)));
     let policies = Policies::load(&cfg, cfg.claim_grace_s)?;
     let socket = cfg.socket.clone();
     let interval = std::time::Duration::from_secs(cfg.reconcile_interval_s);

@@ -25,6 +25,10 @@ impl Slot {
     }
 }
 
+/// The directory under `data_dir` where compiled plugins are kept
+/// (`gpuvisor_policy::set_cache_dir`).
+pub const PLUGIN_CACHE_DIR: &str = "plugin-cache";
+
 /// The loaded plugins.
 pub struct Policies {
     pub placement: Slot,

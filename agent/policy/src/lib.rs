@@ -26,11 +26,13 @@
 // No unwrap() outside tests (STYLE.md): a panic is a crash.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod cache;
 mod component;
 mod engine;
 mod error;
 mod plugin;
 
+pub use cache::{set_cache_dir, CacheOutcome};
 pub use component::{ABI_VERSION_V2, PACKAGE, PACKAGE_VERSION};
 pub use engine::{MAX_MEMORY_BYTES, POOL_INSTANCES, TICK};
 pub use error::{CallError, LoadError, RunError};

@@ -1,5 +1,6 @@
 //! [`Plugin`]: one loaded, checked policy module and its calls.
 
+use crate::cache::{self, CacheOutcome};
 use crate::component;
 use crate::engine::{self, deadline_ticks};
 use crate::error::{CallError, LoadError};
@@ -181,7 +182,7 @@ impl Plugin {
         if component::is_component(&bytes) {
             return Self::load_component(path, slot, limits, &shared.engine, &bytes);
         }
-        let module = Module::new(&shared.engine, &bytes)
+        let (module, cached) = cache::compile::<Module>(&shared.engine, &bytes)
             .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
         check_imports(path, &module)?;
         for (export, check, expected) in BASE_EXPORTS {
@@ -194,6 +195,7 @@ impl Plugin {
         let sandbox = Sandbox {
             label: Arc::from(path.display().to_string()),
             code: Code::Module(pre),
+            cached,
             limits,
             log: Arc::new(LogLimiter::default()),
         };
@@ -247,12 +249,13 @@ impl Plugin {
         bytes: &[u8],
     ) -> Result<Plugin, LoadError> {
         let p = || path.to_path_buf();
-        let compiled = wasmtime::component::Component::new(engine, bytes)
+        let (compiled, cached) = cache::compile::<wasmtime::component::Component>(engine, bytes)
             .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
         let (compiled, exported) = component::compile(engine, path, compiled)?;
         let sandbox = Sandbox {
             label: Arc::from(path.display().to_string()),
             code: Code::Component(Box::new(compiled)),
+            cached,
             limits,
             log: Arc::new(LogLimiter::default()),
         };
@@ -290,6 +293,7 @@ impl Plugin {
             plugin = %manifest.name,
             version = %manifest.version,
             abi = sandbox.code.abi(),
+            compiled = ?sandbox.cached,
             slot = %slot.as_str(),
             path = %path.display(),
             "policy plugin loaded"
@@ -302,6 +306,11 @@ impl Plugin {
             sandbox,
             stats: Mutex::new(PluginStats::default()),
         }
+    }
+
+    /// Whether the load compiled the plugin or found it compiled in the cache.
+    pub fn cache_outcome(&self) -> CacheOutcome {
+        self.sandbox.cached
     }
 
     /// The ABI the plugin speaks: 1 (a core module, JSON) or 2 (a component of
@@ -753,6 +762,8 @@ impl Code {
 struct Sandbox {
     label: Arc<str>,
     code: Code,
+    /// How the code was obtained at load.
+    cached: CacheOutcome,
     limits: Limits,
     log: Arc<LogLimiter>,
 }

@@ -55,6 +55,9 @@ pub fn run(output: Output, a: &TestArgs<'_>) -> i32 {
             return exit::USAGE;
         }
     };
+    // Compiled plugins are kept in the user's cache directory, as the agent keeps them
+    // under its data directory: a rerun on the same file does not compile again.
+    gpuvisor_policy::set_cache_dir(user_cache_dir());
     let load = |path: &Path, kind: Option<PolicyKind>| -> Result<Plugin, String> {
         // The slot decides the config's limits: learn it first when not given.
         let kind = match kind {
@@ -428,4 +431,13 @@ fn print_json(
         v
     };
     println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+}
+
+/// `$XDG_CACHE_HOME/gpuvisor/plugin-cache`, else `$HOME/.cache/gpuvisor/plugin-cache`.
+fn user_cache_dir() -> Option<std::path::PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").filter(|h| !h.is_empty()).map(|h| std::path::PathBuf::from(h).join(".cache")))?;
+    Some(base.join("gpuvisor/plugin-cache"))
 }

@@ -507,9 +507,21 @@ pub struct PluginView {
     pub version: String,
     pub kinds: Vec<String>,
     pub path: String,
+    /// The plugin ABI: 1 (a core module, JSON) or 2 (a component of
+    /// `gpuvisor:policy@2.0.0`). Absent from older agents (= 1).
+    #[serde(default = "abi_one")]
+    pub abi: u32,
+    /// How its load got the compiled code: `hit` (the compiled-plugin cache), `compiled`
+    /// (and kept in the cache) or `uncached`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compiled: Option<String>,
     /// Calls of this plugin in this slot since the agent started (kept across reloads).
     pub calls_ok: u64,
     pub calls_failed: u64,
+}
+
+fn abi_one() -> u32 {
+    1
 }
 
 /// `plugin.list`.
@@ -1177,6 +1189,8 @@ impl Manager {
                     version: m.version.clone(),
                     kinds: m.kinds.iter().map(|k| k.as_str().to_string()).collect(),
                     path: s.plugin.path().display().to_string(),
+                    abi: s.plugin.abi_version(),
+                    compiled: Some(s.plugin.cache_outcome().as_str().to_string()),
                     calls_ok,
                     calls_failed,
                 });
