@@ -11,8 +11,10 @@ older than sdk/wit.
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import unittest
 from pathlib import Path
 
@@ -29,8 +31,9 @@ def _bindings():
     stamp = BINDINGS / "wit_world" / "__init__.py"
     newest_wit = max(p.stat().st_mtime for p in WIT.rglob("*.wit"))
     if not stamp.exists() or stamp.stat().st_mtime < newest_wit:
+        cpy = shutil.which("componentize-py") or str(Path(sysconfig.get_path("scripts")) / "componentize-py")
         subprocess.run(
-            ["componentize-py", "-d", str(WIT), "-w", "placement-plugin", "bindings", str(BINDINGS)],
+            [cpy, "-d", str(WIT), "-w", "placement-plugin", "bindings", str(BINDINGS)],
             check=True,
             stdout=subprocess.DEVNULL,
         )
