@@ -115,9 +115,13 @@ function candidates(gpu, profile) {
 
 // --- The SDK's helpers and Rust's string functions, exactly ------------------------------
 
+const SURROGATE = /[\ud800-\udfff]/;
+
 /** Rust's `str` order (UTF-8 bytes, i.e. code points; JS `<` compares UTF-16 units). */
 export function compareStr(a, b) {
   if (a === b) return 0;
+  // Without surrogates, UTF-16 unit order is code point order.
+  if (!SURROGATE.test(a) && !SURROGATE.test(b)) return a < b ? -1 : 1;
   const x = Array.from(a, (c) => c.codePointAt(0));
   const y = Array.from(b, (c) => c.codePointAt(0));
   for (let i = 0; i < Math.min(x.length, y.length); i++) if (x[i] !== y[i]) return x[i] - y[i];
