@@ -1,6 +1,6 @@
 // `tenant-isolation`, the docs/plugins.md tutorial's site placement rule, in JavaScript:
 // a gpuvisor ABI v2 component of the world `placement-plugin` (sdk/wit/policy.wit), built
-// with componentize-js (scripts/build-plugins; see README.md).
+// with componentize-js (scripts/build-plugins; see README.md in this directory).
 //
 // Rule: instances of different tenants never share a GPU. The tenant is the value of one
 // label (`params.tenant_label`, default "tenant"); an instance without that label counts as
