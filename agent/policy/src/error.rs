@@ -41,8 +41,8 @@ pub enum LoadError {
     ExportType { path: PathBuf, export: &'static str, expected: &'static str },
     /// `gpuvisor_abi_version()` returned something other than 1 (a core module), or the
     /// manifest's `abi-version` is not 2 (a component).
-    #[error("policy plugin {path}: ABI version {found} is not supported (a core module speaks ABI version 1, a component ABI version 2; this one says {found}, expected {expected})")]
-    AbiVersion { path: PathBuf, found: i64, expected: i64 },
+    #[error("policy plugin {path}: ABI version {found} is not supported (this agent speaks ABI version {expected} for a {form}{})", if *form == "core module" { "; ABI v2 plugins are components" } else { "" })]
+    AbiVersion { path: PathBuf, found: i64, expected: i64, form: &'static str },
     /// A component imports or exports an interface of `gpuvisor:policy` at another version.
     #[error("policy plugin {path}: {name} is not the WIT package this agent speaks (gpuvisor:policy@{expected}); rebuild the plugin against sdk/wit of this agent")]
     WitVersion { path: PathBuf, name: String, expected: &'static str },

@@ -227,7 +227,12 @@ impl Plugin {
             })
             .map_err(init("calling gpuvisor_abi_version / gpuvisor_manifest"))?;
         if version != ABI_VERSION {
-            return Err(LoadError::AbiVersion { path: p(), found: version.into(), expected: ABI_VERSION.into() });
+            return Err(LoadError::AbiVersion {
+                path: p(),
+                found: version.into(),
+                expected: ABI_VERSION.into(),
+                form: "core module",
+            });
         }
         let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
             .map_err(|e| LoadError::Manifest { path: p(), reason: e.to_string() })?;
@@ -275,6 +280,7 @@ impl Plugin {
                 path: p(),
                 found: i64::from(abi_version),
                 expected: i64::from(component::ABI_VERSION_V2),
+                form: "component",
             });
         }
         let mut listed = manifest.kinds.clone();

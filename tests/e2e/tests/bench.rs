@@ -217,3 +217,47 @@ fn bench_one_observation_vs_a_bare_read_of_the_same_files() {
     println!("bench observation (resources.get in process, every profile): median {o:?}; bare read of {files} files: median {b:?}");
     println!("bench observation ratio observation/bare read = {:.3} (goal <= 1.2)", o.as_secs_f64() / b.as_secs_f64());
 }
+
+/// Start to ready (`agent.health` ready: socket up, plugins loaded, startup pass done) of
+/// the agent this test was built with (`scripts/bench` builds it in release) with the
+/// default plugins as shipped (`target/plugins/*.wasm`, v2 components): compiled-plugin
+/// cache warm, cache cold (each plugin compiled), and the same agent with v1 builds of the
+/// defaults (small core modules) and a warm cache — the floor of everything but compiling.
+#[test]
+#[ignore]
+fn bench_start_to_ready_with_the_plugin_cache() {
+    let shipped = |n: &str| target_dir().join("plugins").join(format!("{n}.wasm"));
+    let v1 = |n: &str| target_dir().join("plugins/v1").join(format!("{n}.wasm"));
+    let time_starts = |a: &mut Agent, cold: bool| -> Duration {
+        let mut t = Vec::new();
+        for _ in 0..5 {
+            a.kill_agent();
+            if cold {
+                let _ = std::fs::remove_dir_all(a.data_dir.join("plugin-cache"));
+            }
+            let t0 = Instant::now();
+            a.spawn().unwrap();
+            a.wait_ready().unwrap();
+            t.push(t0.elapsed());
+        }
+        median(t)
+    };
+    let opts = |f: &dyn Fn(&str) -> std::path::PathBuf| AgentOptions {
+        placement: Some(f("placement-spread")),
+        hypervisor: Some(f("hypervisor-default")),
+        grace: Some(f("grace-default")),
+        ..Default::default()
+    };
+    let mut a = Agent::start_with(opts(&shipped)).unwrap();
+    let warm = time_starts(&mut a, false);
+    let cold = time_starts(&mut a, true);
+    drop(a);
+    let mut b = Agent::start_with(opts(&v1)).unwrap();
+    let floor = time_starts(&mut b, false);
+    println!(
+        "bench start->ready ({}): default v2 plugins, cache warm {warm:?}, cache cold {cold:?} ({:.2}x warm); v1 defaults warm {floor:?}; warm/v1 = {:.2} (goal: warm < 0.5 s)",
+        if cfg!(debug_assertions) { "debug build" } else { "release build" },
+        cold.as_secs_f64() / warm.as_secs_f64(),
+        warm.as_secs_f64() / floor.as_secs_f64(),
+    );
+}

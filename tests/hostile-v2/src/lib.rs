@@ -7,6 +7,8 @@
 //! - `huge`: ranks 100,000 addresses (a reply over the size limit);
 //! - `claimed`: ranks every device, claimed ones first;
 //! - `error`: answers `err("hostile error")`;
+//! - `nothing` (params exactly `{"do":"nothing"}`): ranks nothing at once (the empty
+//!   plugin of the cost benchmark);
 //! - `wasi`: tries every WASI capability and answers `reject(<what it got>)`;
 //! - anything else: ranks the free devices.
 //!
@@ -36,6 +38,10 @@ fn wants(params: &str, what: &str) -> bool {
 
 impl Placement for Hostile {
     fn place(input: PlacementInput) -> Result<PlacementAnswer, String> {
+        if input.params == r#"{"do":"nothing"}"# {
+            // The empty plugin of the cost benchmark: the input was lifted, nothing else.
+            return Ok(PlacementAnswer::Ranked(Vec::new()));
+        }
         let p = input.params.replace(' ', "");
         if wants(&p, "trap") {
             panic!("hostile trap");
