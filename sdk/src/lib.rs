@@ -23,3 +23,5 @@ pub mod testing;
 pub mod types;
 
 pub use types::*;
+#[cfg(feature = "v2")]
+pub mod v2;
