@@ -805,3 +805,319 @@ macro_rules! export_plugin_v2 {
         }
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::*;
+    use serde_json::json;
+
+    fn labels(pairs: &[(&str, &str)]) -> Labels {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    /// Every field set, optional ones both ways.
+    fn placement_input() -> PlacementInput {
+        PlacementInput {
+            request: PlacementRequest {
+                instance_id: "i-1".into(),
+                name: "web".into(),
+                labels: labels(&[("tenant", "acme"), ("env", "prod")]),
+                framework: Framework::VendorVfio,
+                profile: "L40S-2Q".into(),
+                framebuffer_mib: Some(2048),
+            },
+            inventory: Inventory {
+                gpus: vec![
+                    GpuView {
+                        address: "0000:41:00.0".into(),
+                        model: "NVIDIA L40S".into(),
+                        framebuffer_mib: Some(49152),
+                        numa_node: Some(-1),
+                        claimed_framebuffer_mib: 2048,
+                        load_known: false,
+                        devices: vec![
+                            DeviceView {
+                                address: "0000:41:00.4".into(),
+                                state: DeviceState::Claimed,
+                                current_type: Some(1155),
+                                creatable: vec![],
+                                owner: Some(DeviceOwner {
+                                    instance_id: "i-0".into(),
+                                    profile: Some("L40S-2Q".into()),
+                                    labels: labels(&[("tenant", "other")]),
+                                    labels_known: true,
+                                }),
+                            },
+                            DeviceView {
+                                address: "0000:41:00.5".into(),
+                                state: DeviceState::Claimed,
+                                current_type: None,
+                                creatable: vec![],
+                                owner: Some(DeviceOwner {
+                                    instance_id: String::new(),
+                                    profile: None,
+                                    labels: Labels::new(),
+                                    labels_known: false,
+                                }),
+                            },
+                            DeviceView {
+                                address: "0000:41:00.6".into(),
+                                state: DeviceState::Free,
+                                current_type: None,
+                                creatable: vec!["L40S-2Q".into(), "L40S-4Q".into()],
+                                owner: None,
+                            },
+                        ],
+                    },
+                    GpuView {
+                        address: "0001:81:00.0".into(),
+                        model: "unknown".into(),
+                        framebuffer_mib: None,
+                        numa_node: None,
+                        claimed_framebuffer_mib: 0,
+                        load_known: true,
+                        devices: [DeviceState::Dirty, DeviceState::Quarantined, DeviceState::Unreadable]
+                            .into_iter()
+                            .enumerate()
+                            .map(|(n, state)| DeviceView {
+                                address: format!("0001:81:00.{}", n + 4),
+                                state,
+                                current_type: None,
+                                creatable: vec![],
+                                owner: None,
+                            })
+                            .collect(),
+                    },
+                ],
+            },
+            params: json!({"spread": {"numa": true}, "weights": [1, 2.5], "name": "x"}),
+        }
+    }
+
+    fn hypervisor_input() -> HypervisorInput {
+        HypervisorInput {
+            request: HypervisorRequest {
+                name: "db".into(),
+                labels: labels(&[("tenant", "acme")]),
+                requested_hypervisor: Some("cloud-hypervisor".into()),
+                framework: Some(Framework::Passthrough),
+                devices: vec!["0000:41:00.0".into()],
+            },
+            hypervisors: vec![
+                HypervisorInfo {
+                    name: "qemu".into(),
+                    available: true,
+                    capabilities: vec![
+                        Capability::VendorVfio,
+                        Capability::Mdev,
+                        Capability::Passthrough,
+                        Capability::Standby,
+                        Capability::Snapshot,
+                    ],
+                },
+                HypervisorInfo { name: "cloud-hypervisor".into(), available: false, capabilities: vec![] },
+            ],
+            params: json!({}),
+        }
+    }
+
+    fn grace_input() -> GraceInput {
+        GraceInput {
+            now_boottime_ms: 7_200_000,
+            boot_id: "3f1d6c2e".into(),
+            items: vec![
+                GraceItem {
+                    kind: GraceItemKind::StaleClaim,
+                    device: "0000:41:00.4".into(),
+                    framework: Framework::VendorVfio,
+                    owner: Some(GraceOwner {
+                        instance_id: "i-stopped".into(),
+                        state: "stopped".into(),
+                        labels: labels(&[("tenant", "acme")]),
+                        vmm_identity_recorded: true,
+                    }),
+                    claimed_age_ms: Some(20_000),
+                    dirty_age_ms: None,
+                    same_boot: true,
+                    release_attempts: 3,
+                    last_error: Some("EBUSY".into()),
+                },
+                GraceItem {
+                    kind: GraceItemKind::OrphanVf,
+                    device: "0000:41:00.5".into(),
+                    framework: Framework::VendorVfio,
+                    owner: None,
+                    claimed_age_ms: None,
+                    dirty_age_ms: Some(90_000),
+                    same_boot: false,
+                    release_attempts: 0,
+                    last_error: None,
+                },
+                GraceItem {
+                    kind: GraceItemKind::OrphanMdev,
+                    device: "0000:41:00.0/uuid".into(),
+                    framework: Framework::Mdev,
+                    owner: None,
+                    claimed_age_ms: None,
+                    dirty_age_ms: Some(1),
+                    same_boot: true,
+                    release_attempts: 1,
+                    last_error: None,
+                },
+            ],
+            params: json!({"claim_grace_s": 30}),
+        }
+    }
+
+    #[test]
+    fn a_placement_input_survives_the_round_trip_through_wit() {
+        let input = placement_input();
+        let w = wp::PlacementInput::from(&input);
+        // Labels are pairs sorted by key; params JSON text.
+        assert_eq!(w.request.labels, vec![("env".into(), "prod".into()), ("tenant".into(), "acme".into())]);
+        assert_eq!(w.request.framework, wt::Framework::VendorVfio);
+        assert_eq!(w.inventory.gpus[0].devices[2].state, wp::DeviceState::Free);
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&w.params).unwrap(), input.params);
+        assert_eq!(PlacementInput::try_from(w).unwrap(), input);
+    }
+
+    #[test]
+    fn a_hypervisor_input_survives_the_round_trip_through_wit() {
+        let mut input = hypervisor_input();
+        let w = wh::HypervisorInput::from(&input);
+        assert_eq!(w.params, "{}");
+        assert_eq!(w.hypervisors[0].capabilities.len(), 5);
+        assert_eq!(HypervisorInput::try_from(w).unwrap(), input);
+        input.request.framework = None;
+        input.request.requested_hypervisor = None;
+        input.request.devices.clear();
+        assert_eq!(HypervisorInput::try_from(wh::HypervisorInput::from(&input)).unwrap(), input);
+    }
+
+    #[test]
+    fn a_grace_input_survives_the_round_trip_through_wit() {
+        let input = grace_input();
+        let w = wg::GraceInput::from(&input);
+        assert_eq!(w.items[2].kind, wg::GraceItemKind::OrphanMdev);
+        assert_eq!(GraceInput::try_from(w).unwrap(), input);
+    }
+
+    #[test]
+    fn absent_params_are_null_both_ways() {
+        // The SDK decodes absent v1 params as null; "null" is JSON, so v2 keeps it.
+        let mut input = grace_input();
+        input.params = serde_json::Value::Null;
+        let w = wg::GraceInput::from(&input);
+        assert_eq!(w.params, "null");
+        assert_eq!(GraceInput::try_from(w).unwrap().params, serde_json::Value::Null);
+    }
+
+    #[test]
+    fn repeated_label_keys_keep_the_last_value() {
+        let l = labels_from_wit(vec![("a".into(), "1".into()), ("b".into(), "2".into()), ("a".into(), "3".into())]);
+        assert_eq!(l, labels(&[("a", "3"), ("b", "2")]));
+    }
+
+    #[test]
+    fn params_that_are_not_json_give_an_error_reply_without_calling_the_policy() {
+        let mut w = wp::PlacementInput::from(&placement_input());
+        w.params = "{not json".into();
+        let out: Result<wp::PlacementAnswer, String> =
+            dispatch::<_, PlacementInput, PlacementAnswer, _, _>(w, |_: &PlacementInput| -> PlacementAnswer {
+                panic!("called on an input that does not decode")
+            });
+        let e = out.err().unwrap();
+        assert!(e.starts_with("input does not decode: params: "), "{e}");
+    }
+
+    #[test]
+    fn dispatch_converts_answers_and_errors() {
+        let w = wp::PlacementInput::from(&placement_input());
+        let out: Result<wp::PlacementAnswer, String> =
+            dispatch::<_, PlacementInput, PlacementAnswer, _, _>(w, |i: &PlacementInput| {
+                PlacementAnswer::Ranked(vec![i.inventory.gpus[0].devices[2].address.clone()])
+            });
+        assert!(matches!(out, Ok(wp::PlacementAnswer::Ranked(r)) if r == ["0000:41:00.6"]));
+
+        let w = wh::HypervisorInput::from(&hypervisor_input());
+        let out: Result<wh::HypervisorAnswer, String> =
+            dispatch::<_, HypervisorInput, HypervisorAnswer, _, _>(w, |_: &HypervisorInput| {
+                Err::<HypervisorAnswer, _>("no hypervisor")
+            });
+        assert_eq!(out.err().as_deref(), Some("no hypervisor"));
+
+        let w = wg::GraceInput::from(&grace_input());
+        let out: Result<wg::GraceAnswer, String> = dispatch::<_, GraceInput, GraceAnswer, _, _>(w, |i: &GraceInput| {
+            Ok::<_, String>(GraceAnswer {
+                decisions: vec![GraceDecision {
+                    device: i.items[0].device.clone(),
+                    action: GraceAction::Release,
+                    recheck_after_ms: None,
+                    reason: "owner stopped".into(),
+                }],
+            })
+        });
+        let a = GraceAnswer::from(out.unwrap());
+        assert_eq!(a.decisions[0].device, "0000:41:00.4");
+        assert_eq!(a.decisions[0].action, GraceAction::Release);
+    }
+
+    #[test]
+    fn answers_survive_the_round_trip_through_wit() {
+        for a in [PlacementAnswer::Ranked(vec!["a".into(), "b".into()]), PlacementAnswer::Reject("full".into())] {
+            assert_eq!(PlacementAnswer::from(wp::PlacementAnswer::from(a.clone())), a);
+        }
+        for a in [HypervisorAnswer::Hypervisor("qemu".into()), HypervisorAnswer::Reject("none".into())] {
+            assert_eq!(HypervisorAnswer::from(wh::HypervisorAnswer::from(a.clone())), a);
+        }
+        let a = GraceAnswer {
+            decisions: vec![
+                GraceDecision {
+                    device: "d0".into(),
+                    action: GraceAction::Keep,
+                    recheck_after_ms: Some(5000),
+                    reason: "young".into(),
+                },
+                GraceDecision {
+                    device: "d1".into(),
+                    action: GraceAction::Release,
+                    recheck_after_ms: None,
+                    reason: String::new(),
+                },
+            ],
+        };
+        assert_eq!(GraceAnswer::from(wg::GraceAnswer::from(a.clone())), a);
+    }
+
+    #[test]
+    fn the_manifest_has_abi_version_2_and_one_kind() {
+        let m = manifest("grace-default", "0.1.0", PolicyKind::Grace);
+        assert_eq!(m.abi_version, 2);
+        assert_eq!(m.kinds, vec![wt::PolicyKind::Grace]);
+        let (sdk, abi) = manifest_from_wit(m);
+        assert_eq!(abi, super::ABI_VERSION);
+        assert_eq!(
+            sdk,
+            Manifest { name: "grace-default".into(), version: "0.1.0".into(), kinds: vec![PolicyKind::Grace] }
+        );
+    }
+
+    #[test]
+    fn log_levels_map_one_to_one_and_log_is_a_no_op_natively() {
+        for l in [LogLevel::Error, LogLevel::Warn, LogLevel::Info, LogLevel::Debug, LogLevel::Trace] {
+            let w = wit::log::Level::from(l);
+            assert_eq!(w as i32, l as i32, "the v1 and v2 levels have the same order");
+            assert_eq!(LogLevel::from(w), l);
+        }
+        crate::abi::log(LogLevel::Info, "natively nothing happens");
+    }
+
+    #[test]
+    fn the_shipped_wit_is_the_package_the_bindings_name() {
+        assert!(WIT.contains("package gpuvisor:policy@2.0.0;"));
+        for world in ["placement-plugin", "hypervisor-plugin", "grace-plugin"] {
+            assert!(WIT.contains(&format!("world {world} {{")), "{world}");
+        }
+    }
+}
