@@ -237,9 +237,14 @@ pub fn params_from_wit(params: &str) -> Result<serde_json::Value, String> {
     serde_json::from_str(params).map_err(|e| format!("input does not decode: params: {e}"))
 }
 
-/// SDK `params` as WIT JSON text.
+/// SDK `params` as WIT JSON text; `null` (the SDK's value for absent params) is `{}`, as
+/// the WIT says and the host sends.
 pub fn params_to_wit(params: &serde_json::Value) -> wt::Params {
-    params.to_string()
+    if params.is_null() {
+        "{}".to_string()
+    } else {
+        params.to_string()
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1004,13 +1009,13 @@ mod tests {
     }
 
     #[test]
-    fn absent_params_are_null_both_ways() {
-        // The SDK decodes absent v1 params as null; "null" is JSON, so v2 keeps it.
+    fn absent_params_are_an_empty_object_in_wit() {
+        // The SDK decodes absent v1 params as null; the WIT says `{}` when absent.
         let mut input = grace_input();
         input.params = serde_json::Value::Null;
         let w = wg::GraceInput::from(&input);
-        assert_eq!(w.params, "null");
-        assert_eq!(GraceInput::try_from(w).unwrap().params, serde_json::Value::Null);
+        assert_eq!(w.params, "{}");
+        assert_eq!(GraceInput::try_from(w).unwrap().params, json!({}));
     }
 
     #[test]
