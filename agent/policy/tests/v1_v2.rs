@@ -27,9 +27,8 @@ fn plugins_dir() -> &'static Path {
     BUILT
         .get_or_init(|| {
             let root = common::root();
-            let target_dir = std::env::var_os("CARGO_TARGET_DIR")
-                .map(|t| root.join(t))
-                .unwrap_or_else(|| root.join("target"));
+            let target_dir =
+                std::env::var_os("CARGO_TARGET_DIR").map(|t| root.join(t)).unwrap_or_else(|| root.join("target"));
             let status = Command::new(root.join("scripts/build-plugins"))
                 .env("CARGO_TARGET_DIR", &target_dir)
                 .stdout(std::process::Stdio::null())
