@@ -70,7 +70,7 @@ pub enum LogLevel {
     Trace = 4,
 }
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", not(feature = "v2")))]
 #[link(wasm_import_module = "gpuvisor")]
 extern "C" {
     #[link_name = "log"]
@@ -78,16 +78,20 @@ extern "C" {
 }
 
 /// Sends one line to the agent's log, tagged with the plugin's name. On wasm32 this calls
-/// the import `gpuvisor.log`; natively it does nothing. The host rate-limits and truncates
-/// lines (see the plugin host's docs), so log decisions, not data.
+/// the import `gpuvisor.log` (ABI v1), or with the feature `v2` the import
+/// `gpuvisor:policy/log@2.0.0` ([`crate::v2::log`]), so a v2 component has no v1 import;
+/// natively it does nothing. The host rate-limits and truncates lines (see the plugin
+/// host's docs), so log decisions, not data.
 pub fn log(level: LogLevel, message: &str) {
-    #[cfg(target_arch = "wasm32")]
+    #[cfg(feature = "v2")]
+    crate::v2::log(level, message);
+    #[cfg(all(target_arch = "wasm32", not(feature = "v2")))]
     // SAFETY: the host reads `len` bytes at `ptr` from this module's memory; the slice
     // is alive for the duration of the call. wasm32 pointers and lengths fit in i32.
     unsafe {
         gpuvisor_log(level as i32, message.as_ptr() as i32, message.len() as i32);
     }
-    #[cfg(not(target_arch = "wasm32"))]
+    #[cfg(all(not(target_arch = "wasm32"), not(feature = "v2")))]
     {
         let _ = (level, message);
     }
@@ -220,6 +224,29 @@ pub mod __rt {
     }
 }
 
+/// Refuses `export_plugin!` when the SDK's feature `v2` is on: [`log`] then calls the v2
+/// import, which a v1 module may not have (the agent would refuse it at load).
+#[cfg(feature = "v2")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __gpuvisor_require_v1 {
+    () => {
+        ::core::compile_error!(
+            "export_plugin! (ABI v1) with gpuvisor-sdk's feature `v2` on: use export_plugin_v2!, \
+             or build without the feature (cargo feature unification: a v1 and a v2 build of \
+             the plugins need separate cargo invocations)"
+        );
+    };
+}
+
+/// Without the feature `v2`: nothing to refuse.
+#[cfg(not(feature = "v2"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __gpuvisor_require_v1 {
+    () => {};
+}
+
 /// Generates the ABI v1 exports of a plugin (wasm32 only). See the [module docs](self).
 ///
 /// ```ignore
@@ -244,6 +271,8 @@ macro_rules! export_plugin {
         pub mod __gpuvisor_plugin_exports {
             #[allow(unused_imports)]
             use super::*;
+
+            $crate::__gpuvisor_require_v1!();
 
             #[unsafe(no_mangle)]
             pub extern "C" fn gpuvisor_abi_version() -> i32 {

@@ -15,11 +15,18 @@
 //! takes `(ptr: i32, len: i32)` of a UTF-8 JSON input and returns a packed
 //! `(ptr << 32) | len` of a UTF-8 JSON reply `{"ok": <answer>}` or `{"error": "message"}`.
 //! The only import a plugin may have is `gpuvisor.log(level: i32, ptr: i32, len: i32)`.
+//!
+//! ABI v2 (feature `v2`, module [`v2`]): the plugin is a WebAssembly component of one of
+//! the worlds of `wit/policy.wit` (package `gpuvisor:policy@2.0.0`), with bindings from
+//! `wit-bindgen`; `export_plugin_v2!` generates its exports from the same policy functions.
+//! The feature is off by default, so v1 plugins and the agent do not build `wit-bindgen`.
 
 pub mod abi;
 #[cfg(feature = "schema")]
 pub mod schema;
 pub mod testing;
 pub mod types;
+#[cfg(feature = "v2")]
+pub mod v2;
 
 pub use types::*;

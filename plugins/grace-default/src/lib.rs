@@ -92,7 +92,15 @@ fn decide_item(item: &GraceItem, grace_ms: u64) -> GraceDecision {
     }
 }
 
+#[cfg(not(feature = "v2"))]
 gpuvisor_sdk::export_plugin! {
+    name: "grace-default",
+    version: env!("CARGO_PKG_VERSION"),
+    grace: crate::decide,
+}
+
+#[cfg(feature = "v2")]
+gpuvisor_sdk::export_plugin_v2! {
     name: "grace-default",
     version: env!("CARGO_PKG_VERSION"),
     grace: crate::decide,

@@ -86,7 +86,15 @@ fn tried(requested: Option<&str>, order: &[&str]) -> String {
     names.join(", ")
 }
 
+#[cfg(not(feature = "v2"))]
 gpuvisor_sdk::export_plugin! {
+    name: "hypervisor-default",
+    version: env!("CARGO_PKG_VERSION"),
+    hypervisor: crate::choose,
+}
+
+#[cfg(feature = "v2")]
+gpuvisor_sdk::export_plugin_v2! {
     name: "hypervisor-default",
     version: env!("CARGO_PKG_VERSION"),
     hypervisor: crate::choose,

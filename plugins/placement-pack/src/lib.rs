@@ -112,7 +112,15 @@ fn is_candidate(device: &DeviceView, request: &PlacementRequest) -> bool {
     }
 }
 
+#[cfg(not(feature = "v2"))]
 gpuvisor_sdk::export_plugin! {
+    name: "placement-pack",
+    version: env!("CARGO_PKG_VERSION"),
+    placement: crate::place,
+}
+
+#[cfg(feature = "v2")]
+gpuvisor_sdk::export_plugin_v2! {
     name: "placement-pack",
     version: env!("CARGO_PKG_VERSION"),
     placement: crate::place,

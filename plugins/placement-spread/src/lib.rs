@@ -70,7 +70,15 @@ fn address_key(address: &str) -> String {
     address.to_ascii_lowercase()
 }
 
+#[cfg(not(feature = "v2"))]
 gpuvisor_sdk::export_plugin! {
+    name: "placement-spread",
+    version: env!("CARGO_PKG_VERSION"),
+    placement: crate::place,
+}
+
+#[cfg(feature = "v2")]
+gpuvisor_sdk::export_plugin_v2! {
     name: "placement-spread",
     version: env!("CARGO_PKG_VERSION"),
     placement: crate::place,

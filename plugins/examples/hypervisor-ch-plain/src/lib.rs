@@ -121,7 +121,15 @@ fn capability_name(c: Capability) -> &'static str {
     }
 }
 
+#[cfg(not(feature = "v2"))]
 gpuvisor_sdk::export_plugin! {
+    name: "hypervisor-ch-plain",
+    version: env!("CARGO_PKG_VERSION"),
+    hypervisor: crate::choose,
+}
+
+#[cfg(feature = "v2")]
+gpuvisor_sdk::export_plugin_v2! {
     name: "hypervisor-ch-plain",
     version: env!("CARGO_PKG_VERSION"),
     hypervisor: crate::choose,
