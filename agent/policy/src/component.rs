@@ -54,10 +54,10 @@ pub(crate) mod bindings {
     }
 }
 
-use bindings::placement::gpuvisor::policy::{log as wit_log, types as wit};
 use bindings::grace::exports::gpuvisor::policy::grace as wg;
 use bindings::hypervisor::exports::gpuvisor::policy::hypervisor as wh;
 use bindings::placement::exports::gpuvisor::policy::placement as wp;
+use bindings::placement::gpuvisor::policy::{log as wit_log, types as wit};
 
 /// The WIT package a v2 plugin's interfaces belong to.
 pub const PACKAGE: &str = "gpuvisor:policy";
@@ -67,7 +67,8 @@ pub const PACKAGE_VERSION: &str = "2.0.0";
 pub const ABI_VERSION_V2: u32 = 2;
 
 /// The WASI 0.2 packages linked (each granting nothing); any other import is refused.
-const WASI_PACKAGES: [&str; 6] = ["wasi:cli/", "wasi:clocks/", "wasi:filesystem/", "wasi:io/", "wasi:random/", "wasi:sockets/"];
+const WASI_PACKAGES: [&str; 6] =
+    ["wasi:cli/", "wasi:clocks/", "wasi:filesystem/", "wasi:io/", "wasi:random/", "wasi:sockets/"];
 
 /// Bytes of stdout + stderr kept per call (the rest is dropped; lines go to the log).
 const STDIO_CAPTURE_BYTES: usize = 16 << 10;
@@ -257,7 +258,10 @@ impl Compiled {
             }
             Input::Grace(i) => {
                 let plugin = self.grace.as_ref().ok_or_else(missing)?.instantiate(&mut *store)?;
-                plugin.gpuvisor_policy_grace().call_decide(&mut *store, &grace_input(i))?.map(|a| Answer::Grace(grace_answer(a)))
+                plugin
+                    .gpuvisor_policy_grace()
+                    .call_decide(&mut *store, &grace_input(i))?
+                    .map(|a| Answer::Grace(grace_answer(a)))
             }
         })
     }

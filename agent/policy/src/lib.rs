@@ -112,7 +112,10 @@ pub fn run_input(
     plugin: &Plugin,
     input: &serde_json::Value,
 ) -> Result<(Result<serde_json::Value, CallError>, CallReport), String> {
-    fn go<I: serde::de::DeserializeOwned + serde::Serialize + 'static, A: serde::de::DeserializeOwned + serde::Serialize + 'static>(
+    fn go<
+        I: serde::de::DeserializeOwned + serde::Serialize + 'static,
+        A: serde::de::DeserializeOwned + serde::Serialize + 'static,
+    >(
         plugin: &Plugin,
         input: &serde_json::Value,
     ) -> Result<(Result<serde_json::Value, CallError>, CallReport), String> {

@@ -4,8 +4,8 @@ use crate::cache::{self, CacheOutcome};
 use crate::component;
 use crate::engine::{self, deadline_ticks};
 use crate::error::{CallError, LoadError};
-pub(crate) use gpuvisor_sdk::abi::LogLevel;
 use gpuvisor_sdk::abi::unpack;
+pub(crate) use gpuvisor_sdk::abi::LogLevel;
 use gpuvisor_sdk::{
     GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, Manifest, PlacementAnswer, PlacementInput, PolicyKind,
     Reply, ABI_VERSION,
@@ -267,7 +267,9 @@ impl Plugin {
         let kind_for_errors = slot.unwrap_or(exported[0]);
         let (manifest, abi_version) = sandbox
             .with_store(kind_for_errors, &mut CallReport::default(), |store, code, label| match code {
-                Code::Component(c) => c.manifest(store).map_err(|e| classify(e, store, label, kind_for_errors, &limits)),
+                Code::Component(c) => {
+                    c.manifest(store).map_err(|e| classify(e, store, label, kind_for_errors, &limits))
+                }
                 Code::Module(_) => Err(CallError::Trap {
                     plugin: label.to_string(),
                     kind: kind_for_errors,
@@ -390,7 +392,11 @@ impl Plugin {
         self.call_report(kind, input)
     }
 
-    fn call_typed<I: Serialize + Any, T: DeserializeOwned + Any>(&self, kind: PolicyKind, input: &I) -> Result<T, CallError> {
+    fn call_typed<I: Serialize + Any, T: DeserializeOwned + Any>(
+        &self,
+        kind: PolicyKind,
+        input: &I,
+    ) -> Result<T, CallError> {
         self.call_report(kind, input).0
     }
 
@@ -585,7 +591,12 @@ impl Plugin {
             component::Answer::Grace(a) => (json_len(&a), answer_as::<T, _>(a)),
         };
         if len > limits.max_output_bytes {
-            return Err(CallError::OutputTooLarge { plugin: label.to_string(), kind, len, max: limits.max_output_bytes });
+            return Err(CallError::OutputTooLarge {
+                plugin: label.to_string(),
+                kind,
+                len,
+                max: limits.max_output_bytes,
+            });
         }
         converted.map_err(|reason| CallError::UndecodableReply { plugin: label.to_string(), kind, reason })
     }

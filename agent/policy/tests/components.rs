@@ -57,7 +57,8 @@ fn input(what: &str) -> PlacementInput {
 }
 
 fn load_with(limits: Limits) -> Plugin {
-    Plugin::load(&hostile_v2(""), PolicyKind::Placement, limits).unwrap_or_else(|e| panic!("hostile-v2 should load: {e}"))
+    Plugin::load(&hostile_v2(""), PolicyKind::Placement, limits)
+        .unwrap_or_else(|e| panic!("hostile-v2 should load: {e}"))
 }
 
 fn load() -> Plugin {

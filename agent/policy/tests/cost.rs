@@ -52,8 +52,7 @@ fn cost(p: &Plugin, input: &PlacementInput, n: u32) -> Cost {
     let mut fuel = 0;
     for _ in 0..n {
         let started = Instant::now();
-        let (result, report) =
-            p.call_json_report(PolicyKind::Placement, &serde_json::to_value(input).unwrap());
+        let (result, report) = p.call_json_report(PolicyKind::Placement, &serde_json::to_value(input).unwrap());
         walls.push(started.elapsed());
         result.unwrap_or_else(|e| panic!("{}: {e}", p.manifest().name));
         fuel = report.fuel_used;
@@ -63,7 +62,8 @@ fn cost(p: &Plugin, input: &PlacementInput, n: u32) -> Cost {
 }
 
 fn load(path: PathBuf) -> Plugin {
-    let limits = Limits { fuel: 2_000_000_000, memory_bytes: 256 << 20, deadline: Duration::from_secs(10), ..Limits::default() };
+    let limits =
+        Limits { fuel: 2_000_000_000, memory_bytes: 256 << 20, deadline: Duration::from_secs(10), ..Limits::default() };
     Plugin::load(&path, PolicyKind::Placement, limits).unwrap_or_else(|e| panic!("{e}"))
 }
 

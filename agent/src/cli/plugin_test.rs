@@ -435,9 +435,9 @@ fn print_json(
 
 /// `$XDG_CACHE_HOME/gpuvisor/plugin-cache`, else `$HOME/.cache/gpuvisor/plugin-cache`.
 fn user_cache_dir() -> Option<std::path::PathBuf> {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .filter(|d| !d.is_empty())
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").filter(|h| !h.is_empty()).map(|h| std::path::PathBuf::from(h).join(".cache")))?;
+    let base =
+        std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()).map(std::path::PathBuf::from).or_else(|| {
+            std::env::var_os("HOME").filter(|h| !h.is_empty()).map(|h| std::path::PathBuf::from(h).join(".cache"))
+        })?;
     Some(base.join("gpuvisor/plugin-cache"))
 }

@@ -15,10 +15,7 @@ fn built(name: &str) -> std::path::PathBuf {
 }
 
 fn create(a: &Agent, name: &str, tenant: &str) -> Result<serde_json::Value, RpcError> {
-    a.call(
-        "instance.create",
-        json!({"name": name, "image": "demo", "gpu": "L40S-2Q", "labels": {"tenant": tenant}}),
-    )
+    a.call("instance.create", json!({"name": name, "image": "demo", "gpu": "L40S-2Q", "labels": {"tenant": tenant}}))
 }
 
 #[test]

@@ -26,7 +26,8 @@ struct Hostile;
 
 impl Guest for Hostile {
     fn manifest() -> Manifest {
-        let kinds = if cfg!(feature = "lying-manifest") { vec![PolicyKind::Grace] } else { vec![PolicyKind::Placement] };
+        let kinds =
+            if cfg!(feature = "lying-manifest") { vec![PolicyKind::Grace] } else { vec![PolicyKind::Placement] };
         let abi_version = if cfg!(feature = "abi-one") { 1 } else { 2 };
         Manifest { name: "hostile-v2".into(), version: "0.1.0".into(), kinds, abi_version }
     }
@@ -60,7 +61,9 @@ impl Placement for Hostile {
             }
         }
         if wants(&p, "huge") {
-            return Ok(PlacementAnswer::Ranked((0..100_000).map(|i| format!("0000:41:{:02x}.{}", i % 256, i % 8)).collect()));
+            return Ok(PlacementAnswer::Ranked(
+                (0..100_000).map(|i| format!("0000:41:{:02x}.{}", i % 256, i % 8)).collect(),
+            ));
         }
         if wants(&p, "error") {
             return Err("hostile error".into());

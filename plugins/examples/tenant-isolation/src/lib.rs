@@ -11,9 +11,7 @@
 //! free devices before dirty ones, then by address.
 
 use gpuvisor_sdk::abi::{log, LogLevel};
-use gpuvisor_sdk::{
-    profile_matches, DeviceState, DeviceView, GpuView, Labels, PlacementAnswer, PlacementInput,
-};
+use gpuvisor_sdk::{profile_matches, DeviceState, DeviceView, GpuView, Labels, PlacementAnswer, PlacementInput};
 
 /// The label that names the tenant when `params.tenant_label` is absent.
 pub const DEFAULT_TENANT_LABEL: &str = "tenant";
@@ -28,11 +26,7 @@ fn params(v: &serde_json::Value) -> Result<Params, String> {
     let tenant_label = match v.get("tenant_label") {
         None => DEFAULT_TENANT_LABEL.to_string(),
         Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(other) => {
-            return Err(format!(
-                "params.tenant_label must be a non-empty string, found {other}"
-            ))
-        }
+        Some(other) => return Err(format!("params.tenant_label must be a non-empty string, found {other}")),
     };
     let reserved_gpus = match v.get("reserved_gpus") {
         None => Vec::new(),
@@ -44,16 +38,9 @@ fn params(v: &serde_json::Value) -> Result<Params, String> {
                     .ok_or_else(|| format!("params.reserved_gpus: {g} is not a string"))
             })
             .collect::<Result<_, _>>()?,
-        Some(other) => {
-            return Err(format!(
-                "params.reserved_gpus must be a list of PF addresses, found {other}"
-            ))
-        }
+        Some(other) => return Err(format!("params.reserved_gpus must be a list of PF addresses, found {other}")),
     };
-    Ok(Params {
-        tenant_label,
-        reserved_gpus,
-    })
+    Ok(Params { tenant_label, reserved_gpus })
 }
 
 /// Ranks the devices the request may use, best first.
@@ -85,16 +72,10 @@ pub fn place(input: &PlacementInput) -> Result<PlacementAnswer, String> {
     }
     usable.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.address.cmp(&b.1.address)));
 
-    let ranked: Vec<String> = usable
-        .iter()
-        .flat_map(|(_, gpu)| candidates(gpu, &input.request.profile))
-        .collect();
+    let ranked: Vec<String> = usable.iter().flat_map(|(_, gpu)| candidates(gpu, &input.request.profile)).collect();
     if ranked.is_empty() {
         let who = tenant.unwrap_or("no tenant");
-        log(
-            LogLevel::Info,
-            &format!("no GPU free of other tenants for {who}"),
-        );
+        log(LogLevel::Info, &format!("no GPU free of other tenants for {who}"));
         return Ok(PlacementAnswer::Reject(format!(
             "no GPU without other tenants can take profile {} for tenant {who}",
             input.request.profile
@@ -119,12 +100,7 @@ fn candidates(gpu: &GpuView, profile: &str) -> Vec<String> {
             _ => false,
         })
         .collect();
-    devices.sort_by_key(|d| {
-        (
-            d.state == DeviceState::Dirty,
-            d.address.to_ascii_lowercase(),
-        )
-    });
+    devices.sort_by_key(|d| (d.state == DeviceState::Dirty, d.address.to_ascii_lowercase()));
     devices.into_iter().map(|d| d.address.clone()).collect()
 }
 

@@ -39,9 +39,7 @@ fn the_label_key_and_reserved_gpus_come_from_params() {
 fn bad_params_are_an_error_so_the_agent_fails_closed() {
     let mut input: PlacementInput = load_input(INPUT).unwrap();
     input.params = serde_json::json!({"tenant_label": 7});
-    let reply = gpuvisor_sdk::testing::run_native_str::<PlacementInput, _, _>(
-        &serde_json::to_string(&input).unwrap(),
-        place,
-    );
+    let reply =
+        gpuvisor_sdk::testing::run_native_str::<PlacementInput, _, _>(&serde_json::to_string(&input).unwrap(), place);
     assert!(reply["error"].as_str().unwrap().contains("tenant_label"));
 }
