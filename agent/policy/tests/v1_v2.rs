@@ -1,8 +1,11 @@
 //! ABI v1 and ABI v2 builds of the same plugin give the same answers: for every fixture of
-//! `plugins/fixtures/` of its kind, the v1 core module (`target/plugins/v1/<name>.wasm`)
-//! and the v2 component (`target/plugins/<name>.wasm`) of each default plugin (and of the
-//! example `hypervisor-ch-plain`) return identical result JSON and log the same lines.
-//! Both are built by `scripts/build-plugins` (once per test run).
+//! `plugins/fixtures/` of its kind, the v1 core module and the v2 component of each default
+//! plugin (and of the example `hypervisor-ch-plain`) return identical result JSON and log
+//! the same lines. The test builds both itself, as `scripts/build-plugins` does and in the
+//! same target dirs (so either one's build makes the other's a no-op), without the other
+//! languages' toolchains that script also needs: v1 without features
+//! (`target/wasm32-unknown-unknown/release`), v2 with `--features <crate>/v2` in
+//! `target/v2`, then `wasm-tools component new` to `target/v2/components/<name>.wasm`.
 
 mod common;
 
@@ -21,33 +24,44 @@ const PLUGINS: [(&str, PolicyKind); 5] = [
     ("grace-default", PolicyKind::Grace),
 ];
 
-/// `target/plugins` after `scripts/build-plugins` (run once per test process).
-fn plugins_dir() -> &'static Path {
+/// The directory of the v2 components, built once per test process.
+fn components_dir() -> &'static Path {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let root = common::root();
-            let target_dir =
-                std::env::var_os("CARGO_TARGET_DIR").map(|t| root.join(t)).unwrap_or_else(|| root.join("target"));
-            let status = Command::new(root.join("scripts/build-plugins"))
-                .env("CARGO_TARGET_DIR", &target_dir)
-                .stdout(std::process::Stdio::null())
-                .status()
-                .map_err(|e| format!("cannot run scripts/build-plugins: {e}"))?;
-            if !status.success() {
-                return Err(format!("scripts/build-plugins failed ({status}); does scripts/setup pass?"));
-            }
-            Ok(target_dir.join("plugins"))
-        })
-        .as_ref()
-        .map(PathBuf::as_path)
-        .unwrap_or_else(|e| panic!("{e}"))
+    BUILT.get_or_init(build_components).as_ref().map(PathBuf::as_path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn build_components() -> Result<PathBuf, String> {
+    let target_root =
+        std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| common::root().join("target"));
+    let target_dir = target_root.join("v2");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(common::root())
+        .args(["build", "--target", "wasm32-unknown-unknown", "--release"])
+        .arg("--target-dir")
+        .arg(&target_dir);
+    let mut features = Vec::new();
+    for (name, _) in PLUGINS {
+        cmd.args(["-p", name]);
+        features.push(format!("{name}/v2"));
+    }
+    cmd.args(["--features", &features.join(",")]);
+    let status = cmd.status().map_err(|e| format!("cannot run cargo to build the v2 plugins: {e}"))?;
+    if !status.success() {
+        return Err(format!("building the v2 plugins failed ({status})"));
+    }
+    let out = target_dir.join("components");
+    std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    for (name, _) in PLUGINS {
+        let core = target_dir.join("wasm32-unknown-unknown/release").join(format!("{}.wasm", name.replace('-', "_")));
+        common::componentize(&core, &out.join(format!("{name}.wasm")))?;
+    }
+    Ok(out)
 }
 
 /// The v1 module and the v2 component of a plugin.
 fn builds(name: &str) -> (PathBuf, PathBuf) {
-    let dir = plugins_dir();
-    let (v1, v2) = (dir.join("v1").join(format!("{name}.wasm")), dir.join(format!("{name}.wasm")));
+    let (v1, v2) = (common::built_plugin(name), components_dir().join(format!("{name}.wasm")));
     // A core module's preamble is `\0asm` 01 00 00 00, a component's `\0asm` 0d 00 01 00.
     let preamble = |p: &Path| std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))[..8].to_vec();
     assert_eq!(preamble(&v1), b"\0asm\x01\0\0\0", "{} is not a core module", v1.display());
