@@ -336,7 +336,8 @@ pub enum PluginAction {
         #[arg(long)]
         fail_on_diff: bool,
     },
-    /// The loaded plugins.
+    /// The loaded plugins: slot, name, version, ABI (v1 module or v2 component), calls.
+    #[command(visible_alias = "list")]
     Ls,
     /// Re-read the config's [plugins] and load them again (all or nothing).
     Reload,
