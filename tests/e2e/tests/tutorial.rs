@@ -56,7 +56,11 @@ enum Step {
 fn parse(doc: &str, from: &str, to: &str) -> Vec<Step> {
     let lines: Vec<&str> = doc.lines().collect();
     let start = lines.iter().position(|l| *l == from).unwrap_or_else(|| panic!("{DOC}: no heading {from:?}"));
-    let end = start + lines[start..].iter().position(|l| *l == to).unwrap_or_else(|| panic!("{DOC}: no heading {to:?} after {from:?}"));
+    let end = start
+        + lines[start..]
+            .iter()
+            .position(|l| *l == to)
+            .unwrap_or_else(|| panic!("{DOC}: no heading {to:?} after {from:?}"));
     let mut steps = Vec::new();
     let (mut skip, mut compare, mut label) = (false, true, None::<String>);
     let mut i = start;
@@ -159,7 +163,9 @@ fn run_section(from: &str, to: &str, dir: &str, keep: &[&str]) {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(agent_binary(), &link).unwrap();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    let subst = |s: &str| s.replace("/srv/site-policy", &srv.to_string_lossy()).replace("/opt/gpuvisor", &root.to_string_lossy());
+    let subst = |s: &str| {
+        s.replace("/srv/site-policy", &srv.to_string_lossy()).replace("/opt/gpuvisor", &root.to_string_lossy())
+    };
 
     let status_file = tut.join(format!("{dir}.cwd"));
     let mut cwd = srv.clone();
@@ -169,7 +175,8 @@ fn run_section(from: &str, to: &str, dir: &str, keep: &[&str]) {
         match step {
             Step::File { line, path, text, compare } => {
                 let file = cwd.join(subst(path));
-                std::fs::write(&file, subst(text)).unwrap_or_else(|e| panic!("{DOC}:{line}: writing {}: {e}", file.display()));
+                std::fs::write(&file, subst(text))
+                    .unwrap_or_else(|e| panic!("{DOC}:{line}: writing {}: {e}", file.display()));
                 if let Some(example) = file.strip_prefix(&srv).ok().map(|rel| root.join("plugins/examples").join(rel)) {
                     if *compare && example.is_file() {
                         let ex = std::fs::read_to_string(&example).unwrap();
