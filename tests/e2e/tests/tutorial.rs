@@ -17,13 +17,15 @@
 //! - `<!-- not the example's: why -->` before a file block: see below.
 //!
 //! Paths: `/srv/site-policy` is target/tutorial/site-policy, `/opt/gpuvisor` this checkout,
-//! `gpuvisor` the built binary (first on PATH). A file at `/srv/site-policy/<dir>/<path>` must be
-//! byte-identical to `plugins/examples/<dir>/<path>` when that exists (the examples and the doc
-//! cannot drift), unless marked `not the example's`.
+//! `gpuvisor` the built binary (first on PATH). A file written at
+//! `/srv/site-policy/<dir>/<path>` must be byte-identical to `plugins/examples/<dir>/<path>`
+//! when that exists (so the examples and the doc cannot drift), unless marked
+//! `not the example's`.
 //!
-//! Caches kept between runs (GPUVISOR_TUTORIAL_CLEAN=1 starts from empty directories): the
-//! Rust crate's `target/` and the JavaScript project's `node_modules/` and lock file, so a
-//! rerun does not rebuild the SDK's dependencies or download the JS toolchain again.
+//! Kept between runs (GPUVISOR_TUTORIAL_CLEAN=1 starts from empty directories): the Rust
+//! crate's `target/`, the JavaScript project's `node_modules/` and lock file, so that a rerun
+//! neither rebuilds the SDK's dependencies nor downloads the JS toolchain. `$XDG_CACHE_HOME`
+//! (where `gpuvisor plugin test` keeps compiled plugins) is a fresh directory of the run.
 
 use gpuvisor_e2e::{agent_binary, repo_root, target_dir};
 use std::path::{Path, PathBuf};
@@ -163,6 +165,12 @@ fn run_section(from: &str, to: &str, dir: &str, keep: &[&str]) {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(agent_binary(), &link).unwrap();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    // `gpuvisor plugin test` keeps compiled plugins in $XDG_CACHE_HOME/gpuvisor; the Python
+    // and JavaScript builds differ byte-wise from run to run, so a cache of this run only
+    // (two of the three calls of a track hit it), instead of ~80 MB more in ~/.cache per run.
+    let cache = tut.join(format!("cache-{dir}"));
+    let _ = std::fs::remove_dir_all(&cache);
+    std::fs::create_dir_all(&cache).unwrap();
     let subst = |s: &str| {
         s.replace("/srv/site-policy", &srv.to_string_lossy()).replace("/opt/gpuvisor", &root.to_string_lossy())
     };
@@ -201,6 +209,7 @@ fn run_section(from: &str, to: &str, dir: &str, keep: &[&str]) {
                     .arg(&script)
                     .current_dir(&cwd)
                     .env("PATH", &path)
+                    .env("XDG_CACHE_HOME", &cache)
                     .env("CARGO_TERM_COLOR", "never")
                     .env("NO_COLOR", "1")
                     .env_remove("CARGO_TARGET_DIR")
