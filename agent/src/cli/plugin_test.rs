@@ -288,7 +288,13 @@ fn recorded_note(rec: &Option<Value>, a: &Run) -> String {
 fn print_single(plugin: &Plugin, params: Option<&(Value, String)>, rows: &[Row]) {
     let Some(row) = rows.first() else { return };
     let l = plugin.limits();
-    println!("plugin:  {} {} ({})", plugin.manifest().name, plugin.manifest().version, plugin.slot().as_str());
+    println!(
+        "plugin:  {} {} ({}, ABI v{})",
+        plugin.manifest().name,
+        plugin.manifest().version,
+        plugin.slot().as_str(),
+        plugin.abi_version()
+    );
     println!("input:   {}", row.path.display());
     println!("limits:  fuel {}, memory {} MiB, deadline {} ms", l.fuel, l.memory_bytes >> 20, l.deadline.as_millis());
     if let Some((v, from)) = params {
@@ -403,6 +409,7 @@ fn print_json(
     let head = json!({
         "plugin": plugin.manifest().name,
         "kind": plugin.slot().as_str(),
+        "abi": plugin.abi_version(),
         "limits": { "fuel": l.fuel, "memory_bytes": l.memory_bytes, "deadline_ms": l.deadline.as_millis() as u64 },
         "params": params.map(|(v, from)| json!({ "value": v, "from": from })),
     });
