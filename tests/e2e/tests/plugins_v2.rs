@@ -41,6 +41,7 @@ fn v1_and_v2_plugins_run_side_by_side_and_a_python_then_a_javascript_rule_places
     );
     let out = a.cli(&["plugin", "list"]);
     let text = String::from_utf8_lossy(&out.stdout);
+    println!("gpuvisor plugin list:\n{text}");
     assert!(out.status.success() && text.contains("ABI") && text.contains("v1") && text.contains("v2"), "{text}");
 
     // acme lands on an empty GPU; globex then gets the other one; a third tenant has none.
