@@ -1,14 +1,20 @@
 //! # gpuvisor plugin host
 //!
-//! Loads policy plugins — WebAssembly core modules speaking ABI v1 (PLUGINS.md, the SDK's
-//! `abi` module) — into wasmtime and calls them under limits. This is the only crate of the
-//! agent that touches wasmtime.
+//! Loads policy plugins into wasmtime and calls them under limits: WebAssembly core
+//! modules speaking ABI v1 (JSON; PLUGINS.md, the SDK's `abi` module) and components of
+//! the WIT package `gpuvisor:policy@2.0.0` (ABI v2, `sdk/wit/policy.wit`; `component.rs`),
+//! side by side behind one [`Plugin`]. This is the only crate of the agent that touches
+//! wasmtime.
 //!
 //! Invariants this crate keeps:
-//! - a module is compiled once, at [`Plugin::load`], and checked there: only the import
+//! - a plugin is compiled once, at [`Plugin::load`] (or read compiled from the cache of
+//!   [`set_cache_dir`]), and checked there. A module: only the import
 //!   `gpuvisor.log(i32, i32, i32)` (WASI and everything else refused), the ABI v1 exports
-//!   with their signatures, `gpuvisor_abi_version() == 1`, a manifest that decodes and
-//!   lists the slot the config puts the plugin in;
+//!   with their signatures, `gpuvisor_abi_version() == 1`. A component: only the imports
+//!   `gpuvisor:policy/{log,types}@2.0.0` and WASI 0.2 (implemented to grant nothing), the
+//!   kind interfaces at `@2.0.0`, a manifest with `abi-version` 2 whose kinds are its
+//!   exports. Both: a manifest that decodes and lists the slot the config puts the plugin
+//!   in;
 //! - every call runs in a **fresh instance** (pooled), so no state survives between calls;
 //! - every call is bounded by [`Limits`]: fuel, memory, a wall-clock deadline (epoch
 //!   interruption driven by one shared ticker thread), input and reply size;
