@@ -285,9 +285,19 @@ fn s060_the_mdev_sweep_removes_only_its_own_old_idle_unclaimed_mdevs() {
 
     let seq = last_seq(&a.state());
     a.restart().unwrap(); // its startup pass is the pass of the scenario
-    let rep = a.pass();
-    let present: Vec<String> = sim_mdevs(&a.state()).iter().map(|m| m["uuid"].as_str().unwrap().to_string()).collect();
-    assert!(!present.contains(&uc.1), "Uc (old, idle, unclaimed, managed) is removed: {present:?}");
+    let present = |a: &Agent| -> Vec<String> {
+        sim_mdevs(&a.state()).iter().map(|m| m["uuid"].as_str().unwrap().to_string()).collect()
+    };
+    // One more pass, or a few when Uc was still busy (a retry; see below).
+    let mut rep = a.pass();
+    for _ in 0..10 {
+        if !present(&a).contains(&uc.1) {
+            break;
+        }
+        rep = a.pass();
+    }
+    let present = present(&a);
+    assert!(!present.contains(&uc.1), "Uc (old, idle, unclaimed, managed) is removed: {present:?}; pass {rep}");
     for (what, u) in
         [("Ua (held)", &ua.1), ("Ub (young)", &ub.1), ("Ud (unmanaged GPU)", &ud.1), ("Ue (claimed)", &ue.1)]
     {
@@ -297,8 +307,14 @@ fn s060_the_mdev_sweep_removes_only_its_own_old_idle_unclaimed_mdevs() {
         .into_iter()
         .filter(|e| e["op"] == "write" && e["path"].as_str().unwrap_or("").ends_with("/remove"))
         .collect();
-    assert_eq!(removes.len(), 1, "one remove write, Uc's: {removes:?}");
-    assert_eq!(removes[0]["path"], format!("sys/bus/mdev/devices/{}/remove", uc.1));
+    // Every remove write is Uc's, and exactly one succeeded. A first write may find Uc busy
+    // (the simulator's teardown lag after its QEMU's SIGKILL, which a busy machine can
+    // stretch past the restart) and be retried by the next pass.
+    let uc_remove = format!("sys/bus/mdev/devices/{}/remove", uc.1);
+    assert!(removes.iter().all(|w| w["path"] == uc_remove.as_str()), "only Uc's remove is written: {removes:?}");
+    let done: Vec<_> = removes.iter().filter(|w| w["result"] == "ok").collect();
+    assert_eq!(done.len(), 1, "one remove write succeeded, Uc's: {removes:?}");
+    assert!(removes.iter().all(|w| w["result"] == "ok" || w["result"] == "EBUSY"), "{removes:?}");
     assert_eq!(metric(&a.metrics(), "gpuvisor_vgpu_orphans_released_total", &[("framework", "mdev")]), Some(1.0));
     assert!(!a.data_files("mdevs").contains(&format!("{}.json", uc.1)), "Uc's record is gone");
     assert_eq!(a.ok("instance.get", json!({"ref": ue.0}))["state"], "running", "E runs on");
