@@ -73,8 +73,8 @@ pub(crate) trait Code: Sized {
     fn compile(engine: &Engine, bytes: &[u8]) -> wasmtime::Result<Self>;
     fn serialize(&self) -> wasmtime::Result<Vec<u8>>;
     /// # Safety
-    /// `path` must hold an artifact wasmtime serialised (see the module docs).
-    unsafe fn deserialize_file(engine: &Engine, path: &Path) -> wasmtime::Result<Self>;
+    /// `bytes` must be an artifact wasmtime serialised (see the module docs).
+    unsafe fn deserialize(engine: &Engine, bytes: &[u8]) -> wasmtime::Result<Self>;
 }
 
 impl Code for Module {
@@ -85,9 +85,9 @@ impl Code for Module {
     fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
         Module::serialize(self)
     }
-    unsafe fn deserialize_file(engine: &Engine, path: &Path) -> wasmtime::Result<Self> {
+    unsafe fn deserialize(engine: &Engine, bytes: &[u8]) -> wasmtime::Result<Self> {
         // SAFETY: forwarded to the caller.
-        unsafe { Module::deserialize_file(engine, path) }
+        unsafe { Module::deserialize(engine, bytes) }
     }
 }
 
@@ -99,9 +99,9 @@ impl Code for Component {
     fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
         Component::serialize(self)
     }
-    unsafe fn deserialize_file(engine: &Engine, path: &Path) -> wasmtime::Result<Self> {
+    unsafe fn deserialize(engine: &Engine, bytes: &[u8]) -> wasmtime::Result<Self> {
         // SAFETY: forwarded to the caller.
-        unsafe { Component::deserialize_file(engine, path) }
+        unsafe { Component::deserialize(engine, bytes) }
     }
 }
 
@@ -131,15 +131,20 @@ pub(crate) fn compile<C: Code>(engine: &Engine, bytes: &[u8]) -> wasmtime::Resul
         return Ok((C::compile(engine, bytes)?, CacheOutcome::Uncached));
     };
     let entry = dir.join(format!("{}.cwasm", key::<C>(engine, bytes)));
-    if entry.exists() {
+    // Read into memory, not mapped: a mapped entry truncated or rewritten in place under a
+    // loaded plugin would kill the agent with SIGBUS (a test does exactly that).
+    match std::fs::read(&entry) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(entry = %entry.display(), error = %e,
+            "policy plugins: a cached compiled plugin cannot be read; compiling again"),
         // SAFETY: the entry is in a directory only the agent's user can write (checked by
         // `trusted`), written by `store` from wasmtime's own serialisation; wasmtime
         // checks its header and the engine's compatibility before using it.
-        match unsafe { C::deserialize_file(engine, &entry) } {
+        Ok(artifact) => match unsafe { C::deserialize(engine, &artifact) } {
             Ok(code) => return Ok((code, CacheOutcome::Hit)),
             Err(e) => tracing::warn!(entry = %entry.display(), error = %format!("{e:#}"),
                 "policy plugins: a cached compiled plugin is unusable; compiling again"),
-        }
+        },
     }
     let code = C::compile(engine, bytes)?;
     let outcome = match code.serialize().map_err(|e| format!("{e:#}")).and_then(|a| store(&entry, &a)) {
