@@ -73,7 +73,8 @@ pub const PASSTHROUGH: &[&str] = &["pt_bind_after_unbind", "pt_release_after_res
 pub const DISK: &[&str] = &["boot_after_disk"];
 
 /// Points where races matter, for pausing (they abort too when configured `return`).
-pub const RACE: &[&str] = &["claim_before_create", "configure_after_repair", "rollback_before_release"];
+pub const RACE: &[&str] =
+    &["claim_before_create", "configure_after_repair", "rollback_before_release", "reconcile_records_before_lock"];
 
 /// Which build this is: `"production"`, or `"failpoint build (not for production)"`.
 pub const BUILD: &str =

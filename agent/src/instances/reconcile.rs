@@ -272,6 +272,8 @@ impl Manager {
             if !matches!(rec.state(), InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
                 continue;
             }
+            // Between the pass's snapshot and the instance lock (a race test pauses here).
+            crate::crash_point!("reconcile_records_before_lock");
             let ilock = self.instance_lock(rec.id);
             let Ok(_i) = ilock.try_lock() else {
                 report.keep_instance(rec.id, "operation in progress");
@@ -279,6 +281,12 @@ impl Manager {
             };
             let Ok(Some(mut rec)) = self.store().read_instance(rec.id) else { continue };
             let from = rec.state();
+            // Read again under the lock: the exit watcher may have recorded the death since
+            // the pass's snapshot (recording it twice logged two deaths and overwrote the
+            // exit status with a wrong reason).
+            if !matches!(from, InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
+                continue;
+            }
             match self.liveness_at(&rec, boot_id) {
                 Liveness::Dead if rec.vmm.is_none() && self.young_claim(rec.id, claims, boot_id) => {
                     // A crash between claim and spawn (or before the identity was

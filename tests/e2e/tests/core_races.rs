@@ -112,7 +112,9 @@ fn failpoint_list(name: &str) -> Vec<String> {
     let src = std::fs::read_to_string(repo_root().join("agent/src/failpoints.rs")).expect("agent/src/failpoints.rs");
     let start = src.find(&format!("pub const {name}: &[&str]")).unwrap_or_else(|| panic!("{name} in failpoints.rs"));
     let body = &src[start..];
-    let body = &body[body.find("= &[").expect("list start")..];
+    // `= &[` or, when rustfmt breaks a long list, `=\n    &[`.
+    let body = &body[body.find('=').expect("list start")..];
+    let body = &body[body.find("&[").expect("list start")..];
     let body = &body[..body.find("];").expect("list end")];
     body.split('"').skip(1).step_by(2).map(String::from).collect()
 }
@@ -365,6 +367,35 @@ fn a_create_paused_after_spawn_is_left_alone_by_the_reconciler_and_records_the_l
     assert_eq!(got["vmm"]["liveness"], "alive", "{got}");
     let v = World::observe(&a).safety_violations(&[]);
     assert!(v.is_empty(), "{v:#?}");
+}
+
+/// The exit watcher records a death while a pass, which saw the VM running in its
+/// snapshot, waits before the instance lock: the pass finds the record stopped and leaves
+/// it — one death, logged once, with the VMM's exit status as the reason.
+#[test]
+fn a_death_the_exit_watcher_records_while_a_pass_waits_is_recorded_once() {
+    let w = QemuWrapper::new();
+    let a = agent(HOST_1VF, &w, "");
+    let inst = a.ok("instance.create", json!({"name": "p", "image": "demo"}));
+    let id = inst["id"].as_str().unwrap().to_string();
+    let qemus = qemu_of(&id);
+    assert_eq!(qemus.len(), 1, "{qemus:?}");
+
+    let fp = Paused::new(&a, "reconcile_records_before_lock");
+    let pass = a.spawn_call("reconcile.run", json!({}));
+    fp.wait_hit(&pass);
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(qemus[0]), nix::sys::signal::Signal::SIGKILL);
+    wait_for(BOUND, || (a.ok("instance.get", json!({"ref": "p"}))["state"] == "stopped").then_some(()))
+        .expect("the exit watcher records the death while the pass waits");
+    fp.release();
+    let ans = answer(pass);
+    assert!(ans.get("error").is_none(), "{ans}");
+    let records = ans["result"]["records"].as_array().cloned().unwrap_or_default();
+    assert!(!records.iter().any(|r| r["instance"] == id.as_str()), "the pass changed nothing of p: {ans}");
+    let got = a.ok("instance.get", json!({"ref": "p"}));
+    assert!(got["last_error"].as_str().unwrap_or("").contains("the VMM exited"), "the exit status stays: {got}");
+    let dead: Vec<String> = a.log().lines().filter(|l| l.contains("VM found dead")).map(String::from).collect();
+    assert_eq!(dead.len(), 1, "one death, logged once: {dead:?}");
 }
 
 // ================================================================ 5. the failpoint API
