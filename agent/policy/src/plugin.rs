@@ -93,13 +93,13 @@ fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64() * 1000.0)
 }
 
-fn level_name(level: i32) -> &'static str {
+fn level_name(level: LogLevel) -> &'static str {
     match level {
-        0 => "error",
-        1 => "warn",
-        2 => "info",
-        3 => "debug",
-        _ => "trace",
+        LogLevel::Error => "error",
+        LogLevel::Warn => "warn",
+        LogLevel::Info => "info",
+        LogLevel::Debug => "debug",
+        LogLevel::Trace => "trace",
     }
 }
 
@@ -946,15 +946,23 @@ fn read_reply(
 }
 
 fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let mut cut = max;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
+    if cut_to(&mut s, max) {
         s.push('…');
     }
     s
+}
+
+/// Cuts `s` to at most `max` bytes on a char boundary; true when it was longer.
+fn cut_to(s: &mut String, max: usize) -> bool {
+    if s.len() <= max {
+        return false;
+    }
+    let mut cut = max;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    s.truncate(cut);
+    true
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1011,13 +1019,7 @@ impl CallLog {
             self.dropped += 1;
             return;
         }
-        if line.len() > LOG_LINE_MAX_BYTES {
-            let mut cut = LOG_LINE_MAX_BYTES;
-            while !line.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            line.truncate(cut);
-        }
+        cut_to(&mut line, LOG_LINE_MAX_BYTES);
         let plugin: &str = &self.plugin;
         match level {
             LogLevel::Error => tracing::error!(plugin = %plugin, "{line}"),
@@ -1026,7 +1028,7 @@ impl CallLog {
             LogLevel::Debug => tracing::debug!(plugin = %plugin, "{line}"),
             LogLevel::Trace => tracing::trace!(plugin = %plugin, "{line}"),
         }
-        self.lines.push(LogLine { level: level_name(level as i32), line });
+        self.lines.push(LogLine { level: level_name(level), line });
     }
 
     /// A line that could not be read from the plugin's memory: dropped and counted.
