@@ -47,25 +47,36 @@ impl StaleResult {
     }
 }
 
-/// The stages a reconcile pass can fail at (`gpuvisor_vgpu_reconcile_failures_total{stage}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The stages a reconcile pass can fail at (`gpuvisor_vgpu_reconcile_failures_total{stage}`):
+/// each pass counts each stage it met a failure in once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum PassStage {
-    /// The instance or claim records could not all be read.
+    /// A store directory could not be listed, or a record (instance, claim, health, mdev)
+    /// could not be read.
     Inventory,
-    /// The host's devices could not be observed completely.
+    /// The host's boot id or devices could not be observed completely.
     Host,
     /// The grace plugin failed.
     Grace,
+    /// An instance record the pass had to change could not be written.
+    Records,
+    /// The host's taps could not be listed or a leftover tap could not be removed.
+    Taps,
 }
 
 impl PassStage {
-    const ALL: [PassStage; 3] = [PassStage::Inventory, PassStage::Host, PassStage::Grace];
+    /// Every stage (each is exported at 0 until it happens).
+    pub const ALL: [PassStage; 5] =
+        [PassStage::Inventory, PassStage::Host, PassStage::Grace, PassStage::Records, PassStage::Taps];
 
-    fn as_str(self) -> &'static str {
+    /// The `stage` label value.
+    pub fn as_str(self) -> &'static str {
         match self {
             PassStage::Inventory => "inventory",
             PassStage::Host => "host",
             PassStage::Grace => "grace",
+            PassStage::Records => "records",
+            PassStage::Taps => "taps",
         }
     }
 }

@@ -7,7 +7,8 @@
 //! Rules kept here:
 //! - **unknown is never clear**: a device whose type cannot be read is `unreadable`, never
 //!   free or type 0; a claim or health record that cannot be decoded blocks the device its
-//!   file names (claimed / quarantined), and only that device;
+//!   file names (claimed / quarantined); a claim file whose name names no device blocks
+//!   every occupied device (an owner that cannot be known blocks what it might own);
 //! - **O(1) store work per claim**: what placement needs about an owner (its labels) comes
 //!   from the claim itself, not from the instance records;
 //! - each problem is logged once, when it appears, naming the device (not at every
@@ -22,6 +23,12 @@ use gpuvisor_sdk::{profile_framebuffer_mib, DeviceOwner, DeviceState, DeviceView
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;
+
+/// True when a claim file's key (its name without `.json`) names a device: a PCI address
+/// (a VF, an mdev parent, a passthrough GPU) or an mdev UUID.
+fn names_a_device(key: &str) -> bool {
+    crate::config::is_bdf(&key.to_ascii_lowercase()) || uuid::Uuid::parse_str(key).is_ok()
+}
 
 /// The profile name requests, claims and plugins use for a whole GPU.
 pub const PASSTHROUGH: &str = "passthrough";
@@ -130,13 +137,22 @@ struct DeviceRecords {
     claim_unreadable_owner: Option<uuid::Uuid>,
     health: Option<HealthRecord>,
     owner_labels: Option<crate::store::Labels>,
+    /// A claim file that cannot be read and whose name names no device: it may own this
+    /// device if it is occupied ([`Observation::unknown_claim`]).
+    unknown_claim: Option<String>,
 }
 
 impl DeviceRecords {
     /// A device's state, in the one order of precedence every kind uses: a claim (or a
     /// claim file that cannot be read), then a quarantine mark, then unreadable state, then
-    /// `dirty` (occupied without a claim), else free. Unknown is never free.
-    fn state(&self, unreadable: bool, dirty: bool) -> DeviceState {
+    /// `dirty` (occupied without a claim), else free. Unknown is never free. An occupied
+    /// device while a claim file whose device cannot be known exists is claimed by that
+    /// file (shown as its unreadable claim): it may be its owner's, so it is never swept
+    /// nor repaired (an owner that cannot be known blocks what it might own).
+    fn state(&mut self, unreadable: bool, dirty: bool) -> DeviceState {
+        if dirty && self.claim.is_none() && self.claim_unreadable.is_none() {
+            self.claim_unreadable = self.unknown_claim.take();
+        }
         if self.claim.is_some() || self.claim_unreadable.is_some() {
             DeviceState::Claimed
         } else if self.health.as_ref().is_some_and(|h| h.quarantined) {
@@ -191,6 +207,24 @@ pub struct Observation {
 }
 
 impl Observation {
+    /// A claim file that cannot be read and whose file name names no device (neither a PCI
+    /// address nor an mdev UUID): its device cannot be known, so it may own any occupied
+    /// device — every dirty device and every orphan mdev is kept while it exists.
+    pub fn unknown_claim(&self) -> Option<&crate::store::Unreadable> {
+        self.claims.unreadable.iter().find(|u| !names_a_device(&u.key))
+    }
+
+    /// The unreadable claim record that may own the device `device` (a VF, mdev parent,
+    /// passthrough GPU or mdev UUID) or any of `related` (an mdev's parent): one whose file
+    /// names one of them, or one whose device cannot be known ([`Observation::unknown_claim`]).
+    pub fn unreadable_claim_over(&self, device: &str, related: &[&str]) -> Option<&crate::store::Unreadable> {
+        self.claims
+            .unreadable
+            .iter()
+            .find(|u| std::iter::once(device).chain(related.iter().copied()).any(|d| u.key.eq_ignore_ascii_case(d)))
+            .or_else(|| self.unknown_claim())
+    }
+
     /// The GPU framework claims use, or why vGPU claims are refused now (`not_ready`).
     pub fn framework(&self) -> Result<Framework, ApiError> {
         Observation::framework_of(&self.mode)
@@ -501,6 +535,9 @@ impl Manager {
             claim_unreadable: bad.map(|u| format!("{}: {}", u.path.display(), u.error)),
             claim_unreadable_owner: bad.and_then(|u| u.owner),
             health,
+            unknown_claim: obs.unknown_claim().map(|u| {
+                format!("{}: {}; its file names no device, so it may own any occupied device", u.path.display(), u.error)
+            }),
         }
     }
 
@@ -535,14 +572,14 @@ impl Manager {
             }
             let mut devices = Vec::new();
             for vf in &g.vfs {
-                let recs = self.device_records(obs, &vf.bdf);
+                let mut recs = self.device_records(obs, &vf.bdf);
                 let current_type = match &vf.current_type {
                     Ok(t) => TypeReading::Id(*t),
                     Err(e) => TypeReading::Unknown(e.clone()),
                 };
                 let unreadable = vf.unreadable_reason();
                 let state = recs.state(unreadable.is_some(), current_type.id().is_some_and(|t| t != 0));
-                let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels } = recs;
+                let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels, .. } = recs;
                 let creatable = match (&vf.catalog, state) {
                     (Ok(c), DeviceState::Free) => {
                         c.entries.iter().map(|e| gpuvisor_sdk::canonical_profile(&e.name).to_string()).collect()
@@ -638,7 +675,7 @@ impl Manager {
             let managed = self.cfg.manages(&pf);
             let mut devices = Vec::new();
             for p in parents {
-                let recs = self.device_records(obs, &p.bdf);
+                let mut recs = self.device_records(obs, &p.bdf);
                 // An mdev on a parent without a claim is another tool's (or an orphan): the
                 // parent is occupied (shown dirty), and only the sweep may remove our own.
                 let occupied = scan.mdevs.iter().any(|d| d.parent == p.bdf);
@@ -732,7 +769,7 @@ impl Manager {
                     None
                 }
             });
-            let recs = self.device_records(obs, bdf);
+            let mut recs = self.device_records(obs, bdf);
             // Dirty: on vfio-pci, split between drivers, or the GPU itself driverless — not a
             // binding gpuvisor made or can give back (a driverless GPU is never free).
             let dirty = read.as_ref().is_some_and(|g| !g.on_host_drivers() || g.functions[0].driver.is_none());

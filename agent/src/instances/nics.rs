@@ -12,6 +12,7 @@
 
 use super::view::PassReport;
 use super::Manager;
+use crate::metrics::PassStage;
 use crate::error::ApiError;
 use crate::host::net::{self, NetError, Tap};
 use crate::host::proc::Liveness;
@@ -119,7 +120,7 @@ impl Manager {
         let taps = match net::list_taps() {
             Ok(t) => t,
             Err(e) => {
-                report.errors.push(format!("the host's taps cannot be listed: {e}"));
+                report.fail(PassStage::Taps, format!("the host's taps cannot be listed: {e}"));
                 return;
             }
         };
@@ -150,7 +151,7 @@ impl Manager {
                         "removed a gpuvisor tap whose instance has no live VMM");
                     report.taps_removed.push(tap);
                 }
-                Err(e) => report.errors.push(format!("cannot remove tap {tap}: {e}")),
+                Err(e) => report.fail(PassStage::Taps, format!("cannot remove tap {tap}: {e}")),
             }
         }
     }

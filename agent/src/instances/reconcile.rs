@@ -135,8 +135,7 @@ impl Manager {
         let boot_id = match self.host().boot_id() {
             Ok(b) => b,
             Err(e) => {
-                report.errors.push(format!("cannot read the host boot id: {e}"));
-                self.metrics().reconcile_failure(PassStage::Host);
+                report.fail(PassStage::Host, format!("cannot read the host boot id: {e}"));
                 return self.end_pass(report, started);
             }
         };
@@ -147,11 +146,10 @@ impl Manager {
                 report.inventory_complete = true;
                 report.host_complete = obs.mode.is_ok();
                 for u in instances.unreadable.iter().chain(&obs.claims.unreadable).chain(&obs.health.unreadable) {
-                    report.errors.push(format!(
-                        "record {} cannot be read ({}): what it may own is kept",
-                        u.path.display(),
-                        u.error
-                    ));
+                    report.fail(
+                        PassStage::Inventory,
+                        format!("record {} cannot be read ({}): what it may own is kept", u.path.display(), u.error),
+                    );
                 }
                 if report.host_complete && !self.reconciler.observed.swap(true, Ordering::SeqCst) {
                     tracing::info!("first complete observation: releases allowed");
@@ -167,22 +165,21 @@ impl Manager {
                     self.check_claimed_types(obs, &boot_id, &mut report);
                     let mut eligible = self.stale_claims(&obs.claims.records, &boot_id, &mut report);
                     eligible.extend(self.orphan_vfs(obs, &mut report));
-                    eligible.extend(self.orphan_mdevs(Some(&obs.claims.records), false, &boot_id, &mut report));
+                    eligible.extend(self.orphan_mdevs(Some(obs), false, &boot_id, &mut report));
                     self.decide_and_release(eligible, &boot_id, &mut report);
                     self.finish_deletes(&boot_id, &mut report);
                 } else {
                     let why = obs.mode.as_ref().err().cloned().unwrap_or_default();
-                    report.errors.push(format!(
-                        "the host cannot be observed completely ({why}): nothing is released or swept this pass"
-                    ));
-                    self.metrics().reconcile_failure(PassStage::Host);
+                    report.fail(
+                        PassStage::Host,
+                        format!("the host cannot be observed completely ({why}): nothing is released or swept this pass"),
+                    );
                 }
             }
             _ => {
                 let e = instances.err().map(|e| e.to_string()).or(obs.err().map(|e| e.message)).unwrap_or_default();
                 tracing::error!(error = %e, "reconcile: the store cannot be listed completely; releasing nothing on its behalf");
-                report.errors.push(format!("inventory incomplete: {e}"));
-                self.metrics().reconcile_failure(PassStage::Inventory);
+                report.fail(PassStage::Inventory, format!("inventory incomplete: {e}"));
                 // Only gpuvisor's own, old, idle mdevs (their holders protect live VMs).
                 if self.startup_observed() && crate::devices::scan(self.host(), &self.cfg.passthrough_gpus).complete() {
                     let eligible = self.orphan_mdevs(None, true, &boot_id, &mut report);
@@ -200,6 +197,9 @@ impl Manager {
     fn end_pass(&self, mut report: PassReport, started: Instant) -> PassReport {
         let complete = report.inventory_complete && report.host_complete;
         self.metrics().reconcile_run(complete);
+        for stage in &report.failed_stages {
+            self.metrics().reconcile_failure(*stage);
+        }
         report.duration_ms = started.elapsed().as_millis() as u64;
         self.store().events().publish(EventKind::ReconcilePass {
             complete,
@@ -253,7 +253,7 @@ impl Manager {
                         "interrupted delete finished by the reconciler");
                     report.deleted.push(DeletedItem { instance: rec.id.to_string(), name: rec.name.clone() });
                 }
-                Err(e) => report.errors.push(format!("cannot finish the delete of {}: {e}", rec.name)),
+                Err(e) => report.fail(PassStage::Records, format!("cannot finish the delete of {}: {e}", rec.name)),
             }
         }
     }
@@ -311,7 +311,7 @@ impl Manager {
                             to: InstanceState::Stopped,
                             reason,
                         }),
-                        Err(e) => report.errors.push(e),
+                        Err(e) => report.fail(PassStage::Records, e),
                     }
                 }
                 Liveness::Alive { pid } => self.record_live_vmm(rec, pid, boot_id, report),
@@ -388,7 +388,7 @@ impl Manager {
                     reason,
                 })
             }
-            Err(e) => report.errors.push(format!("cannot record the VMM of {}: {e}", rec.name)),
+            Err(e) => report.fail(PassStage::Records, format!("cannot record the VMM of {}: {e}", rec.name)),
         }
     }
 
@@ -505,6 +505,12 @@ impl Manager {
                     report.keep_device(&vf.bdf, "quarantined");
                     continue;
                 }
+                if let (None, Some(why), Some(t)) = (&d.claim, &d.claim_unreadable, d.current_type.id()) {
+                    if t != 0 {
+                        report.keep_device(&vf.bdf, format!("a claim record that cannot be read may own it ({why})"));
+                        continue;
+                    }
+                }
                 let (DeviceState::Dirty, Some(t)) = (d.state, d.current_type.id()) else { continue };
                 // The dirty age runs from the first pass that saw the VF dirty and unclaimed,
                 // held open or not (persisted, so an agent restart does not reset it).
@@ -541,11 +547,13 @@ impl Manager {
     }
 
     /// Step 5b: gpuvisor's own mdevs (recorded in `mdevs/`) that no claim names and no
-    /// process holds. `claims: None`: the inventory was incomplete, so only records older
-    /// than `claim_grace` in this boot are considered (the grace plugin still decides).
+    /// process holds; a claim record that cannot be read and may own the mdev (its file
+    /// names the mdev or its parent, or names no device) keeps it. `obs: None`: the
+    /// inventory was incomplete, so only records older than `claim_grace` in this boot are
+    /// considered (the grace plugin still decides).
     fn orphan_mdevs(
         &self,
-        claims: Option<&[Claim]>,
+        obs: Option<&super::inventory::Observation>,
         limited: bool,
         boot_id: &str,
         report: &mut PassReport,
@@ -554,17 +562,26 @@ impl Manager {
         let records = match self.store().scan_mdevs() {
             Ok(r) => r,
             Err(e) => {
-                report.errors.push(format!("mdev records cannot be listed: {e}"));
+                report.fail(PassStage::Inventory, format!("mdev records cannot be listed: {e}"));
                 return out;
             }
         };
         for u in &records.unreadable {
             report.keep_device(&u.key, format!("mdev record unreadable: {}", u.error));
+            report.fail(
+                PassStage::Inventory,
+                format!("record {} cannot be read ({}): what it may own is kept", u.path.display(), u.error),
+            );
         }
         let now = proc::boottime_ms();
         for rec in records.records {
             let uuid = rec.uuid.to_string();
-            if claims.unwrap_or(&[]).iter().any(|c| c.mdev_uuid == Some(rec.uuid)) {
+            let claims = obs.map(|o| &o.claims.records[..]).unwrap_or(&[]);
+            if claims.iter().any(|c| c.mdev_uuid == Some(rec.uuid)) {
+                continue;
+            }
+            if let Some(u) = obs.and_then(|o| o.unreadable_claim_over(&uuid, &[rec.parent.as_str()])) {
+                report.keep_device(&uuid, format!("the claim record {} cannot be read and may own it", u.path.display()));
                 continue;
             }
             if limited {
@@ -581,7 +598,7 @@ impl Manager {
                 Ok(Some(d)) => d,
                 // Gone: forget the record (only ours, only when no claim names it).
                 Ok(None) => {
-                    if claims.is_some() {
+                    if obs.is_some() {
                         let _ = self.store().remove_mdev(rec.uuid);
                     }
                     continue;
@@ -626,8 +643,7 @@ impl Manager {
         let decisions = match self.grace_decisions(eligible.iter().map(|(_, i)| i.clone()).collect(), boot_id) {
             Ok(d) => d,
             Err(msg) => {
-                self.metrics().reconcile_failure(PassStage::Grace);
-                report.errors.push(msg);
+                report.fail(PassStage::Grace, msg);
                 HashMap::new()
             }
         };

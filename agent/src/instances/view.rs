@@ -440,7 +440,7 @@ pub struct HealthView {
     /// New claims are accepted.
     pub ready: bool,
     pub startup_reconcile_done: bool,
-    /// The instance and claim directories can be listed.
+    /// The instance, claim, health and mdev directories can be listed.
     pub store_readable: bool,
     pub gpu_mode: String,
     pub plugins_loaded: bool,
@@ -609,6 +609,10 @@ pub struct PassReport {
     /// gpuvisor taps this pass removed (their instance had no live VMM).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub taps_removed: Vec<String>,
+    /// The stages that met a failure (each counted once per pass in
+    /// `gpuvisor_vgpu_reconcile_failures_total{stage}`); their messages are in `errors`.
+    #[serde(skip)]
+    pub(crate) failed_stages: std::collections::BTreeSet<crate::metrics::PassStage>,
 }
 
 /// An instance whose interrupted delete a reconcile pass finished.
@@ -619,6 +623,13 @@ pub struct DeletedItem {
 }
 
 impl PassReport {
+    /// A problem that did not stop the pass: in `errors`, and its stage counted once for
+    /// the pass (`gpuvisor_vgpu_reconcile_failures_total{stage}`).
+    pub(crate) fn fail(&mut self, stage: crate::metrics::PassStage, message: impl Into<String>) {
+        self.errors.push(message.into());
+        self.failed_stages.insert(stage);
+    }
+
     pub(crate) fn keep_device(&mut self, device: &str, reason: impl Into<String>) {
         self.kept.push(KeptItem {
             device: Some(device.to_string()),
@@ -1128,9 +1139,13 @@ impl Manager {
     pub fn health(&self) -> HealthView {
         let mut problems = Vec::new();
         let mut store_readable = true;
+        // Every record kind: an unreadable one blocks what it may own, so the agent is degraded
+        // while any exists.
         for (what, listing) in [
             ("instance", self.store.scan_instances().map(|l| l.unreadable)),
             ("claim", self.store.scan_claims().map(|l| l.unreadable)),
+            ("health", self.store.scan_health().map(|l| l.unreadable)),
+            ("mdev", self.store.scan_mdevs().map(|l| l.unreadable)),
         ] {
             match listing {
                 Ok(u) => problems.extend(

@@ -973,3 +973,88 @@ fn an_unreadable_mdev_type_link_never_makes_the_sweep_forget_an_mdev_it_made() {
     assert!(!a.data_files("mdevs").contains(&record), "its record is removed with it");
     assert!(metric_now(&a, ORPHANS, &[("framework", "mdev")]) >= 1.0);
 }
+
+// ====================================================================== 10. issue 18 finding 3: an owner that cannot be known
+
+/// Issue 18 finding 3: a claim record that cannot be read and whose file names no device
+/// (neither a PCI address nor an mdev UUID) may own any occupied device. While it exists no
+/// pass sweeps a dirty VF — however old — and no create repairs one (`no_capacity`, nothing
+/// written); `agent.health` names the record, and every pass counts
+/// `reconcile_failures_total{stage="inventory"}`. Once the record is gone, the sweep clears
+/// the VF.
+#[test]
+fn a_claim_record_whose_device_cannot_be_known_blocks_every_sweep_and_repair() {
+    const FAILURES: &str = "gpuvisor_vgpu_reconcile_failures_total";
+    let (a, _w) = start(HOST_V1, "claim_grace_s = 1\n");
+    let bad = a.data_dir.join("claims/lost+found.json");
+    std::fs::write(&bad, "{\"device\": ").unwrap();
+    let inventory0 = metric_now(&a, FAILURES, &[("stage", "inventory")]);
+    let seq = last_seq(&a.state());
+    a.sim.ctl(&["set-type", VF0, "1148"]).unwrap();
+    let dirty_since = Instant::now();
+    // Passes until the orphan is well past claim_grace (1 s, measured from before the first
+    // pass saw it): none of them sweeps it, each says why.
+    let mut passes = 0.0;
+    let rep = loop {
+        let rep = a.pass();
+        passes += 1.0;
+        assert!(!devices_in(&rep, "released").contains(&VF0.to_string()), "BUG: swept under an unknown owner: {rep}");
+        if dirty_since.elapsed() > Duration::from_secs(3) {
+            break rep;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(
+        kept_reasons(&rep, VF0).iter().any(|r| r.contains("cannot be read") && r.contains("lost+found.json")),
+        "the pass says which record keeps it: {rep}"
+    );
+    assert!(rep["errors"].to_string().contains("lost+found.json"), "{rep}");
+    // The only VF is dirty: a create does not repair it.
+    let e = a.create_gpu("c", "L40S-2Q").unwrap_err();
+    assert_eq!(e.data_code, "no_capacity", "{e}");
+    assert_eq!(writes_after(&a, seq), vec![], "nothing written while the owner cannot be known");
+    assert_eq!(a.vf_type(VF0), 1148);
+    let dev = gpu_device(&a.ok("gpu.list", json!({})), VF0);
+    assert_eq!(dev["state"], "claimed", "shown as possibly owned by the record: {dev}");
+    let h = health(&a);
+    assert_eq!(h["degraded"], true, "{h}");
+    assert!(h["problems"].to_string().contains("lost+found.json"), "health names the record: {h}");
+    assert!(
+        metric_now(&a, FAILURES, &[("stage", "inventory")]) >= inventory0 + passes,
+        "every pass that met the record counts stage=\"inventory\""
+    );
+    // Gone: the sweep clears the orphan.
+    std::fs::remove_file(&bad).unwrap();
+    pass_until(&a, "the orphan is swept", Duration::from_secs(60), |_, rep| {
+        devices_in(rep, "released").contains(&VF0.to_string())
+    });
+    assert_eq!(a.vf_type(VF0), 0);
+}
+
+/// Issue 18 finding 3: every record kind that cannot be read (instance, claim, health,
+/// mdev) is named in `agent.health` (`degraded`) and counted by the pass that meets it.
+#[test]
+fn every_unreadable_record_kind_is_named_in_health_and_counted_by_the_pass() {
+    const FAILURES: &str = "gpuvisor_vgpu_reconcile_failures_total";
+    let (a, _w) = start(HOST_V, "");
+    let plain = a.ok("instance.create", json!({"name": "p", "image": "demo"}));
+    let files = [
+        a.instance_record_path(plain["id"].as_str().unwrap()),
+        a.data_dir.join(format!("claims/{VF1}.json")),
+        a.data_dir.join(format!("health/{VF2}.json")),
+        a.data_dir.join(format!("mdevs/{FOREIGN_MDEV}.json")),
+    ];
+    for f in &files {
+        std::fs::write(f, "not json").unwrap();
+    }
+    let before = metric_now(&a, FAILURES, &[("stage", "inventory")]);
+    let rep = a.pass();
+    assert_eq!(metric_now(&a, FAILURES, &[("stage", "inventory")]), before + 1.0, "the pass counts once: {rep}");
+    let h = health(&a);
+    assert_eq!(h["degraded"], true, "{h}");
+    let problems = h["problems"].to_string();
+    for f in &files {
+        assert!(problems.contains(&f.display().to_string()), "health names {}: {h}", f.display());
+        assert!(rep["errors"].to_string().contains(&f.display().to_string()), "the pass names {}: {rep}", f.display());
+    }
+}
