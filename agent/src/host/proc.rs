@@ -72,16 +72,27 @@ pub fn own_pid_namespace() -> Option<u64> {
 /// recorded in another namespace (or in an unknown one). Such a VMM is *maybe alive*: never
 /// signalled, never released on its behalf (LIFECYCLE.md "provably dead").
 pub fn foreign_namespace(identity: &ProcessIdentity) -> Option<String> {
-    let own = own_pid_namespace();
+    foreign_namespace_from(identity, own_pid_namespace())
+}
+
+/// [`foreign_namespace`] for an agent in PID namespace `own`. An identity recorded before
+/// namespaces were recorded (`pid_ns: None`, an older version) is judged in the host's PID
+/// namespace: an agent running there ([`INITIAL_PID_NS`], which sees every process) decides
+/// it as any other; elsewhere it stays maybe alive. The way out for such a record is to run
+/// the agent in the host's PID namespace once, or a reboot (a new boot id ends every
+/// identity).
+fn foreign_namespace_from(identity: &ProcessIdentity, own: Option<u64>) -> Option<String> {
     match (identity.pid_ns, own) {
         (Some(rec), Some(own)) if rec == own => None,
+        (None, Some(INITIAL_PID_NS)) => None,
         (Some(rec), Some(own)) => Some(format!(
             "its VMM (pid {}) was recorded in PID namespace {rec}, this agent runs in PID namespace {own} and cannot \
              see that process: run `gpuvisor serve` in the PID namespace the VM was started from (the host's)",
             identity.pid
         )),
         (None, _) => Some(format!(
-            "its VMM (pid {}) was recorded without a PID namespace, so the pid cannot be checked here",
+            "its VMM (pid {}) was recorded without a PID namespace (by an older version), so the pid can only be \
+             checked by an agent in the host's PID namespace: run `gpuvisor serve` there once (or reboot)",
             identity.pid
         )),
         (Some(_), None) => Some("this agent cannot read its own PID namespace (/proc/self/ns/pid)".to_string()),
@@ -1029,11 +1040,22 @@ mod tests {
         let gone = ProcessIdentity { pid: i32::MAX - 7, ..elsewhere.clone() };
         assert!(matches!(vmm_liveness(Some(&gone), None, BOOT), Liveness::MaybeAlive { .. }));
         assert!(confirm_identity(&elsewhere, BOOT).is_err(), "never confirmed, so never signalled");
-        let unknown = ProcessIdentity { pid_ns: None, ..me.clone() };
-        assert!(matches!(identity_liveness(&unknown, BOOT), Liveness::MaybeAlive { .. }));
         // Another boot is dead whatever the namespace.
         let old_boot = ProcessIdentity { boot_id: "earlier".into(), ..elsewhere };
         assert_eq!(identity_liveness(&old_boot, BOOT), Liveness::Dead);
+    }
+
+    /// Issue 18 finding 4: an identity recorded before namespaces were recorded (an older
+    /// version) is judged by an agent in the host's PID namespace — its way out — and stays
+    /// maybe alive (with the way out in the reason) for an agent anywhere else.
+    #[test]
+    fn an_identity_without_a_recorded_namespace_is_judged_in_the_host_namespace_only() {
+        let me = identity_of(std::process::id() as i32, BOOT).unwrap().unwrap();
+        let legacy = ProcessIdentity { pid_ns: None, ..me };
+        assert_eq!(foreign_namespace_from(&legacy, Some(INITIAL_PID_NS)), None, "the host's namespace judges it");
+        let why = foreign_namespace_from(&legacy, Some(INITIAL_PID_NS + 5)).expect("maybe alive elsewhere");
+        assert!(why.contains("host's PID namespace") && why.contains("reboot"), "names the way out: {why}");
+        assert!(foreign_namespace_from(&legacy, None).is_some());
     }
 
     #[test]

@@ -269,6 +269,10 @@ impl Manager {
         report: &mut PassReport,
     ) {
         for rec in instances {
+            if rec.state() == InstanceState::Stopped {
+                self.stop_unrecorded_vmm(rec, boot_id, report);
+                continue;
+            }
             if !matches!(rec.state(), InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
                 continue;
             }
@@ -325,6 +329,54 @@ impl Manager {
                     }
                     report.keep_instance(rec.id, format!("maybe alive: {reason}"));
                 }
+            }
+        }
+    }
+
+    /// A `stopped` record whose control socket a live process owns: a VMM spawned but never
+    /// recorded (the agent died in a create or start, and the VMM — slow to come up — only
+    /// listened after the pass that recorded the instance stopped). Nothing acknowledged it,
+    /// and it may hold a device its claim no longer protects: it is stopped through the kill
+    /// path (confirmed by its ownership of the socket), so its claim can be released and the
+    /// instance started or deleted again. Only records whose control socket file exists are
+    /// looked at (a stat; the `/proc` scan only when a listener is bound there).
+    fn stop_unrecorded_vmm(&self, rec: &InstanceRecord, boot_id: &str, report: &mut PassReport) {
+        if rec.vmm.is_some() || !self.control_socket(rec).exists() {
+            return;
+        }
+        let Liveness::Alive { pid } = self.liveness_at(rec, boot_id) else { return };
+        let ilock = self.instance_lock(rec.id);
+        let Ok(_i) = ilock.try_lock() else {
+            report.keep_instance(rec.id, "operation in progress");
+            return;
+        };
+        let Ok(Some(mut rec)) = self.store().read_instance(rec.id) else { return };
+        if rec.state() != InstanceState::Stopped || rec.vmm.is_some() {
+            return;
+        }
+        let reason = format!(
+            "a VMM (pid {pid}) no record names owned its control socket (spawned before the agent restarted): \
+             stopped through the kill path"
+        );
+        tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, pid, "{reason}");
+        match self.stop_vmm(&rec, false) {
+            Ok(_) => {
+                rec.last_error = Some(reason.clone());
+                if let Err(e) = self.store().write_instance(&rec) {
+                    report.fail(PassStage::Records, format!("cannot record the stop of {}: {e}", rec.name));
+                }
+                report.records.push(RecordChange {
+                    instance: rec.id.to_string(),
+                    name: rec.name.clone(),
+                    from: InstanceState::Stopped,
+                    to: InstanceState::Stopped,
+                    reason,
+                });
+            }
+            Err(e) => {
+                tracing::error!(instance.id = %rec.id, instance.name = %rec.name, pid, error = %e.message,
+                    "the unrecorded VMM could not be stopped");
+                report.keep_instance(rec.id, format!("an unrecorded VMM {pid} could not be stopped: {}", e.message));
             }
         }
     }

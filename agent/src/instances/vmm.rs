@@ -239,16 +239,23 @@ impl Manager {
     /// Errors: `vmm_liveness_unknown`, `vmm_kill_failed` (nothing may be torn down).
     pub(crate) fn stop_vmm(&self, rec: &InstanceRecord, graceful: bool) -> Result<Dead, ApiError> {
         let boot_id = self.boot_id()?;
-        let Some(vmm) = &rec.vmm else {
-            return match self.prove_dead(rec.id, Some(rec), &boot_id) {
-                Ok(dead) => Ok(dead),
-                Err(Liveness::Alive { pid }) => Err(ApiError::vmm_liveness_unknown(
-                    &rec.name,
-                    &format!("pid {pid} owns the instance's control socket but no VMM identity is recorded"),
-                )),
-                Err(Liveness::MaybeAlive { reason }) => Err(ApiError::vmm_liveness_unknown(&rec.name, &reason)),
-                Err(Liveness::Dead) => Err(ApiError::internal("liveness changed while proving it")),
-            };
+        let found;
+        let vmm = match &rec.vmm {
+            Some(v) => v,
+            None => match self.prove_dead(rec.id, Some(rec), &boot_id) {
+                Ok(dead) => return Ok(dead),
+                // A VMM spawned but never recorded (the agent died before it wrote the
+                // identity) owns the instance's control socket: it is the instance's VMM, and
+                // it goes through the same kill path, confirmed by that ownership.
+                Err(Liveness::Alive { pid }) => {
+                    found = self.unrecorded_vmm(rec, pid, &boot_id)?;
+                    tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, pid,
+                        "a VMM no record names owns the instance's control socket: stopping it through the kill path");
+                    &found
+                }
+                Err(Liveness::MaybeAlive { reason }) => return Err(ApiError::vmm_liveness_unknown(&rec.name, &reason)),
+                Err(Liveness::Dead) => return Err(ApiError::internal("liveness changed while proving it")),
+            },
         };
         let driver = rec.hypervisor.driver();
         match hypervisor::stop(driver, &vmm.identity, &vmm.control_socket, self.stop_options(graceful), &boot_id) {
@@ -279,6 +286,20 @@ impl Manager {
                 Err(ApiError::vmm_liveness_unknown(&rec.name, &reason))
             }
             Err(e) => Err(ApiError::internal(format!("stopping the VMM failed: {e}"))),
+        }
+    }
+
+    /// The identity of `pid`, the live owner of `rec`'s control socket that no record names
+    /// (a VMM spawned before the agent died and recorded it). Errors: `vmm_liveness_unknown`
+    /// when its `/proc` entry cannot be read (nothing may be signalled then).
+    pub(crate) fn unrecorded_vmm(&self, rec: &InstanceRecord, pid: i32, boot_id: &str) -> Result<VmmRecord, ApiError> {
+        match proc::identity_of(pid, boot_id) {
+            Ok(Some(identity)) => Ok(VmmRecord { identity, control_socket: self.control_socket(rec) }),
+            Ok(None) => Err(ApiError::vmm_liveness_unknown(
+                &rec.name,
+                &format!("the owner {pid} of its control socket exited while it was being identified"),
+            )),
+            Err(e) => Err(ApiError::vmm_liveness_unknown(&rec.name, &e.to_string())),
         }
     }
 
