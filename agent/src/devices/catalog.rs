@@ -5,9 +5,14 @@
 //! line can fail the catalog: LF or CRLF; blank lines skipped; the header (first token
 //! `ID`, any case) skipped; an entry split at its first `:` or else at the first run of
 //! whitespace; the id a decimal u32 of any width other than `0` (`0` means "no vGPU" in
-//! `current_vgpu_type`, so it is never a type); the name non-empty. Malformed lines are kept
+//! `current_vgpu_type`, so it is never a type); the name non-empty and more than the
+//! vendor word (`1148 : NVIDIA` names no profile). Malformed lines are kept
 //! in [`Catalog::skipped`] for the caller to report with the VF's name and count —
 //! skipping only hides capacity, it never causes a destructive action.
+
+/// The vendor word that prefixes every type name (`NVIDIA L40S-2Q`): alone, it names no
+/// profile.
+const VENDOR_WORD: &str = "NVIDIA";
 
 /// One creatable vGPU type.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,8 +58,11 @@ pub fn parse_creatable_vgpu_types(text: &str) -> Catalog {
             },
         };
         let digits_only = !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit());
-        match (id.parse::<u32>(), name.is_empty()) {
-            (Ok(n), false) if digits_only && n != 0 => cat.entries.push(CatalogEntry { id: n, name: name.to_string() }),
+        // A name that is the vendor word alone (`1148 : NVIDIA`) names no profile.
+        let profile = gpuvisor_sdk::canonical_profile(name);
+        let named = !profile.is_empty() && !profile.eq_ignore_ascii_case(VENDOR_WORD);
+        match (id.parse::<u32>(), named) {
+            (Ok(n), true) if digits_only && n != 0 => cat.entries.push(CatalogEntry { id: n, name: name.to_string() }),
             _ => cat.skipped.push(line.chars().take(200).collect()),
         }
     }
@@ -102,6 +110,15 @@ mod tests {
         let c = parse_creatable_vgpu_types(text);
         assert_eq!(ids(&c), vec![(1148, "NVIDIA L40S-2Q")]);
         assert_eq!(c.skipped.len(), 6);
+    }
+
+    /// Issue 18 finding 6: a line whose name is the vendor word alone, or that has no id,
+    /// is skipped (and so reported with its VF), never a profile called `NVIDIA`.
+    #[test]
+    fn a_name_that_is_the_vendor_word_alone_or_a_line_without_an_id_is_skipped() {
+        let c = parse_creatable_vgpu_types("ID : vGPU Name\n1148 : NVIDIA\nNVIDIA\n1149 :   nvidia  \n1150 : NVIDIA L40S-4Q\n");
+        assert_eq!(ids(&c), vec![(1150, "NVIDIA L40S-4Q")]);
+        assert_eq!(c.skipped, vec!["1148 : NVIDIA".to_string(), "NVIDIA".to_string(), "1149 :   nvidia".to_string()]);
     }
 
     #[test]

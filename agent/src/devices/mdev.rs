@@ -210,23 +210,27 @@ pub fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Resu
     }
 }
 
-/// Removes an mdev gpuvisor created: a missing device is already done. Errors: the remove
-/// write failed (EBUSY while held or during teardown) and the device still exists.
+/// Removes an mdev gpuvisor created: a missing device is already done
+/// ([`Cleared::FoundClear`](super::Cleared); [`Cleared::Wrote`](super::Cleared) only when
+/// this remove took effect). Errors: the remove write failed (EBUSY while held or during
+/// teardown) and the device still exists.
 ///
 /// **Only the release path calls this**, after proving the owner dead (or the mdev an
 /// orphan) and scanning for holders under the device lock.
-pub fn remove(host: &HostRoot, uuid: &str) -> Result<(), WriteError> {
+pub fn remove(host: &HostRoot, uuid: &str) -> Result<super::Cleared, WriteError> {
     let d = host.mdev_device(uuid);
     if fs::symlink_metadata(&d).is_err() {
-        return Ok(());
+        return Ok(super::Cleared::FoundClear);
     }
     let res = write_attr(&d.join("remove"), "1");
-    if fs::symlink_metadata(&d).is_err() {
-        return Ok(());
-    }
+    let gone = fs::symlink_metadata(&d).is_err();
     match res {
+        // Our write was accepted and the device is gone: our remove took effect.
+        Ok(()) if gone => Ok(super::Cleared::Wrote),
         Ok(()) => Err(WriteError::other(format!("mdev {uuid} still exists after remove"))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        // The write failed but the device is gone: someone else removed it.
+        Err(_) if gone => Ok(super::Cleared::FoundClear),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(super::Cleared::FoundClear),
         Err(e) => Err(WriteError::from_io(&format!("removing mdev {uuid}"), &e)),
     }
 }

@@ -288,6 +288,16 @@ pub(crate) fn write_attr(path: &Path, value: &str) -> io::Result<()> {
 /// strikes; NVIDIA-HOST.md §4: on a type write, EIO is the resource manager refusing a type
 /// the VF's catalog listed (`NVRM: Failed to add vgpu create request`), not the transient
 /// EBUSY of a teardown.
+/// What a clear (a VF's type `0`, an mdev `remove`) found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cleared {
+    /// gpuvisor's own write took effect: the device was occupied and reads clear now.
+    Wrote,
+    /// The device was already clear (or gone) — no write of gpuvisor's cleared it: another
+    /// writer did, or there was nothing to clear.
+    FoundClear,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteError {
     pub message: String,

@@ -242,15 +242,18 @@ impl std::fmt::Display for ClearError {
 
 /// Clears a VF: a missing file (VF gone) or `0` is already done; otherwise write `0` and
 /// read back — `0` is success whatever the write returned (EPERM on an already-clear VF is
-/// the normal "already clear", NVIDIA-HOST.md §3.2).
+/// the normal "already clear", NVIDIA-HOST.md §3.2). [`Cleared::Wrote`](super::Cleared)
+/// only when this write took effect; a VF found clear, or cleared by another writer
+/// meanwhile, is [`Cleared::FoundClear`](super::Cleared).
 /// `expected`: the type gpuvisor believes is set (None: any).
 ///
 /// **Only the release path calls this**, after proving the owner dead and scanning for
 /// holders under the device lock (a test checks no other caller exists).
-pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<(), ClearError> {
+pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<super::Cleared, ClearError> {
+    use super::Cleared;
     let cur = match read_current_type(host, vf) {
         Ok(v) => v,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Cleared::FoundClear),
         Err(e) => {
             return Err(ClearError::Failed(WriteError::other(format!(
                 "cannot read current_vgpu_type: {}",
@@ -259,7 +262,7 @@ pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<(), Cle
         }
     };
     if cur == 0 {
-        return Ok(());
+        return Ok(Cleared::FoundClear);
     }
     if let Some(exp) = expected {
         if exp != cur {
@@ -268,8 +271,11 @@ pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<(), Cle
     }
     let write = write_attr(&nvidia_dir(host, vf).join("current_vgpu_type"), "0\n");
     match read_current_type(host, vf) {
-        Ok(0) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        // Our write was accepted: it took effect.
+        Ok(0) if write.is_ok() => Ok(Cleared::Wrote),
+        // Refused (EPERM on an already clear VF), yet clear: someone else cleared it.
+        Ok(0) => Ok(Cleared::FoundClear),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Cleared::FoundClear),
         Ok(v) => Err(ClearError::Failed(match write {
             Err(e) => {
                 let w = WriteError::from_io("writing 0", &e);

@@ -105,6 +105,34 @@ impl HypervisorKind {
         }
     }
 
+    /// Why this kind cannot be handed a device the way this agent attaches VFIO devices
+    /// (`vfio_attach`), or `None` when it can: Cloud Hypervisor takes a device by its sysfs
+    /// path only (`vm.create` `devices[].path`, CLOUD-HYPERVISOR.md), never the VFIO group fd
+    /// that `hold-fd` hands a VMM. Checked before anything is allocated, so such a create
+    /// changes no driver binding.
+    pub fn cannot_attach(self, framework: Option<Framework>, attach: crate::config::VfioAttach) -> Option<String> {
+        match (self, framework, attach) {
+            (HypervisorKind::CloudHypervisor, Some(_), crate::config::VfioAttach::HoldFd) => Some(
+                "cloud-hypervisor takes a VFIO device by its sysfs path only, and this agent attaches devices with \
+                 vfio_attach = \"hold-fd\" (a VFIO group fd handed to the VMM), which it cannot take"
+                    .to_string(),
+            ),
+            _ => None,
+        }
+    }
+
+    /// What this kind can carry on an agent that attaches VFIO devices with `attach`: the
+    /// [`capabilities`](HypervisorKind::capabilities) table without the device kinds
+    /// [`cannot_attach`](HypervisorKind::cannot_attach) refuses.
+    pub fn capabilities_under(self, attach: crate::config::VfioAttach) -> Vec<Capability> {
+        let devices = self.cannot_attach(Some(Framework::Passthrough), attach).is_none();
+        self.capabilities()
+            .iter()
+            .copied()
+            .filter(|c| devices || !matches!(c, Capability::VendorVfio | Capability::Mdev | Capability::Passthrough))
+            .collect()
+    }
+
     /// Why this kind cannot carry a device of `framework` (one sentence citing the reason),
     /// or `None` when it can ([`can_carry`]).
     pub fn cannot_carry(self, framework: Option<Framework>) -> Option<String> {

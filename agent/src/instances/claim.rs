@@ -129,6 +129,19 @@ impl Manager {
         };
         crate::crash_point!("claim_before_create");
         let mut notes = obs.notes.clone();
+        // Legal candidates the placement plugin left out: the answer must not say none was
+        // free.
+        let plugin = self.policies().placement.name().to_string();
+        let unranked: Vec<String> = obs
+            .candidates
+            .iter()
+            .filter(|c| !ranked.iter().any(|r| r.device == c.device))
+            .map(|c| c.device.clone())
+            .collect();
+        let ranked_count = ranked.len();
+        for d in &unranked {
+            notes.push(format!("{d}: free, but the placement plugin {plugin} did not rank it"));
+        }
         let mut failures = 0;
         let mut faulty_gpus = BTreeSet::new();
         for cand in ranked {
@@ -196,9 +209,22 @@ impl Manager {
         }
         // The message stays one readable sentence on any host: the first notes, then a count
         // (every note is in `data.notes`).
+        let (noun, suffix) = match whole {
+            Some(_) => ("passthrough GPU", String::new()),
+            None => ("device", format!(" for profile {profile}")),
+        };
+        let plural = |n: usize| if n == 1 { noun.to_string() } else { format!("{noun}s") };
         let mut msg = match whole {
             Some(w) if w.address.is_some() => {
                 format!("the passthrough GPU {} cannot be given now", w.address.as_deref().unwrap_or_default())
+            }
+            _ if !unranked.is_empty() && ranked_count == 0 => format!(
+                "the placement plugin {plugin} ranked none of the {} free {}{suffix}",
+                unranked.len(),
+                plural(unranked.len())
+            ),
+            _ if !unranked.is_empty() => {
+                format!("no {noun}{suffix} the placement plugin {plugin} ranked could be given now")
             }
             Some(_) => "no passthrough GPU is free now".to_string(),
             None => format!("no device can take profile {profile} now"),
@@ -253,7 +279,9 @@ impl Manager {
                 return Err(Refusal::untouched(format!("reads type {cur} since it was observed free")));
             }
             match self.release(Release::Repair { claim, type_id: cur }, Duration::ZERO) {
-                Ok(Released::Cleared) => tracing::info!(gpu.device = %vf, old_type = %cur, "dirty VF repaired"),
+                Ok(Released::Cleared | Released::FoundClear) => {
+                    tracing::info!(gpu.device = %vf, old_type = %cur, "dirty VF repaired")
+                }
                 Ok(Released::NotOurs) => return Err(Refusal::untouched("the claim changed during the repair")),
                 Err(ReleaseError::InUse(pids)) => {
                     return Err(Refusal::untouched(format!("dirty (type {cur}) and in use by pid {pids:?}")))

@@ -171,7 +171,7 @@ impl Manager {
                     Ok(v) => tracing::info!(hypervisor = %k, binary = %binary.display(), version = %v, "hypervisor available"),
                     Err(e) => tracing::info!(hypervisor = %k, binary = %binary.display(), problem = %e, "hypervisor not available"),
                 }
-                hypervisor_view(k, binary, probe)
+                hypervisor_view(k, binary, probe, self.cfg.vfio_attach)
             })
             .collect();
         *crate::sync::lock(&self.hypervisor_probes) = Some(views);
@@ -191,7 +191,7 @@ impl Manager {
             Some(v) => v.clone(),
             None => HypervisorKind::ALL
                 .into_iter()
-                .map(|k| hypervisor_view(k, self.hypervisor_binary(k), Err("not probed yet".into())))
+                .map(|k| hypervisor_view(k, self.hypervisor_binary(k), Err("not probed yet".into()), self.cfg.vfio_attach))
                 .collect(),
         }
     }
@@ -203,7 +203,7 @@ impl Manager {
             .map(|v| HypervisorInfo {
                 name: v.name.name().to_string(),
                 available: v.available,
-                capabilities: v.name.capabilities().to_vec(),
+                capabilities: v.name.capabilities_under(self.cfg.vfio_attach),
             })
             .collect()
     }
@@ -222,7 +222,9 @@ impl Manager {
     ) -> Result<HypervisorKind, ApiError> {
         let sdk_framework = framework.map(Into::into);
         if let Some(kind) = requested.and_then(HypervisorKind::from_name) {
-            if let Some(why) = kind.cannot_carry(sdk_framework) {
+            if let Some(why) =
+                kind.cannot_carry(sdk_framework).or_else(|| kind.cannot_attach(sdk_framework, self.cfg.vfio_attach))
+            {
                 return Err(ApiError::hypervisor_unsupported(why, Some(kind.name()), None));
             }
         }
@@ -263,7 +265,9 @@ impl Manager {
                 None,
             ));
         };
-        if let Some(why) = kind.cannot_carry(sdk_framework) {
+        if let Some(why) =
+            kind.cannot_carry(sdk_framework).or_else(|| kind.cannot_attach(sdk_framework, self.cfg.vfio_attach))
+        {
             self.reject(slot, PolicyKind::Hypervisor, "cannot_carry_device", &chosen);
             return Err(ApiError::hypervisor_unsupported(
                 format!("the hypervisor plugin chose {chosen}, but {why}"),
@@ -325,6 +329,7 @@ fn hypervisor_view(
     kind: HypervisorKind,
     binary: &std::path::Path,
     probe: Result<String, String>,
+    attach: crate::config::VfioAttach,
 ) -> super::view::HypervisorView {
     let (version, problem) = match probe {
         Ok(v) => (Some(v), None),
@@ -337,7 +342,7 @@ fn hypervisor_view(
         version,
         problem,
         capabilities: kind
-            .capabilities()
+            .capabilities_under(attach)
             .iter()
             .filter_map(|c| serde_json::to_value(c).ok().and_then(|v| v.as_str().map(str::to_string)))
             .collect(),

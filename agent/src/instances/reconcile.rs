@@ -779,7 +779,7 @@ impl Manager {
                 crate::crash_point!("reconcile_after_release");
                 self.clear_release_pending_note(c.instance_id);
             }
-            Ok(Released::NotOurs) => {}
+            Ok(Released::NotOurs | Released::FoundClear) => {}
             Err(super::release::ReleaseError::InUse(_)) => self.metrics().stale_release(StaleResult::InUse),
             Err(super::release::ReleaseError::ScanIncomplete(_)) => {
                 self.metrics().stale_release(StaleResult::ScanIncomplete)
@@ -805,6 +805,9 @@ fn record_release(
             instance: instance.map(|i| i.to_string()),
         }),
         Ok(Released::NotOurs) => report.keep_device(device, "claimed or changed meanwhile: nothing was written"),
+        Ok(Released::FoundClear) => {
+            report.keep_device(device, "found clear when the sweep came to write (another writer cleared it): nothing was written")
+        }
         Err(e) => report.failed.push(FailedItem { device: device.to_string(), error: e.to_string() }),
     }
 }

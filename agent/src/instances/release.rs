@@ -27,7 +27,7 @@
 use super::health::WriteSite;
 use super::vmm::Dead;
 use super::Manager;
-use crate::devices::{self, mdev, passthrough, vendor_vfio, WriteError};
+use crate::devices::{self, mdev, passthrough, vendor_vfio, Cleared, WriteError};
 use crate::error::ReleaseFailure;
 use crate::events::EventKind;
 use crate::host::proc::{self, HandleScan};
@@ -84,11 +84,14 @@ impl Release<'_> {
 /// What a successful release did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Released {
-    /// The device was cleared (or found clear) and its claim removed.
+    /// The device was cleared (or, for a claim, found clear) and its claim removed.
     Cleared,
     /// Nothing was done: the device was no longer ours to clear (another instance claimed
     /// it meanwhile, the claim changed, or it is gone). Counted as nothing.
     NotOurs,
+    /// An orphan was found clear when the sweep came to write: another writer cleared it
+    /// (or removed the mdev). Nothing was written; counted as nothing.
+    FoundClear,
 }
 
 /// Why a release did not complete.
@@ -287,22 +290,23 @@ impl Manager {
         }
     }
 
-    /// Steps 4 and 5: the write, its read-back, and its health accounting.
-    fn clear_device(&self, r: &Release<'_>) -> Result<(), ReleaseError> {
+    /// Steps 4 and 5: the write, its read-back, and its health accounting. Says whether
+    /// the write of this release took effect or the device was found clear.
+    fn clear_device(&self, r: &Release<'_>) -> Result<Cleared, ReleaseError> {
         let mdev_remove = |uuid: uuid::Uuid, parent: &str, gpu: &str| {
             let res = mdev::remove(&self.host, &uuid.to_string());
-            self.write_outcome(parent, gpu, WriteSite::MdevRemove, &res);
-            res.map_err(ReleaseError::Failed)?;
+            self.write_outcome(parent, gpu, WriteSite::MdevRemove, &res.as_ref().map(|_| ()).map_err(Clone::clone));
+            let done = res.map_err(ReleaseError::Failed)?;
             if let Err(e) = self.store.remove_mdev(uuid) {
                 // The sweep forgets a record whose mdev is gone.
                 tracing::warn!(mdev = %uuid, error = %e, "cannot remove the mdev record");
             }
-            Ok(())
+            Ok(done)
         };
         let (vf, gpu, expected) = match r {
             Release::Claim(c, _) => match (c.framework, c.mdev_uuid) {
                 (Framework::Mdev, Some(u)) => return mdev_remove(u, &c.device, &c.gpu),
-                (Framework::Passthrough, _) => return self.give_back_group(c),
+                (Framework::Passthrough, _) => return self.give_back_group(c).map(|()| Cleared::Wrote),
                 _ => (c.device.as_str(), c.gpu.as_str(), c.type_id),
             },
             Release::OrphanMdev(m) => return mdev_remove(m.uuid, &m.parent, &pf_of(self, &m.parent)),
@@ -310,9 +314,11 @@ impl Manager {
             Release::Repair { claim, type_id } => (claim.device.as_str(), claim.gpu.as_str(), Some(*type_id)),
         };
         match vendor_vfio::clear(&self.host, vf, expected) {
-            Ok(()) => {
-                self.write_outcome(vf, gpu, WriteSite::ClearType, &Ok(()));
-                Ok(())
+            Ok(done) => {
+                if done == Cleared::Wrote {
+                    self.write_outcome(vf, gpu, WriteSite::ClearType, &Ok(()));
+                }
+                Ok(done)
             }
             Err(vendor_vfio::ClearError::Foreign { value }) => {
                 let detail = format!(
@@ -436,7 +442,11 @@ impl Manager {
                 HandleScan::Unknown { reason } => return Err(ReleaseError::ScanIncomplete(reason)),
             }
             crate::crash_point!("release_before_write");
-            self.clear_device(r)?;
+            let done = self.clear_device(r)?;
+            // An orphan another writer cleared meanwhile: the sweep did nothing.
+            if done == Cleared::FoundClear && matches!(r, Release::OrphanVf { .. } | Release::OrphanMdev(_)) {
+                return Ok(Released::FoundClear);
+            }
         }
         crate::crash_point!("release_after_write");
         if let Release::Claim(c, _) = r {

@@ -52,6 +52,10 @@ impl Manager {
         }
         // What the host can give (before anything is released or claimed).
         self.check_host_room(rec.vcpus, rec.memory_mib)?;
+        let framework = rec.gpu_framework.map(Into::into);
+        if let Some(why) = rec.hypervisor.cannot_attach(framework, self.cfg.vfio_attach) {
+            return Err(ApiError::hypervisor_unsupported(why, Some(rec.hypervisor.name()), None));
+        }
         // A claim left from an earlier failed release goes first, persisted.
         match self.claim_of(&rec)? {
             OwnedClaim::Claim(old) => {

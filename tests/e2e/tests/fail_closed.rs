@@ -154,6 +154,27 @@ fn pass_until(a: &Agent, what: &str, timeout: Duration, mut done: impl FnMut(&Ag
     }
 }
 
+/// Arms `reconcile_before_release` and runs passes until one has decided to release
+/// something (an orphan older than claim_grace) and waits at the point, before releasing
+/// it. Returns that pass's call (answered once the point is released).
+fn pass_paused_before_release(a: &Agent) -> std::thread::JoinHandle<anyhow::Result<Value>> {
+    const FP: &str = "reconcile_before_release";
+    failpoint(a, FP, "pause");
+    let t0 = Instant::now();
+    loop {
+        let h = a.spawn_call("reconcile.run", json!({}));
+        wait_for(Duration::from_secs(60), || (waiting_at(a, FP) >= 1 || h.is_finished()).then_some(()))
+            .expect("the pass either pauses or answers");
+        if waiting_at(a, FP) >= 1 {
+            return h;
+        }
+        let rep = h.join().unwrap().unwrap();
+        assert!(rep["result"]["released"].as_array().unwrap().is_empty(), "released without pausing: {rep}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "no pass decided to release anything: {rep}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
 /// Waits until no handle is open on `vf` and its teardown lag is over.
 fn wait_idle(a: &Agent, vf: &str) {
     wait_for(Duration::from_secs(15), || {
@@ -607,22 +628,7 @@ fn a_pass_counts_an_orphan_as_released_only_when_it_wrote_something() {
     let m = a.metrics();
     let orphans0 = metric0(&m, ORPHANS, &[("framework", "vendor_vfio")]);
     let stale0 = metric0(&m, STALE, &[("result", "released")]);
-    failpoint(&a, FP, "pause");
-    // Passes until one has decided to release vf0 (older than claim_grace) and waits at
-    // the failpoint, before releasing it.
-    let t0 = Instant::now();
-    let paused_pass = loop {
-        let h = a.spawn_call("reconcile.run", json!({}));
-        wait_for(Duration::from_secs(60), || (waiting_at(&a, FP) >= 1 || h.is_finished()).then_some(()))
-            .expect("the pass either pauses or answers");
-        if waiting_at(&a, FP) >= 1 {
-            break h;
-        }
-        let rep = h.join().unwrap().unwrap();
-        assert!(rep["result"]["released"].as_array().unwrap().is_empty(), "released without pausing: {rep}");
-        assert!(t0.elapsed() < Duration::from_secs(60), "no pass decided to sweep vf0: {rep}");
-        std::thread::sleep(Duration::from_millis(300));
-    };
+    let paused_pass = pass_paused_before_release(&a);
     let seq = last_seq(&a.state());
     // The create runs while the pass waits (no lock held across the pause) and takes vf0.
     let b = a.create_gpu("b", "L40S-2Q").expect("a create completes while the pass is paused");
@@ -1057,4 +1063,46 @@ fn every_unreadable_record_kind_is_named_in_health_and_counted_by_the_pass() {
         assert!(problems.contains(&f.display().to_string()), "health names {}: {h}", f.display());
         assert!(rep["errors"].to_string().contains(&f.display().to_string()), "the pass names {}: {rep}", f.display());
     }
+}
+
+// ====================================================================== 11. issue 18 finding 6: answers and counters
+
+/// Issue 18 finding 6: a pass decided to sweep a dirty orphan VF; before it writes,
+/// another tool clears the VF. The pass writes nothing, neither reports nor counts the VF
+/// as released (`orphans_released_total` unchanged), and says it found it clear.
+#[test]
+fn an_orphan_another_writer_cleared_before_the_sweep_wrote_is_not_counted() {
+    const FP: &str = "reconcile_before_release";
+    let (a, _w) = start(HOST_V1, "claim_grace_s = 1\n");
+    a.sim.ctl(&["set-type", VF0, "1148"]).unwrap();
+    let orphans0 = metric_now(&a, ORPHANS, &[("framework", "vendor_vfio")]);
+    let paused_pass = pass_paused_before_release(&a);
+    a.sim.ctl(&["set-type", VF0, "0"]).unwrap();
+    let seq = last_seq(&a.state());
+    failpoint(&a, FP, "release");
+    let rep = paused_pass.join().unwrap().unwrap();
+    let rep = &rep["result"];
+    assert!(!devices_in(rep, "released").contains(&VF0.to_string()), "BUG: counted as released: {rep}");
+    assert!(kept_reasons(rep, VF0).iter().any(|r| r.contains("found clear")), "the report says why: {rep}");
+    assert_eq!(writes_after(&a, seq), vec![], "the pass wrote nothing");
+    assert_eq!(metric_now(&a, ORPHANS, &[("framework", "vendor_vfio")]), orphans0, "orphans_released_total unchanged");
+    assert_eq!(a.vf_type(VF0), 0);
+}
+
+/// Issue 18 finding 6: a catalog line whose name is the vendor word alone (`1148 :
+/// NVIDIA`, no profile) is skipped like other malformed lines — listed in `gpu.list`,
+/// warned once naming its VF — and never offered as a profile called `NVIDIA`.
+#[test]
+fn a_catalog_line_naming_only_the_vendor_is_skipped_and_warned_naming_its_vf() {
+    let (a, _w) = start(HOST_V1, "");
+    a.sim.ctl(&["override", &catalog_path(VF0), "ID    : vGPU Name\n1148  : NVIDIA\n1147  : NVIDIA L40S-1Q\n"]).unwrap();
+    let gpus = a.ok("gpu.list", json!({}));
+    let d = gpu_device(&gpus, VF0);
+    assert_eq!(d["catalog_skipped_lines"], json!(["1148  : NVIDIA"]), "{d}");
+    assert!(!d["creatable"].to_string().contains("\"NVIDIA\""), "{d}");
+    let e = a.create_gpu("n", "NVIDIA").unwrap_err();
+    assert_eq!(e.data_code, "unknown_profile", "{e}");
+    a.ok("resources.get", json!({}));
+    let w = warn_lines(&a, &[VF0, "skipped", "1148  : NVIDIA"]);
+    assert_eq!(w.len(), 1, "one WARN naming the VF and the line: {w:?}");
 }

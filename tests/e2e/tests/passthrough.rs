@@ -712,6 +712,51 @@ fn cloud_hypervisor_gets_one_device_per_function() {
     assert!(a.claims().is_empty());
 }
 
+/// Issue 18 finding 6: Cloud Hypervisor on an agent with `vfio_attach = "hold-fd"` cannot
+/// be handed a passthrough GPU (it takes devices by sysfs path only): the create is refused
+/// `hypervisor_unsupported` before any driver change — no binding write, no claim, no
+/// record — and `agent.health` does not list `passthrough` among its capabilities there.
+#[test]
+fn a_cloud_hypervisor_passthrough_create_under_hold_fd_is_refused_before_any_driver_change() {
+    let ch = ChWrapper::fake();
+    let (k, v) = ch.setting();
+    let a = Agent::start_tuned(AgentOptions { model: "pt-2", extra: PT, ..Default::default() }, None, &[(k, v.as_str())])
+        .unwrap();
+    let before = a.sim_writes().len();
+    let e = a.err(
+        "instance.create",
+        json!({"name": "c", "image": "demo", "hypervisor": "cloud-hypervisor", "gpu": {"passthrough": true, "address": P0}}),
+    );
+    assert_eq!((e.code, e.data_code.as_str()), (400, "hypervisor_unsupported"), "{e}");
+    assert!(e.message.contains("hold-fd"), "says why: {}", e.message);
+    assert_eq!(binding_writes(&a.sim_writes()[before..]), vec![], "BUG: the group was rebound");
+    assert_eq!(drivers(&a, P0), boot_p0());
+    assert!(a.claims().is_empty() && a.instance_records().is_empty(), "nothing left");
+    let h = a.ok("agent.health", json!({}));
+    let chv = h["hypervisors"].as_array().unwrap().iter().find(|x| x["name"] == "cloud-hypervisor").unwrap().clone();
+    assert!(!chv["capabilities"].to_string().contains("passthrough"), "{chv}");
+}
+
+/// Issue 18 finding 6: a placement plugin that ranks none of the free passthrough GPUs
+/// gets `no_capacity` that says so — never "no passthrough GPU is free" — and names the
+/// free GPUs it left out.
+#[test]
+fn no_capacity_says_the_placement_plugin_ranked_no_free_passthrough_gpu() {
+    let a = Agent::start_with(AgentOptions {
+        model: "pt-2",
+        extra: PT,
+        placement: Some(fixture_plugin("rank-fixed.wat")),
+        ..Default::default()
+    })
+    .unwrap();
+    let e = create_pt(&a, "x", None).unwrap_err();
+    assert_eq!(e.data_code, "no_capacity", "{e}");
+    assert!(!e.message.contains("is free"), "BUG: says no GPU is free: {}", e.message);
+    assert!(e.message.contains("rank-fixed") && e.message.contains("ranked none"), "{}", e.message);
+    assert!(e.message.contains(P0) && e.message.contains(P1), "names the free GPUs it left out: {}", e.message);
+    assert!(a.claims().is_empty());
+}
+
 /// The CLI: `create --gpu passthrough=<BDF>`, `gpus` (the group, each function's driver
 /// and original), `profiles` (passthrough counts), `dry-run passthrough`.
 #[test]
