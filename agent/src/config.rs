@@ -279,6 +279,10 @@ config_keys! {
         help: "The window of restart_limit",
         default: Some("600"), unit: Seconds, serve_flag: false,
     },
+    restart_host_wait_s: u64 {
+        help: "How long a restart (autostart after a reboot, or a restart policy) that fails because the host is not ready yet (not_ready: no SR-IOV VFs yet, the driver loading) is retried, restart_backoff_s doubling up to 60 s; these tries do not count against restart_limit",
+        default: Some("600"), unit: Seconds, serve_flag: false,
+    },
     memory_overcommit: f64 {
         help: "An instance may have at most this times the host's MemTotal of guest memory (above 0, at most 1000)",
         default: Some("1.0"), unit: Times, serve_flag: false,
@@ -361,6 +365,7 @@ impl Default for Config {
             restart_backoff_s: 1,
             restart_limit: 5,
             restart_window_s: 600,
+            restart_host_wait_s: 600,
             memory_overcommit: 1.0,
             vcpu_overcommit: 4.0,
             qemu_sandbox: true,
@@ -460,6 +465,7 @@ impl Config {
             ("vmm_ready_timeout_s", self.vmm_ready_timeout_s),
             ("restart_backoff_s", self.restart_backoff_s),
             ("restart_window_s", self.restart_window_s),
+            ("restart_host_wait_s", self.restart_host_wait_s),
         ] {
             if v > MAX_DURATION_S {
                 anyhow::bail!("{key} = {v} is too large (at most {MAX_DURATION_S} s, one year)");

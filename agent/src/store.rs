@@ -297,6 +297,17 @@ pub struct RestartState {
     /// The limit was reached: no more restarts until the instance is started by hand.
     #[serde(default)]
     pub gave_up: bool,
+    /// Unix time (ms) the first restart that failed because the host was not ready
+    /// (`not_ready`) was tried; `None` while the host is not being waited for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_wait_since_ms: Option<u64>,
+    /// Tries that failed `not_ready` since `host_wait_since_ms` (the backoff doubles per try).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub host_waits: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl RestartState {

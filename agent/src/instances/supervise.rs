@@ -10,7 +10,9 @@
 //! restarts whatever the policy). Both record the death with [`Manager::record_death`], the
 //! one place that decides whether and when a restart is due. The agent's supervisor thread
 //! calls [`Manager::supervise`] twice a second: it records the deaths the reapers saw, and
-//! runs the restarts that are due.
+//! runs the restarts that are due. A restart that fails because the host is not ready yet
+//! (`not_ready`: after a reboot, the VFs or the driver not there yet) is retried with the
+//! same backoff for up to `restart_host_wait_s`, without counting against `restart_limit`.
 
 use super::Manager;
 use crate::hypervisor::ExitWatch;
@@ -154,6 +156,78 @@ impl Manager {
         Ok(())
     }
 
+    /// A restart failed because the host is not ready yet (`not_ready`: no SR-IOV VFs yet
+    /// after a reboot, the driver still loading): it is tried again after a backoff
+    /// (`restart_backoff_s`, doubled per try, at most [`MAX_BACKOFF`]) for up to
+    /// `restart_host_wait_s` from the first such try; these tries do not count against
+    /// `restart_limit`. Past the bound the instance stays `stopped` (logged at WARN, counted
+    /// `gave_up`).
+    fn wait_for_host(&self, id: Uuid, why: &str) {
+        self.metrics.restart("failed");
+        let ilock = self.instance_lock(id);
+        let _i = lock(&ilock);
+        let Ok(Some(mut rec)) = self.store.read_instance(id) else { return };
+        if rec.state() != InstanceState::Stopped {
+            return;
+        }
+        let now = now_ms();
+        // This try does not count against restart_limit.
+        rec.restarts.attempts_ms.pop();
+        let since = *rec.restarts.host_wait_since_ms.get_or_insert(now);
+        let bound_ms = self.cfg.restart_host_wait_s.saturating_mul(1000);
+        if now.saturating_sub(since) >= bound_ms {
+            let msg = format!(
+                "the host was not ready within restart_host_wait_s ({} s): {why}; start it by hand",
+                self.cfg.restart_host_wait_s
+            );
+            tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, reason = %msg, "not restarted");
+            self.metrics.restart("gave_up");
+            rec.restarts.due_ms = None;
+            rec.restarts.gave_up = true;
+            rec.restarts.host_wait_since_ms = None;
+            rec.restarts.host_waits = 0;
+            rec.last_error = Some(msg);
+        } else {
+            let backoff = Duration::from_secs(self.cfg.restart_backoff_s)
+                .saturating_mul(1u32.checked_shl(rec.restarts.host_waits).unwrap_or(u32::MAX))
+                .min(MAX_BACKOFF);
+            rec.restarts.host_waits = rec.restarts.host_waits.saturating_add(1);
+            rec.restarts.due_ms = Some(now + backoff.as_millis() as u64);
+            rec.last_error = Some(format!(
+                "waiting for the host (try {} failed: {why}); next try in {} s, for at most restart_host_wait_s = {} s",
+                rec.restarts.host_waits,
+                backoff.as_secs(),
+                self.cfg.restart_host_wait_s
+            ));
+            if rec.restarts.host_waits == 1 {
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, reason = %why,
+                    bound_s = self.cfg.restart_host_wait_s, "the host is not ready: the restart waits for it");
+            } else {
+                tracing::info!(instance.id = %rec.id, instance.name = %rec.name, reason = %why,
+                    in_ms = backoff.as_millis() as u64, "the host is still not ready: restart rescheduled");
+            }
+            lock(&self.supervise.due).insert(rec.id);
+        }
+        if let Err(e) = self.store.write_instance(&rec) {
+            tracing::error!(instance.id = %rec.id, instance.name = %rec.name, error = %e, "cannot record the wait for the host");
+        }
+    }
+
+    /// A restart succeeded: the host wait (if any) is over.
+    fn host_ready_again(&self, id: Uuid) {
+        let ilock = self.instance_lock(id);
+        let _i = lock(&ilock);
+        if let Ok(Some(mut rec)) = self.store.read_instance(id) {
+            if rec.restarts.host_wait_since_ms.is_some() {
+                rec.restarts.host_wait_since_ms = None;
+                rec.restarts.host_waits = 0;
+                if let Err(e) = self.store.write_instance(&rec) {
+                    tracing::error!(instance.id = %rec.id, instance.name = %rec.name, error = %e, "cannot record the end of the wait for the host");
+                }
+            }
+        }
+    }
+
     /// Runs the restarts that are due, each through the start path.
     fn run_due_restarts(&self) {
         if !self.is_ready() {
@@ -193,7 +267,9 @@ impl Manager {
                 Ok(_) => {
                     self.metrics.restart("ok");
                     tracing::warn!(instance.id = %id, instance.name = %name, attempt = n, "instance restarted");
+                    self.host_ready_again(id);
                 }
+                Err(e) if e.code == crate::error::ErrorCode::NotReady => self.wait_for_host(id, &e.message),
                 Err(e) => {
                     self.metrics.restart("failed");
                     // The start failed (logged by the start path): the next attempt, or

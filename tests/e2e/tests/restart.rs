@@ -146,3 +146,53 @@ fn autostart_instances_start_again_after_a_reboot() {
     assert_eq!(yv["state"], "stopped", "{yv}");
     assert!(yv["last_error"].as_str().unwrap().contains("rebooted"), "{yv}");
 }
+
+/// Reboots the simulated host under `a` (agent and VMs killed first) with the VFs coming
+/// back `vf_delay_ms` after the reboot, and starts the agent again.
+fn reboot_with_late_vfs(a: &mut Agent, vf_delay_ms: u64) {
+    a.kill_agent();
+    for pid in a.qemu_pids() {
+        sigkill(pid);
+    }
+    wait_for(Duration::from_secs(10), || a.qemu_pids().is_empty().then_some(())).unwrap();
+    a.sim.ctl(&["reboot", "--vf-delay", &vf_delay_ms.to_string()]).unwrap();
+    a.restart_with_failpoints(None).unwrap();
+}
+
+/// Issue 18 finding 5: after a reboot, an `autostart` vGPU instance whose first start is
+/// refused because the host has no VFs yet (`not_ready`) is tried again with backoff until
+/// the VFs appear, and runs with a vGPU; the tries that waited for the host do not count
+/// as restarts, and the wait is logged once at WARN.
+#[test]
+fn autostart_waits_for_the_host_until_its_vfs_appear() {
+    let mut a = Agent::start(HOST_V).unwrap();
+    let x = a.ok("instance.create", json!({"name": "x", "image": "demo", "gpu": "L40S-2Q", "autostart": true}));
+    let id = x["id"].as_str().unwrap().to_string();
+    reboot_with_late_vfs(&mut a, 6000);
+    // Started after the reboot: a live QEMU again (every VMM was killed with the host).
+    let xv = wait_for(Duration::from_secs(120), || {
+        Some(get(&a, "x")).filter(|v| {
+            v["state"] == "running" && v["gpu"]["device"].is_string() && a.live_qemus().iter().any(|q| q.instance_id.as_deref() == Some(id.as_str()))
+        })
+    })
+    .unwrap_or_else(|| panic!("BUG: x was not started once the host was ready: {}", get(&a, "x")));
+    assert_eq!(xv["restarts"]["attempts"], 1, "the waits are not restarts: {xv}");
+    let log = a.log();
+    let waits = log.lines().filter(|l| l.contains(" WARN ") && l.contains("the restart waits")).count();
+    assert_eq!(waits, 1, "the wait for the host is warned once");
+}
+
+/// Issue 18 finding 5: the wait for the host is bounded (`restart_host_wait_s`): past it
+/// the instance stays `stopped`, `gave_up`, and `last_error` names the bound.
+#[test]
+fn autostart_gives_up_waiting_for_the_host_after_restart_host_wait_s() {
+    let mut a = Agent::start_tuned(AgentOptions { model: HOST_V, ..Default::default() }, None, &[("restart_host_wait_s", "3")])
+        .unwrap();
+    a.ok("instance.create", json!({"name": "x", "image": "demo", "gpu": "L40S-2Q", "autostart": true}));
+    reboot_with_late_vfs(&mut a, 600_000);
+    let xv = wait_for(Duration::from_secs(60), || Some(get(&a, "x")).filter(|v| v["restarts"]["gave_up"] == true))
+        .unwrap_or_else(|| panic!("never gave up: {}", get(&a, "x")));
+    assert_eq!(xv["state"], "stopped", "{xv}");
+    assert!(xv["last_error"].as_str().unwrap().contains("restart_host_wait_s"), "{xv}");
+    assert_eq!(metric0(&a.metrics(), "gpuvisor_instance_restarts_total", &[("result", "gave_up")]), 1.0);
+}
