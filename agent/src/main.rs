@@ -41,6 +41,31 @@ fn watchdog_usec() -> Option<u64> {
     }
 }
 
+/// Locks every GPU this agent manages (`passthrough_gpus`, and `managed_gpus` or, without
+/// it, every NVIDIA GPU the host has), naming this agent as their holder. A second agent
+/// managing any of them refuses to start, naming the first.
+fn lock_gpus(cfg: &Config) -> anyhow::Result<gpuvisor::host::lock::GpuLocks> {
+    let host = gpuvisor::host::HostRoot::new(&cfg.host_root);
+    let mut gpus = cfg.passthrough_gpus.clone();
+    match &cfg.managed_gpus {
+        Some(list) => gpus.extend(list.iter().cloned()),
+        None => match gpuvisor::devices::nvidia_gpus(&host) {
+            Ok(found) => gpus.extend(found.into_iter().filter(|g| !cfg.is_passthrough_gpu(g))),
+            Err(e) => tracing::warn!(error = %e,
+                "the host's GPUs cannot be listed: only the GPUs named in the configuration are locked against a second agent"),
+        },
+    }
+    let holder = format!(
+        "pid {}, data_dir {}, socket {}",
+        std::process::id(),
+        cfg.data_dir.display(),
+        cfg.socket.display()
+    );
+    let locks = gpuvisor::host::lock::lock_gpus(&host, &gpus, &holder)?;
+    tracing::info!(gpus = %locks.gpus().join(","), "GPUs locked for this agent");
+    Ok(locks)
+}
+
 async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     tracing::info!(version = %gpuvisor::cli::VERSION, build = %gpuvisor::failpoints::BUILD, "gpuvisor starting");
     match gpuvisor::host::proc::own_pid_namespace() {
@@ -60,6 +85,8 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
     let store = Store::open(&cfg.data_dir)?;
     // One agent per data directory: refuse before touching anything else.
     let _lock = store.lock_exclusive()?;
+    // One agent per GPU, whatever its data directory (INVARIANTS.md I17).
+    let _gpu_locks = lock_gpus(&cfg)?;
     if let Some(dir) = &cfg.record_policy_inputs {
         check_writable_dir(dir)
             .with_context(|| format!("record_policy_inputs: {} is not a writable directory", dir.display()))?;

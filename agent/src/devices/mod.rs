@@ -241,6 +241,28 @@ fn waiting_for_vfs(host: &HostRoot, pf: &str) -> bool {
         && read_attr(&d.join("sriov_numvfs")).ok().and_then(|s| s.parse::<u32>().ok()) == Some(0)
 }
 
+/// The NVIDIA GPUs of the host: PCI functions of vendor NVIDIA that are not SR-IOV VFs
+/// (no `physfn`) and whose class is a display controller (`0x03xxxx`; a function whose
+/// class cannot be read counts). What an agent without `managed_gpus` manages, and locks
+/// ([`crate::host::lock`]). Errors: the PCI devices cannot be listed.
+pub fn nvidia_gpus(host: &HostRoot) -> Result<Vec<String>, DeviceError> {
+    let mut out = Vec::new();
+    for bdf in list_dir(&host.pci_devices_dir())? {
+        let d = host.pci_device(&bdf);
+        if read_attr(&d.join("vendor")).ok().as_deref() != Some(NVIDIA_VENDOR) {
+            continue;
+        }
+        if fs::symlink_metadata(d.join("physfn")).is_ok() {
+            continue;
+        }
+        if read_attr(&d.join("class")).is_ok_and(|c| !c.starts_with("0x03")) {
+            continue;
+        }
+        out.push(bdf);
+    }
+    Ok(out)
+}
+
 /// The entries of a sysfs directory, sorted. A missing directory means none; any other error
 /// (also while iterating) is a [`DeviceError::List`], never "fewer entries".
 pub(crate) fn list_dir(dir: &Path) -> Result<Vec<String>, DeviceError> {

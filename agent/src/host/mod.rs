@@ -1,6 +1,7 @@
 //! # host — the only module that spells `/sys`, `/dev` and `/proc`
 //!
-//! [`net`]: taps (`/dev/net/tun`) and host bridges, for `bridge` NICs.
+//! [`net`]: taps (`/dev/net/tun`) and host bridges, for `bridge` NICs. [`lock`]: one agent
+//! per GPU (a `flock` on each managed GPU's sysfs directory).
 //!
 //! [`HostRoot`] builds every sysfs/devfs path (and the boot-id file) under a configurable
 //! root: `/` on a real host, a `gpuvisor-sim` mount in tests. Processes are always the
@@ -8,6 +9,7 @@
 
 pub mod cgroup;
 pub mod check;
+pub mod lock;
 pub mod net;
 pub mod proc;
 

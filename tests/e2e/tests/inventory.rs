@@ -159,6 +159,41 @@ fn i11_a_second_agent_on_the_same_data_directory_exits_without_touching_anything
     assert_eq!(a.ok("instance.get", json!({"ref": "a"}))["state"], "running", "the first agent still serves");
 }
 
+/// Issue 18 finding 7 (I17): a second agent with another data directory and another
+/// socket, on the same host (the same simulator mount), refuses to start and names the
+/// first (its pid and data directory): nothing is written to the host, no socket is
+/// served, and the first agent keeps its VM. Agents on two different hosts (mounts) run
+/// side by side, as every test does.
+#[test]
+fn i17_a_second_agent_on_the_same_gpus_refuses_to_start_and_names_the_first() {
+    let a = Agent::start(HOST_V).unwrap();
+    a.create_gpu("a", "L40S-1Q").unwrap();
+    let before = writes(&a.state()).len();
+    let first_pid = a.agent_pids();
+    assert_eq!(first_pid.len(), 1);
+    let cfg = std::fs::read_to_string(&a.config_path).unwrap();
+    let other_data = a.dir.path().join("second-data");
+    let other_sock = a.dir.path().join("second.sock");
+    let second = a.dir.path().join("second.toml");
+    let cfg = cfg
+        .replace(&format!("{:?}", a.data_dir), &format!("{other_data:?}"))
+        .replace(&format!("{:?}", a.socket), &format!("{other_sock:?}"));
+    std::fs::write(&second, cfg).unwrap();
+    let (status, out) = serve_expecting_exit(&second, Duration::from_secs(30)).unwrap();
+    assert!(!status.success(), "BUG: a second agent started on the same GPUs: {out}");
+    assert!(out.contains("another gpuvisor agent manages GPU 0000:41:00.0"), "{out}");
+    assert!(out.contains(&a.data_dir.display().to_string()), "names the first agent's data dir: {out}");
+    let ns_pid = ns_pid(first_pid[0]).unwrap();
+    assert!(out.contains(&format!("pid {ns_pid}")), "names the first agent's pid: {out}");
+    assert!(!other_sock.exists(), "no socket");
+    assert_eq!(writes(&a.state()).len(), before, "no sysfs write");
+    assert_eq!(a.ok("instance.get", json!({"ref": "a"}))["state"], "running");
+    // Another host (another mount): both run.
+    let b = Agent::start(HOST_V).unwrap();
+    b.create_gpu("b", "L40S-1Q").unwrap();
+    assert_eq!(a.ok("instance.get", json!({"ref": "a"}))["state"], "running");
+}
+
 /// Regression: an unreadable `vfio-dev/` listing used to mean "no cdev targets" (a scan
 /// that could miss a holder); it must make the scan unknown and refuse the release.
 #[test]
@@ -198,16 +233,20 @@ fn s031_processes_that_exit_during_the_scan_are_skipped() {
     let _ = churn.wait();
 }
 
-/// Regression: a second agent (another data dir) pointed at a live agent's socket used to
-/// unlink it and take the first agent's clients.
+/// Regression: a second agent (another data dir, another host) pointed at a live agent's
+/// socket used to unlink it and take the first agent's clients.
 #[test]
 fn a_second_agent_never_replaces_a_live_agents_socket() {
     let a = Agent::start(HOST_V).unwrap();
     a.create_gpu("a", "L40S-1Q").unwrap();
+    let other_host = SimMount::start(HOST_V).unwrap();
     let cfg = std::fs::read_to_string(&a.config_path).unwrap();
     let other_data = a.dir.path().join("other-data");
     let second = a.dir.path().join("second.toml");
-    std::fs::write(&second, cfg.replace(&format!("{:?}", a.data_dir), &format!("{other_data:?}"))).unwrap();
+    let cfg = cfg
+        .replace(&format!("{:?}", a.data_dir), &format!("{other_data:?}"))
+        .replace(&format!("{:?}", a.sim.path()), &format!("{:?}", other_host.path()));
+    std::fs::write(&second, cfg).unwrap();
     let (status, out) = serve_expecting_exit(&second, Duration::from_secs(30)).unwrap();
     assert!(!status.success(), "{out}");
     assert!(out.contains("another process is serving"), "{out}");
