@@ -20,6 +20,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+/// The IPv4 address of every interface (`INADDR_ANY`).
+pub const ANY_ADDR: &str = "0.0.0.0";
+
 /// At most this many NICs per instance (the tap name carries one decimal digit).
 pub const MAX_NICS: usize = 8;
 /// At most this many host port forwards per `user` NIC.
@@ -119,7 +122,9 @@ pub fn valid_ifname(name: &str) -> bool {
 
 /// Checks the NICs of a create (`invalid_request` naming the field): at most [`MAX_NICS`],
 /// ports 1–65535, IPv4 host addresses, valid bridge names, no host port forwarded twice
-/// (same protocol and address, across all NICs).
+/// (same protocol and address — or `0.0.0.0` and any address — across all NICs). What
+/// depends on the host (the address is the host's, the port is one an unprivileged VMM may
+/// bind) is checked by the create (`instances::nics`).
 pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
     if nics.len() > MAX_NICS {
         return Err(ApiError::invalid_request(format!("nics: {} NICs; at most {MAX_NICS} are allowed", nics.len())));
@@ -156,16 +161,25 @@ pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
                             f.host_addr
                         )));
                     }
-                    let key = (f.proto, f.host_addr.as_str(), f.host_port);
-                    if seen.contains(&key) {
-                        return Err(ApiError::invalid_request(format!(
-                            "{at}: host port {}/{} on {} is forwarded twice",
-                            f.host_port,
-                            f.proto.as_str(),
-                            f.host_addr
-                        )));
+                    // The same port on the same address, or on 0.0.0.0 (every address) and
+                    // any other address: the second bind can never succeed.
+                    let clash = seen.iter().find(|(p, a, port)| {
+                        *p == f.proto && *port == f.host_port && (*a == f.host_addr || *a == ANY_ADDR || f.host_addr == ANY_ADDR)
+                    });
+                    if let Some((_, other, _)) = clash {
+                        return Err(ApiError::invalid_request(if *other == f.host_addr {
+                            format!("{at}: host port {}/{} on {} is forwarded twice", f.host_port, f.proto.as_str(), f.host_addr)
+                        } else {
+                            format!(
+                                "{at}: host port {}/{} on {} clashes with the same port on {other} (0.0.0.0 is every \
+                                 address): it could never be bound",
+                                f.host_port,
+                                f.proto.as_str(),
+                                f.host_addr
+                            )
+                        }));
                     }
-                    seen.push(key);
+                    seen.push((f.proto, f.host_addr.as_str(), f.host_port));
                 }
             }
         }
@@ -324,6 +338,11 @@ mod tests {
         assert!(e(&[user(vec![fwd(0, 80)])]).contains("nics[0].forwards[0].host_port"));
         assert!(e(&[user(vec![fwd(80, 65536)])]).contains("guest_port"));
         assert!(e(&[user(vec![fwd(8080, 80)]), user(vec![fwd(8080, 81)])]).contains("forwarded twice"));
+        // Issue 18 finding 9: 0.0.0.0 and 127.0.0.1 on one port can never both be bound.
+        let on = |a: &str| Forward { host_addr: a.into(), ..fwd(8080, 80) };
+        assert!(e(&[user(vec![on("0.0.0.0"), on("127.0.0.1")])]).contains("clashes with the same port on 0.0.0.0"));
+        assert!(e(&[user(vec![on("127.0.0.1")]), user(vec![on("0.0.0.0")])]).contains("clashes"));
+        assert!(check_nics(&[user(vec![on("127.0.0.1"), on("127.0.0.2")])]).is_ok(), "two addresses, one port");
         let mut udp = fwd(8080, 80);
         udp.proto = Proto::Udp;
         assert!(check_nics(&[user(vec![fwd(8080, 80), udp])]).is_ok(), "tcp and udp are different ports");

@@ -170,3 +170,32 @@ pub fn delete_link(name: &str) -> Result<(), NetError> {
         Err(e) => Err(e),
     }
 }
+
+/// `net.ipv4.ip_unprivileged_port_start`: the lowest port a process without
+/// `CAP_NET_BIND_SERVICE` may bind (`Documentation/networking/ip-sysctl.rst`; 1024 by
+/// default). Errors: the sysctl cannot be read or parsed.
+pub fn unprivileged_port_start() -> std::io::Result<u32> {
+    let path = "/proc/sys/net/ipv4/ip_unprivileged_port_start";
+    let text = std::fs::read_to_string(path)?;
+    text.trim()
+        .parse()
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{path} reads {:?}", text.trim())))
+}
+
+/// Whether an IPv4 address can be bound in the agent's network namespace: `0.0.0.0`, the
+/// loopback net `127.0.0.0/8` (routed to `lo` whole), an address of one of its interfaces
+/// (`getifaddrs(3)`), or any address while `net.ipv4.ip_nonlocal_bind` is on.
+/// Errors: the interfaces cannot be listed.
+pub fn ipv4_bindable(addr: std::net::Ipv4Addr) -> std::io::Result<bool> {
+    if addr.is_unspecified() || addr.is_loopback() {
+        return Ok(true);
+    }
+    if std::fs::read_to_string("/proc/sys/net/ipv4/ip_nonlocal_bind").is_ok_and(|s| s.trim() == "1") {
+        return Ok(true);
+    }
+    let addrs = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
+    Ok(addrs
+        .filter_map(|a| a.address)
+        .filter_map(|s| s.as_sockaddr_in().map(|sin| sin.ip()))
+        .any(|ip| ip == addr))
+}

@@ -40,7 +40,7 @@ impl Manager {
         };
         // What the host can give, and the capability gate, before anything is allocated.
         self.check_host_room(vcpus, memory_mib)?;
-        self.check_bridges(&req.nics)?;
+        self.check_nics_on_host(&req.nics)?;
         let devices: Vec<String> = whole.iter().filter_map(|w| w.address.clone()).collect();
         let hypervisor =
             self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework, &devices)?;

@@ -26,11 +26,55 @@ fn bridge_refusal(i: usize, e: NetError) -> ApiError {
 }
 
 impl Manager {
-    /// Every `bridge` NIC's bridge exists and is a bridge (`invalid_request` otherwise).
-    pub(crate) fn check_bridges(&self, nics: &[Nic]) -> Result<(), ApiError> {
+    /// What the NICs need from this host, before anything is claimed (`invalid_request`
+    /// naming the field otherwise): every `bridge` NIC's bridge exists and is a bridge, and
+    /// every `user` forward can be bound by the VMM — its address is this host's (or
+    /// `0.0.0.0`, or loopback) and, for an unprivileged VMM (`vmm_user` not root), its host
+    /// port is at least `net.ipv4.ip_unprivileged_port_start`. Such a forward would only fail
+    /// once the VMM starts (`vmm_start_failed`, after the device was configured).
+    pub(crate) fn check_nics_on_host(&self, nics: &[Nic]) -> Result<(), ApiError> {
+        let unprivileged = crate::hypervisor::confine::VmmUser::resolve(&self.cfg.vmm_user).is_ok_and(|u| u.is_some());
+        let mut port_start = None;
         for (i, nic) in nics.iter().enumerate() {
-            if let Nic::Bridge { bridge } = nic {
-                net::check_bridge(bridge).map_err(|e| bridge_refusal(i, e))?;
+            match nic {
+                Nic::Bridge { bridge } => net::check_bridge(bridge).map_err(|e| bridge_refusal(i, e))?,
+                Nic::User { forwards } => {
+                    for (j, f) in forwards.iter().enumerate() {
+                        let at = format!("nics[{i}].forwards[{j}]");
+                        let addr: std::net::Ipv4Addr = f.host_addr.parse().map_err(|_| {
+                            ApiError::invalid_request(format!("{at}.host_addr {:?} is not an IPv4 address", f.host_addr))
+                        })?;
+                        match net::ipv4_bindable(addr) {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                return Err(ApiError::invalid_request(format!(
+                                    "{at}.host_addr {addr} is not an address of this host: the VMM could never listen \
+                                     there (use 127.0.0.1, 0.0.0.0 or one of the host's addresses)"
+                                )))
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "the host's addresses cannot be listed: forward addresses are not checked")
+                            }
+                        }
+                        if !unprivileged {
+                            continue;
+                        }
+                        if port_start.is_none() {
+                            port_start = Some(net::unprivileged_port_start().unwrap_or_else(|e| {
+                                tracing::warn!(error = %e, "net.ipv4.ip_unprivileged_port_start cannot be read: 1024 assumed");
+                                1024
+                            }));
+                        }
+                        let start = port_start.unwrap_or(1024);
+                        if f.host_port < start {
+                            return Err(ApiError::invalid_request(format!(
+                                "{at}.host_port {} is below net.ipv4.ip_unprivileged_port_start ({start}): the VMM runs \
+                                 as the unprivileged {:?} and could never bind it (use a port of {start} or more)",
+                                f.host_port, self.cfg.vmm_user
+                            )));
+                        }
+                    }
+                }
             }
         }
         Ok(())

@@ -297,3 +297,37 @@ fn bad_nics_are_refused_naming_the_field_and_leave_nothing_behind() {
     assert!(a.data_files("instances").is_empty(), "no instance directory: {:?}", a.data_files("instances"));
     assert!(a.qemu_pids().is_empty());
 }
+
+/// Issue 18 finding 9: user-NIC forwards the unprivileged VMM could never bind — a host
+/// port below `net.ipv4.ip_unprivileged_port_start`, an address that is not this host's,
+/// the same port on `0.0.0.0` and `127.0.0.1` — are refused `invalid_request` naming the
+/// field before anything is claimed: no sysfs write, no claim, no record.
+#[test]
+fn forwards_that_can_never_bind_are_refused_before_anything_is_claimed() {
+    let a = Agent::start(HOST_V).unwrap();
+    let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_unprivileged_port_start").unwrap();
+    let low: u32 = start.trim().parse::<u32>().unwrap().saturating_sub(1).max(1);
+    let before = writes(&a.state()).len();
+    let cases: Vec<(Value, &str)> = vec![
+        (
+            json!([{"mode": "user", "forwards": [{"host_port": low, "guest_port": 80}]}]),
+            "ip_unprivileged_port_start",
+        ),
+        (
+            json!([{"mode": "user", "forwards": [{"host_port": 18080, "guest_port": 80, "host_addr": "192.0.2.77"}]}]),
+            "not an address of this host",
+        ),
+        (
+            json!([{"mode": "user", "forwards": [{"host_port": 18081, "guest_port": 80, "host_addr": "0.0.0.0"},
+                                                  {"host_port": 18081, "guest_port": 81}]}]),
+            "clashes with the same port on 0.0.0.0",
+        ),
+    ];
+    for (nics, says) in cases {
+        let e = a.err("instance.create", json!({"name": "f", "image": "demo", "gpu": "L40S-2Q", "nics": nics}));
+        assert_eq!((e.code, e.data_code.as_str()), (400, "invalid_request"), "BUG: {nics}: {e}");
+        assert!(e.message.contains(says) && e.message.contains("nics[0].forwards["), "{nics}: {e}");
+    }
+    assert_eq!(writes(&a.state()).len(), before, "no sysfs write");
+    assert!(a.claims().is_empty() && a.instance_names().is_empty() && a.qemu_pids().is_empty(), "nothing claimed or left");
+}
