@@ -1138,6 +1138,9 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                 })
                 .collect();
             table(&["NAME", "BYTES", "KERNEL", "DISK"], rows);
+            for u in &list.unreadable {
+                println!("unreadable image {}: {}", u.name, u.error);
+            }
         }
         Command::Plugin { action: PluginAction::Ls } => {
             let Some(list) = decode::<PluginList>(v) else { return exit::OK };

@@ -44,6 +44,8 @@
 //! | `pt_release_after_reset` | passthrough release: the GPU was reset, no function given back |
 //! | `pt_release_after_unbind` | passthrough release: a function was unbound from vfio-pci, not yet probed to its driver |
 //! | `boot_after_disk` | create/start: the disk overlay (and UEFI variable store) exist, nothing claimed |
+//! | `instance_dir_created` | create: the instance directory (and the name entry) exist, no record yet ([`LEFTOVERS`]) |
+//! | `import_after_stage` | image import: the kernel and initrd are copied into the hidden staging directory, not renamed ([`LEFTOVERS`]) |
 
 /// The crash-matrix points (every persisted step).
 pub const ALL: &[&str] = &[
@@ -71,6 +73,10 @@ pub const PASSTHROUGH: &[&str] = &["pt_bind_after_unbind", "pt_release_after_res
 
 /// The disk step of create/start (the crash test of `tests/e2e/tests/disks.rs`).
 pub const DISK: &[&str] = &["boot_after_disk"];
+
+/// Kills in the middle of an operation that leave something no record owns (an instance
+/// directory before its first record, an import's staging copy): the start-up removes it.
+pub const LEFTOVERS: &[&str] = &["instance_dir_created", "import_after_stage"];
 
 /// Points where races matter, for pausing (they abort too when configured `return`).
 pub const RACE: &[&str] =
@@ -130,6 +136,7 @@ mod pause {
                 .chain(super::RACE)
                 .chain(super::PASSTHROUGH)
                 .chain(super::DISK)
+                .chain(super::LEFTOVERS)
                 .map(|n| (n.to_string(), Point::default()))
                 .collect();
             (Mutex::new(names), Condvar::new())

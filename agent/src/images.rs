@@ -112,23 +112,84 @@ pub fn load(images_dir: &Path, name: &str) -> Result<Image, ApiError> {
     Ok(Image { name: m.name, kernel, initrd, cmdline: m.cmdline, size_bytes, disk })
 }
 
-/// Every image, sorted by name (broken ones are skipped with a warning).
-pub fn list(images_dir: &Path) -> Vec<Image> {
+/// An image directory whose manifest or files cannot be read (listed, never hidden).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct UnreadableImage {
+    /// The directory's name.
+    pub name: String,
+    /// Why it cannot be used (one sentence).
+    pub error: String,
+}
+
+/// Every image, sorted by name, and every image directory that cannot be read (its
+/// `image.toml` missing, unreadable or broken), each named with the reason: a view never
+/// hides what it cannot read. Errors: the images directory cannot be listed.
+pub fn list(images_dir: &Path) -> Result<(Vec<Image>, Vec<UnreadableImage>), ApiError> {
     let mut out = Vec::new();
-    if let Ok(rd) = fs::read_dir(images_dir) {
-        for e in rd.filter_map(|e| e.ok()) {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') {
-                continue;
-            }
-            match load(images_dir, &name) {
-                Ok(i) => out.push(i),
-                Err(err) => tracing::warn!(image = %name, error = %err, "skipping broken image"),
+    let mut unreadable = Vec::new();
+    let rd = match fs::read_dir(images_dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((out, unreadable)),
+        Err(e) => return Err(ApiError::internal(format!("cannot list {}: {e}", images_dir.display()))),
+    };
+    for e in rd {
+        let e = e.map_err(|e| ApiError::internal(format!("cannot list {}: {e}", images_dir.display())))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        match load(images_dir, &name) {
+            Ok(i) => out.push(i),
+            Err(err) => {
+                let error = if err.code == crate::error::ErrorCode::NotFound {
+                    format!("{} has no image.toml", images_dir.join(&name).display())
+                } else {
+                    err.message
+                };
+                unreadable.push(UnreadableImage { name, error })
             }
         }
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
-    out
+    unreadable.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((out, unreadable))
+}
+
+/// Copies the caller's `src` (the `what` of an import) to `dest` in the images
+/// directory. A source that cannot be opened or read is the caller's problem
+/// (`invalid_request`, "cannot read …"); a destination that cannot be written is the
+/// host's (`internal`): ENOSPC or EDQUOT says the images directory is full.
+fn copy_in(what: &str, src: &Path, dest: &Path) -> Result<(), ApiError> {
+    use std::io::{Read, Write};
+    let read_err = |e: std::io::Error| ApiError::invalid_request(format!("cannot read {what} {}: {e}", src.display()));
+    let mut from = fs::File::open(src).map_err(read_err)?;
+    let mut to = fs::OpenOptions::new().write(true).create_new(true).open(dest).map_err(|e| write_error(what, dest, e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(read_err(e)),
+        };
+        to.write_all(&buf[..n]).map_err(|e| write_error(what, dest, e))?;
+    }
+    to.sync_all().map_err(|e| write_error(what, dest, e))
+}
+
+/// The error of a write into the images directory: a full filesystem (ENOSPC, EDQUOT) is
+/// said as such, naming the directory.
+fn write_error(what: &str, dest: &Path, e: std::io::Error) -> ApiError {
+    let dir = dest.parent().and_then(Path::parent).unwrap_or(dest);
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => ApiError::internal(format!(
+            "the images directory {} is full ({}) while writing the {what}: free space there and import again; \
+             nothing was imported",
+            dir.display(),
+            crate::devices::errno_name(&e)
+        )),
+        _ => ApiError::internal(format!("cannot write the {what} into {}: {e}", dir.display())),
+    }
 }
 
 /// What `image.import` copies in: a kernel (with an initrd) for direct boot, a disk, or
@@ -142,12 +203,14 @@ pub struct ImportSource<'a> {
 }
 
 /// Copies a kernel (and initrd) and/or a disk into `images_dir/<name>/` and writes
-/// `image.toml` atomically (staged in a hidden directory, then renamed). The disk is
+/// `image.toml` atomically (staged in a hidden directory, then renamed; a staging
+/// directory a kill left is removed when the agent starts). The disk is
 /// inspected and copied with `qemu_img` ([`disks::inspect`], [`disks::copy_into_image`]:
 /// `disk.qcow2` or `disk.raw`, flattened). Errors: `invalid_request` for a bad name, a
 /// relative path, neither a kernel nor a disk, an initrd without a kernel, an unreadable
 /// source file, or a disk that is not a qcow2 or a partitioned raw disk or whose backing
-/// file is missing; `name_taken` if the image exists; `internal` when `qemu-img` cannot run.
+/// file is missing; `name_taken` if the image exists; `internal` when `qemu-img` cannot run
+/// or the images directory cannot be written (full: says so).
 pub fn import(images_dir: &Path, qemu_img: &Path, name: &str, src: &ImportSource<'_>) -> Result<Image, ApiError> {
     if !valid_name(name) {
         return Err(ApiError::invalid_request(format!(
@@ -177,15 +240,14 @@ pub fn import(images_dir: &Path, qemu_img: &Path, name: &str, src: &ImportSource
     let disk = src.disk.map(|d| disks::inspect(qemu_img, d).map(|info| (d, info))).transpose().map_err(disk_err)?;
     let stage = images_dir.join(format!(".{name}.{}", uuid::Uuid::new_v4().simple()));
     let res = (|| -> Result<(), ApiError> {
-        fs::create_dir_all(&stage).map_err(ApiError::internal)?;
+        fs::create_dir_all(&stage).map_err(|e| write_error("staging directory", &stage.join("."), e))?;
         if let Some(k) = src.kernel {
-            fs::copy(k, stage.join("vmlinuz"))
-                .map_err(|e| ApiError::invalid_request(format!("cannot read kernel {}: {e}", k.display())))?;
+            copy_in("kernel", k, &stage.join("vmlinuz"))?;
         }
         if let Some(i) = src.initrd {
-            fs::copy(i, stage.join("initrd.img"))
-                .map_err(|e| ApiError::invalid_request(format!("cannot read initrd {}: {e}", i.display())))?;
+            copy_in("initrd", i, &stage.join("initrd.img"))?;
         }
+        crate::crash_point!("import_after_stage");
         let disk_file = disk.as_ref().map(|(_, info)| format!("disk.{}", info.format));
         if let (Some((d, info)), Some(f)) = (&disk, &disk_file) {
             disks::copy_into_image(qemu_img, d, info, &stage.join(f)).map_err(disk_err)?;
@@ -200,7 +262,7 @@ pub fn import(images_dir: &Path, qemu_img: &Path, name: &str, src: &ImportSource
             disk_virtual_size_bytes: disk.as_ref().map(|(_, i)| i.virtual_size_bytes),
         };
         let text = toml::to_string(&m).map_err(ApiError::internal)?;
-        fs::write(stage.join("image.toml"), text).map_err(ApiError::internal)?;
+        fs::write(stage.join("image.toml"), text).map_err(|e| write_error("manifest", &stage.join("image.toml"), e))?;
         fs::rename(&stage, &dir).map_err(ApiError::internal)?;
         Ok(())
     })();

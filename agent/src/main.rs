@@ -99,6 +99,8 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
     let interval = std::time::Duration::from_secs(cfg.reconcile_interval_s);
     let manager = Arc::new(Manager::with_config_path(cfg, config_path, store, policies));
     manager.check_managed_gpus();
+    // What a kill left behind that no record owns goes before anything can run.
+    manager.remove_leftovers();
     // The reconciler: one pass at startup (new claims answer not_ready until it had a
     // complete observation), then one every reconcile_interval_s.
     let rm = manager.clone();

@@ -633,6 +633,7 @@ impl Store {
         if !dir.exists() {
             fs::create_dir_all(&dir).map_err(|e| StoreError::io(&dir, e))?;
             fsync_dir(&self.root.join("instances"))?;
+            crate::crash_point!("instance_dir_created");
         }
         // The state it had on disk: an unreadable record counts as a change (from unknown).
         let before = read_json_opt::<InstanceRecord>(&self.instance_path(rec.id)).ok().flatten().map(|r| r.state);
@@ -732,6 +733,77 @@ impl Store {
         }
         self.events.publish(EventKind::InstanceDeleted { instance_id: id.to_string(), name });
         Ok(())
+    }
+
+    // ----- leftovers of interrupted operations
+
+    /// What an operation killed midway left that no record owns (INVARIANTS.md I10):
+    /// an instance directory without `instance.json` (a create killed before its first
+    /// record was written, a delete killed after removing it), a name index entry whose
+    /// instance has no record, a temp file of an atomic write (`.<file>.<pid>.<n>.tmp`) in
+    /// any store directory, and the hidden staging directory of an image import
+    /// (`images/.<name>.<n>`). Only meaningful while no operation runs (at start, before the
+    /// first pass). Errors: a store directory cannot be listed.
+    pub fn leftovers(&self) -> Result<Vec<Leftover>> {
+        let mut out = Vec::new();
+        let instances = self.root.join("instances");
+        for name in list_all(&instances)? {
+            let dir = instances.join(&name);
+            let Ok(id) = Uuid::parse_str(&name) else { continue };
+            if !dir.is_dir() {
+                continue;
+            }
+            if self.instance_path(id).exists() {
+                out.extend(temp_files(&dir)?.into_iter().map(Leftover::TempFile));
+            } else {
+                out.push(Leftover::InstanceDir(id));
+            }
+        }
+        for name in list_names(&self.root.join("names"))? {
+            match self.name_owner(&name) {
+                // Listed after the instance directories: removed once its directory is gone.
+                Ok(Some(id)) if !self.instance_path(id).exists() => out.push(Leftover::Name(name)),
+                _ => {}
+            }
+        }
+        for sub in ["", "claims", "health", "mdevs", "names"] {
+            out.extend(temp_files(&self.root.join(sub))?.into_iter().map(Leftover::TempFile));
+        }
+        let images = self.images_dir();
+        for name in list_all(&images)? {
+            if name.starts_with('.') && images.join(&name).is_dir() {
+                out.push(Leftover::ImageStage(images.join(name)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes one [`Leftover`] (an instance directory only while it still has no record;
+    /// a name entry only while it still names no record).
+    pub fn remove_leftover(&self, l: &Leftover) -> Result<()> {
+        let gone = |p: &Path, r: io::Result<()>| match r {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(p, e)),
+        };
+        match l {
+            Leftover::InstanceDir(id) => {
+                if self.instance_path(*id).exists() {
+                    return Ok(());
+                }
+                let dir = self.instance_dir(*id);
+                gone(&dir, fs::remove_dir_all(&dir))?;
+                fsync_dir(&self.root.join("instances"))
+            }
+            Leftover::Name(name) => match self.name_owner(name)? {
+                Some(id) if !self.instance_path(id).exists() && !self.instance_dir(id).exists() => {
+                    remove_file_durable(&self.name_path(name), &self.root.join("names"))
+                }
+                _ => Ok(()),
+            },
+            Leftover::TempFile(p) => gone(p, fs::remove_file(p)),
+            Leftover::ImageStage(p) => gone(p, fs::remove_dir_all(p)),
+        }
     }
 
     // ----- names
@@ -908,6 +980,55 @@ impl Store {
     pub fn images_dir(&self) -> PathBuf {
         self.root.join("images")
     }
+}
+
+/// Something an interrupted operation left that no record owns ([`Store::leftovers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leftover {
+    /// `instances/<id>/` without `instance.json`.
+    InstanceDir(Uuid),
+    /// `names/<name>` whose instance has no record.
+    Name(String),
+    /// A temp file of an atomic write.
+    TempFile(PathBuf),
+    /// `images/.<name>.<n>/`, the staging copy of an import.
+    ImageStage(PathBuf),
+}
+
+impl std::fmt::Display for Leftover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Leftover::InstanceDir(id) => write!(f, "instance directory {id} without a record"),
+            Leftover::Name(n) => write!(f, "name index entry {n:?} whose instance has no record"),
+            Leftover::TempFile(p) => write!(f, "temp file {}", p.display()),
+            Leftover::ImageStage(p) => write!(f, "staging copy of an image import {}", p.display()),
+        }
+    }
+}
+
+/// Every entry of a directory (hidden ones too), sorted; a missing directory has none.
+fn list_all(dir: &Path) -> Result<Vec<String>> {
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(StoreError::io(dir, e)),
+    };
+    let mut names = Vec::new();
+    for ent in rd {
+        names.push(ent.map_err(|e| StoreError::io(dir, e))?.file_name().to_string_lossy().into_owned());
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// The temp files of atomic writes in `dir` (`.<file>.<pid>.<n>.tmp`, see `write_temp`).
+fn temp_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    Ok(list_all(dir)?
+        .into_iter()
+        .filter(|n| n.starts_with('.') && n.ends_with(".tmp"))
+        .map(|n| dir.join(n))
+        .filter(|p| p.is_file())
+        .collect())
 }
 
 /// Lists the record names of a directory, skipping hidden files (our temp files start

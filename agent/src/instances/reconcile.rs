@@ -125,6 +125,41 @@ impl Manager {
         }
     }
 
+    /// At start, before the first pass and before any call is served: removes what
+    /// operations killed midway left that no record owns ([`crate::store::Leftover`]: an
+    /// instance directory without a record, a stale name entry, temp files of atomic
+    /// writes, the staging copy of an image import), each named in a WARN. An instance
+    /// directory whose control socket a live process owns is kept (and said so). Returns
+    /// what was removed.
+    pub fn remove_leftovers(&self) -> Vec<String> {
+        let leftovers = match self.store().leftovers() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for what interrupted operations left");
+                return Vec::new();
+            }
+        };
+        let boot_id = self.host().boot_id().ok();
+        let mut removed = Vec::new();
+        for l in leftovers {
+            if let crate::store::Leftover::InstanceDir(id) = &l {
+                let dead = boot_id.as_deref().is_some_and(|b| self.prove_dead(*id, None, b).is_ok());
+                if !dead {
+                    tracing::warn!(instance.id = %id, "kept an instance directory without a record: its VMM is not provably dead");
+                    continue;
+                }
+            }
+            match self.store().remove_leftover(&l) {
+                Ok(()) => {
+                    tracing::warn!(leftover = %l, "removed what an interrupted operation left (no record owns it)");
+                    removed.push(l.to_string());
+                }
+                Err(e) => tracing::warn!(leftover = %l, error = %e, "cannot remove what an interrupted operation left"),
+            }
+        }
+        removed
+    }
+
     /// Runs one reconcile pass now. Never fails: problems are in the report and counted.
     /// The first pass with a complete observation makes the agent ready (I13). Passes never
     /// overlap: a `reconcile.run` during the periodic pass waits for it.

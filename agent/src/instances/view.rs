@@ -534,6 +534,10 @@ pub struct PluginList {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ImageList {
     pub images: Vec<crate::images::Image>,
+    /// Image directories that cannot be read (a broken or missing `image.toml`): listed with
+    /// why, never hidden.
+    #[serde(default)]
+    pub unreadable: Vec<crate::images::UnreadableImage>,
 }
 
 /// `image.delete`.

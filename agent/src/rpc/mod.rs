@@ -127,9 +127,8 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     with_params!(module, "gpu.unquarantine", |m, u: UnquarantineParams| m.unquarantine(u));
     with_params!(module, "placement.dry_run", |m, d: DryRunParams| m.dry_run(d));
     with_params!(module, "image.import", |m, i: ImportParams| m.import_image(&i));
-    without_params!(module, "image.list", |m| Ok(crate::instances::view::ImageList {
-        images: crate::images::list(&m.store().images_dir())
-    }));
+    without_params!(module, "image.list", |m| crate::images::list(&m.store().images_dir())
+        .map(|(images, unreadable)| crate::instances::view::ImageList { images, unreadable }));
     with_params!(module, "image.delete", |m, n: NameParams| m.delete_image(&n.name));
     without_params!(module, "plugin.list", |m| Ok(m.plugin_list()));
     without_params!(module, "plugin.reload", |m| m.reload_plugins());

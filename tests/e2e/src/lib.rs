@@ -1250,6 +1250,46 @@ pub fn all_failpoints() -> Vec<String> {
     body.split('"').skip(1).step_by(2).map(String::from).collect()
 }
 
+/// A small tmpfs on a fresh temp directory (a data directory that can fill up), unmounted
+/// (lazily) on drop: declare it before the [`Agent`] that uses it, so the agent goes first.
+pub struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (e.g. `"24m"`).
+    pub fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::Builder::new().prefix("gpuvisor-tmpfs.").tempdir().expect("tempdir");
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .expect("mount");
+        assert!(st.success(), "mount tmpfs");
+        Tmpfs { dir }
+    }
+
+    /// The mount point.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Fills the filesystem to the last byte (appending to `fill` in it).
+    pub fn fill(&self) {
+        let mut f =
+            std::fs::OpenOptions::new().create(true).append(true).open(self.path().join("fill")).expect("fill file");
+        while f.write_all(&[0u8; 65536]).is_ok() {}
+        while f.write_all(&[0u8; 1]).is_ok() {}
+        let _ = f.sync_all();
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
+    }
+}
+
 /// `target/debug/e2e-helper` (`tests/e2e/src/bin/e2e-helper.rs`, built by `cargo build
 /// --workspace --bins`): process shapes `sh` cannot make (holders, non-dumpable processes,
 /// zombie leaders).

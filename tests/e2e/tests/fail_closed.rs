@@ -864,28 +864,13 @@ while True:
     time.sleep(1)
 "#;
 
-/// Unmounts (lazily) on drop.
-struct Tmpfs(PathBuf);
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
 /// The rollback's own stop of the VMM fails: the VMM came up (its identity is known) but the
 /// `running` record could not be written (full disk), and the VMM then survives SIGKILL.
 /// The answer is `vgpu_cleanup_pending` whose `cause.release_error.code` is
 /// `vmm_kill_failed`; the claim is retained and the VF untouched.
 #[test]
 fn a_rollback_whose_own_stop_cannot_kill_the_vmm_has_release_error_vmm_kill_failed() {
-    let mnt = tempfile::Builder::new().prefix("gpuvisor-tmpfs.").tempdir().unwrap();
-    let st = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"])
-        .arg(mnt.path())
-        .status()
-        .unwrap();
-    assert!(st.success(), "mount tmpfs");
-    let _guard = Tmpfs(mnt.path().to_path_buf());
+    let mnt = Tmpfs::mount("24m");
     let data = mnt.path().join("data");
     std::fs::create_dir(&data).unwrap();
     let tools = tempfile::tempdir().unwrap();

@@ -5,7 +5,6 @@
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 /// Host V: one L40S with 4 VFs `.4`–`.7`.
@@ -325,30 +324,17 @@ fn s025_the_vgpu_is_released_before_any_other_teardown() {
     assert_eq!(w.last().unwrap()["result"], "ok", "{w:?}");
 }
 
-/// Unmounts (lazily) on drop.
-struct Tmpfs(PathBuf);
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
 /// Host V with the agent's data directory on a 24 MiB tmpfs (paused QEMUs). Fields drop in
-/// order: the agent and its VMs, the QEMU wrapper, the mount, the mount point.
+/// order: the agent and its VMs, the QEMU wrapper, the mount.
 struct SmallDisk {
     a: Agent,
     _w: QemuWrapper,
-    _guard: Tmpfs,
-    mnt: tempfile::TempDir,
+    mnt: Tmpfs,
 }
 
 impl SmallDisk {
     fn start() -> SmallDisk {
-        let mnt = tempfile::Builder::new().prefix("gpuvisor-tmpfs.").tempdir().unwrap();
-        let st =
-            Command::new("mount").args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"]).arg(mnt.path()).status().unwrap();
-        assert!(st.success(), "mount tmpfs");
-        let guard = Tmpfs(mnt.path().to_path_buf());
+        let mnt = Tmpfs::mount("24m");
         let data = mnt.path().join("data");
         std::fs::create_dir(&data).unwrap();
         let w = QemuWrapper::new();
@@ -356,16 +342,12 @@ impl SmallDisk {
         let a =
             Agent::start_tuned(AgentOptions { model: HOST_V, extra: &extra, ..Default::default() }, Some(data), &[])
                 .unwrap();
-        SmallDisk { a, _w: w, _guard: guard, mnt }
+        SmallDisk { a, _w: w, mnt }
     }
 
-    /// Fills the filesystem to the last byte (appending to `fill`).
+    /// Fills the filesystem to the last byte.
     fn fill(&self) {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.mnt.path().join("fill")).unwrap();
-        while f.write_all(&[0u8; 65536]).is_ok() {}
-        while f.write_all(&[0u8; 1]).is_ok() {}
-        let _ = f.sync_all();
+        self.mnt.fill();
     }
 }
 
