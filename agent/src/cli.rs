@@ -28,6 +28,9 @@ pub mod exit {
     /// The operation is done, but a GPU release is pending (`release_pending`,
     /// `vgpu_cleanup_pending`): the device is still blocked and the agent retries.
     pub const RELEASE_PENDING: i32 = 4;
+    /// The operation is done, but the device it gave back was quarantined
+    /// (`released_device_quarantined`): it is not handed out again until an operator clears it.
+    pub const DEVICE_QUARANTINED: i32 = 5;
 }
 
 /// The version line: the crate version and the build kind (a failpoint build says so).
@@ -952,6 +955,13 @@ fn print_instance(i: &InstanceView) -> i32 {
     for w in &i.warnings {
         println!("warning: {w}");
     }
+    if let Some(q) = &i.released_device_quarantined {
+        println!(
+            "GPU {} was given back QUARANTINED ({}: {}); clear it once repaired: gpuvisor gpus unquarantine {}",
+            q.device, q.reason, q.detail, q.device
+        );
+        return exit::DEVICE_QUARANTINED;
+    }
     match gpu {
         Some(g) if g.release_pending => {
             let why = g.last_error.clone().or(g.claim_unreadable.clone()).or(i.last_error.clone()).unwrap_or_default();
@@ -970,6 +980,7 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
     if cli.output == Output::Json {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
         return match &cli.command {
+            Command::Stop { .. } if v["released_device_quarantined"].is_object() => exit::DEVICE_QUARANTINED,
             Command::Stop { .. } | Command::Start { .. } | Command::Create { .. }
                 if v["gpu"]["release_pending"] == true =>
             {

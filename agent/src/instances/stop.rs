@@ -60,10 +60,32 @@ impl Manager {
         };
         // The VMM is provably dead: release (a failed release keeps the claim). A claim that
         // cannot be read is left alone (fail closed); the stop itself is done.
+        let mut quarantined = None;
         match self.claim_of(&rec) {
             Ok(OwnedClaim::Claim(c)) => {
-                if let Err(e) = self.release(Release::Claim(&c, dead), Duration::from_secs(self.cfg.release_retry_s)) {
-                    rec.last_error = Some(format!("GPU release pending: {e}"));
+                let marked_before = self.quarantine_mark(&c.device).is_some();
+                match self.release(Release::Claim(&c, dead), Duration::from_secs(self.cfg.release_retry_s)) {
+                    Err(e) => rec.last_error = Some(format!("GPU release pending: {e}")),
+                    // Given back, but the release quarantined it (a passthrough GPU whose
+                    // reset failed): a success that must not read as plain success.
+                    Ok(_) if !marked_before => {
+                        if let Some(h) = self.quarantine_mark(&c.device) {
+                            let note = format!(
+                                "GPU {} was given back but quarantined ({}: {}): it is not handed out again until an \
+                                 operator repairs it and clears the mark (gpuvisor gpus unquarantine {})",
+                                c.device, h.reason, h.detail, c.device
+                            );
+                            tracing::error!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %c.device,
+                                reason = %h.reason, "the stop gave the GPU back quarantined");
+                            rec.last_error = Some(note);
+                            quarantined = Some(super::view::QuarantinedDevice {
+                                device: c.device.clone(),
+                                reason: h.reason,
+                                detail: h.detail,
+                            });
+                        }
+                    }
+                    Ok(_) => {}
                 }
             }
             Ok(OwnedClaim::None) => {}
@@ -83,6 +105,13 @@ impl Manager {
         rec.transition(InstanceState::Stopped)?;
         self.store.write_instance(&rec)?;
         crate::crash_point!("stop_after_stopped");
-        Ok(self.view_after(&rec))
+        let mut view = self.view_after(&rec);
+        view.released_device_quarantined = quarantined;
+        Ok(view)
+    }
+
+    /// The quarantine mark of `device`, if it has one.
+    fn quarantine_mark(&self, device: &str) -> Option<crate::store::HealthRecord> {
+        self.store.read_health(device).ok().flatten().filter(|h| h.quarantined)
     }
 }

@@ -129,6 +129,11 @@ pub struct InstanceView {
     /// Things the answer could not check (e.g. unreadable claim records).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+    /// In the answer of the stop that gave its device back: the device was given back but
+    /// quarantined by that release (e.g. a passthrough GPU whose reset failed) — it is not
+    /// handed out again until an operator clears the mark.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_device_quarantined: Option<QuarantinedDevice>,
     /// The virtio-net NICs, in guest order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nics: Vec<NicView>,
@@ -205,6 +210,15 @@ pub struct InstanceList {
     pub instances: Vec<InstanceView>,
     /// Instance records that cannot be read (listed, never hidden).
     pub unreadable: Vec<UnreadableRecord>,
+}
+
+/// A device an operation gave back and quarantined (`released_device_quarantined`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct QuarantinedDevice {
+    pub device: String,
+    /// The mark's reason, e.g. `reset_failed`.
+    pub reason: String,
+    pub detail: String,
 }
 
 /// A health mark.
@@ -782,6 +796,7 @@ impl Manager {
                 gave_up: rec.restarts.gave_up,
             },
             warnings: vec![],
+            released_device_quarantined: None,
             nics: rec
                 .nics
                 .iter()
@@ -1174,6 +1189,14 @@ impl Manager {
             ));
         }
         problems.extend(self.reconciler_problems());
+        // The release guard's open-handle scan reads every process's fds and refuses every
+        // release (`scan_incomplete`) while one cannot be read: say so before a release does.
+        if let Err(e) = crate::host::proc::fd_tables_readable() {
+            problems.push(format!(
+                "the open-handle scan cannot read every process's fds ({e}): every device release is refused \
+                 (scan_incomplete) until it can; see gpuvisor host check"
+            ));
+        }
         HealthView {
             live: true,
             ready: store_readable && mode.is_ok() && self.is_ready(),

@@ -325,6 +325,30 @@ fn s057_a_wedged_gpu_is_quarantined_after_one_reset() {
     assert_eq!(a.sim_writes()[n..].iter().filter(|(p, _, _)| p.ends_with(&format!("{P1}/reset"))).count(), 1);
 }
 
+/// Issue 18 finding 11: a stop whose give-back quarantines the GPU (its reset fails: the
+/// GPU is wedged) says so — the answer carries `released_device_quarantined`, `last_error`
+/// names the mark, and `gpuvisor stop` prints it and exits 5 — never a plain success.
+#[test]
+fn a_stop_that_gives_back_a_quarantined_gpu_says_so_in_the_answer_the_table_and_the_exit_code() {
+    let a = agent("");
+    create_pt(&a, "s", Some(P1)).unwrap();
+    create_pt(&a, "t", Some(P0)).unwrap();
+    a.sim.ctl(&["wedge", P1]).unwrap();
+    a.sim.ctl(&["wedge", P0]).unwrap();
+    let v = a.ok("instance.stop", json!({"ref": "s", "force": true}));
+    assert_eq!(v["state"], "stopped", "{v}");
+    assert_eq!(v["released_device_quarantined"]["device"], P1, "BUG: a plain success: {v}");
+    assert_eq!(v["released_device_quarantined"]["reason"], "reset_failed", "{v}");
+    assert!(v["last_error"].as_str().is_some_and(|e| e.contains("quarantined")), "{v}");
+    assert_eq!(drivers(&a, P1), boot_p1(), "its functions are given back");
+    let o = a.cli(&["stop", "t", "--force"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(5), "the exit code says it: {o:?}");
+    assert!(out.contains("QUARANTINED") && out.contains(P0) && out.contains("unquarantine"), "{out}");
+    let got = a.ok("instance.get", json!({"ref": "t"}));
+    assert!(got["last_error"].as_str().is_some_and(|e| e.contains("quarantined")), "{got}");
+}
+
 /// S058: the agent restarts with p0 on vfio-pci held by CC's QEMU and p1 on vfio-pci with
 /// no holder (DD's delete crashed after its QEMU died). Resources never show zero GPUs nor
 /// both as used by running instances; the pass finishes DD's delete (p1 back on its boot

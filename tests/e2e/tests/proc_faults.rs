@@ -319,6 +319,32 @@ fn s030b_an_unlistable_fd_directory_blocks_the_release() {
     s030_steps(&a, &id, nspid, &mut holder);
 }
 
+/// Issue 18 finding 11: an agent whose open-handle scan cannot read another process's fds
+/// (it runs without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH, a process of uid 1000 in its
+/// namespace) is not plainly healthy: `agent.health` is `degraded` and names the unreadable
+/// fd table, before any release is refused for it.
+#[test]
+fn health_names_an_fd_table_the_open_handle_scan_cannot_read() {
+    let w = QemuWrapper::new();
+    let mut a = agent(&w);
+    let holder = NsProc::spawn(
+        &a,
+        "setpriv",
+        &["--reuid=1000", "--regid=1000", "--clear-groups", "--", "sh", "-c", "echo pid $$; exec sleep 3031"],
+    );
+    let nspid = holder.printed_pid("pid");
+    let wrap = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"];
+    a.wrap = wrap.iter().map(|s| s.to_string()).collect();
+    a.restart().unwrap();
+    let h = a.ok("agent.health", json!({}));
+    assert_eq!(h["degraded"], true, "{h}");
+    let problems = h["problems"].to_string();
+    assert!(
+        problems.contains("open-handle scan") && names_proc_fd(&problems, nspid),
+        "BUG: health does not name the unreadable fd table of {nspid}: {h}"
+    );
+}
+
 #[test]
 fn s033a_a_zombie_direct_child_is_dead_reaped_and_released() {
     let w = QemuWrapper::new();
