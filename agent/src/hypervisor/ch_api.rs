@@ -87,7 +87,21 @@ impl<'a> ChApi<'a> {
         }
     }
 
+    /// One request on its own current-thread runtime. A caller on a thread that is inside
+    /// a tokio runtime (which may not start another one there: "Cannot start a runtime from
+    /// within a runtime") gets the exchange run on a thread of its own.
     fn exchange(&self, method: Method, endpoint: &str, body: Option<Vec<u8>>) -> Result<(u16, Bytes), String> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return std::thread::scope(|s| {
+                s.spawn(|| self.exchange_here(method, endpoint, body))
+                    .join()
+                    .unwrap_or_else(|_| Err("the request's thread panicked".to_string()))
+            });
+        }
+        self.exchange_here(method, endpoint, body)
+    }
+
+    fn exchange_here(&self, method: Method, endpoint: &str, body: Option<Vec<u8>>) -> Result<(u16, Bytes), String> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -142,6 +156,19 @@ fn error_array(body: &[u8]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 18 finding 9: a request from a thread inside a tokio runtime (as `host check`
+    /// runs in the CLI's) answers — never "Cannot start a runtime from within a runtime".
+    #[test]
+    fn a_request_from_inside_a_runtime_does_not_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("ch.sock");
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let r = rt.block_on(async { ChApi::new(&sock, Duration::from_millis(200)).get("vmm.ping") });
+        let e = r.unwrap_err();
+        assert_eq!(e.status, None);
+        assert!(e.errors[0].contains("cannot connect"), "{e}");
+    }
 
     #[test]
     fn an_error_array_is_kept_verbatim_and_anything_else_as_one_string() {

@@ -260,6 +260,18 @@ impl Driver for CloudHypervisor {
             .tempdir()
             .map_err(|e| format!("cannot make a directory for the probe: {e}"))?;
         let socket = dir.path().join("ch.sock");
+        // Killed and reaped on every way out (a panic too): the probe never leaves its
+        // throw-away VMM running.
+        struct ProbeVmm(std::process::Child);
+        impl Drop for ProbeVmm {
+            fn drop(&mut self) {
+                if self.0.try_wait().ok().flatten().is_none() {
+                    // Our own child, not yet reaped: its pid cannot have been reused.
+                    let _ = self.0.kill();
+                    let _ = self.0.wait();
+                }
+            }
+        }
         let mut child = std::process::Command::new(binary)
             .arg("--api-socket")
             .arg(api_socket_arg(&socket).map_err(|e| e.to_string())?)
@@ -268,15 +280,16 @@ impl Driver for CloudHypervisor {
             .stderr(std::process::Stdio::piped())
             .process_group(0)
             .spawn()
+            .map(ProbeVmm)
             .map_err(|e| format!("{} cannot be run: {e}", binary.display()))?;
         let deadline = std::time::Instant::now() + super::process::PROBE_TIMEOUT;
         let answer = loop {
             match ChApi::new(&socket, Duration::from_secs(2)).get("vmm.ping") {
                 Ok(body) => break Ok(body),
                 Err(e) => {
-                    if let Ok(Some(status)) = child.try_wait() {
+                    if let Ok(Some(status)) = child.0.try_wait() {
                         let mut err = String::new();
-                        if let Some(mut s) = child.stderr.take() {
+                        if let Some(mut s) = child.0.stderr.take() {
                             let _ = std::io::Read::read_to_string(&mut s, &mut err);
                         }
                         break Err(format!(
@@ -294,14 +307,10 @@ impl Driver for CloudHypervisor {
         };
         let _ = ChApi::new(&socket, Duration::from_secs(2)).put("vmm.shutdown", None);
         let stop_deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while child.try_wait().ok().flatten().is_none() && std::time::Instant::now() < stop_deadline {
+        while child.0.try_wait().ok().flatten().is_none() && std::time::Instant::now() < stop_deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
-        if child.try_wait().ok().flatten().is_none() {
-            // Our own child, not yet reaped: its pid cannot have been reused.
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        drop(child);
         let body = answer?;
         let ping: serde_json::Value =
             serde_json::from_slice(&body).map_err(|e| format!("vmm.ping answered something that is not JSON: {e}"))?;

@@ -207,3 +207,35 @@ fn host_check_over_json_rpc_is_the_same_report() {
     let after: Vec<Value> = log_after(&a.state(), before);
     assert!(after.is_empty(), "host.check wrote to or opened simulated host files: {after:#?}");
 }
+
+/// Issue 18 finding 9: `host check` with a working Cloud Hypervisor configured (the real
+/// binary) answers — no "Cannot start a runtime from within a runtime" panic — with the
+/// probe's version, and leaves no `cloud-hypervisor` process behind (it runs in a PID
+/// namespace of its own here, so whatever it left is found there).
+#[test]
+fn host_check_probes_a_real_cloud_hypervisor_without_panicking_or_leaving_it_running() {
+    let Some(ch) = real_cloud_hypervisor() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("gpuvisor.toml");
+    std::fs::write(&cfg, format!("cloud_hypervisor_binary = {ch:?}\n")).unwrap();
+    let ns = PidNs::new().unwrap();
+    let out = ns
+        .command(agent_binary())
+        .args(["host", "check", "-o", "json", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "BUG: host check panicked: {stderr}");
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{out:?}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out:?}"));
+    let (v, d) = line(&r, "cloud-hypervisor");
+    assert_eq!(v, "ok", "{d}");
+    assert!(d.contains("cloud-hypervisor 53."), "{d}");
+    let ns_link = std::fs::read_link(format!("/proc/{}/ns/pid", ns.init_pid)).unwrap();
+    let left = pids_where(|c| c.contains("cloud-hypervisor") && c.contains("--api-socket"))
+        .into_iter()
+        .filter(|p| std::fs::read_link(format!("/proc/{p}/ns/pid")).ok().as_ref() == Some(&ns_link))
+        .collect::<Vec<_>>();
+    assert!(left.is_empty(), "BUG: the probe's cloud-hypervisor still runs: {left:?}");
+}
