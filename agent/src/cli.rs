@@ -191,6 +191,9 @@ pub enum Command {
         /// Print the console log (the rotated part first) instead of attaching.
         #[arg(long)]
         log: bool,
+        /// Detach the `gpuvisor console` session attached to it now, and take over.
+        #[arg(long, conflicts_with = "log")]
+        force: bool,
     },
     /// Start a stopped instance.
     Start { name: String },
@@ -666,7 +669,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
             };
             return plugin_test::run(cli.output, &args);
         }
-        Command::Console { name, log } => return console(cli, name, *log).await,
+        Command::Console { name, log, force } => return console(cli, name, *log, *force).await,
         Command::Host { action: HostAction::Check(args) } => return host_check(cli, args),
         Command::Events { types, count } => return events(cli, types, *count).await,
         Command::Reconcile => ("reconcile.run", json!({})),
@@ -851,7 +854,7 @@ pub fn event_line(ev: &crate::events::Event) -> String {
     format!("{} #{:<5} {:<16} {what}", ev.time, ev.seq, ev.kind.type_name())
 }
 
-async fn console(cli: &Cli, name: &str, log: bool) -> i32 {
+async fn console(cli: &Cli, name: &str, log: bool, force: bool) -> i32 {
     let v = match client::call(&cli.socket, "instance.get", json!({ "ref": name })).await {
         Ok(v) => v,
         Err(e) => {
@@ -885,8 +888,20 @@ async fn console(cli: &Cli, name: &str, log: bool) -> i32 {
         eprintln!("error: {name} is {}, not running", i.state.as_str());
         return exit::ERROR;
     }
-    eprint!("Connected to the console of {name} (escape character is ^])\r\n");
     let sock = PathBuf::from(sock);
+    let session = match console_session(name, &i.id, &sock, force).await {
+        Ok(s) => s,
+        Err(msg) => {
+            eprintln!("error: {msg}");
+            return exit::ERROR;
+        }
+    };
+    // A `--force` of another client detaches this one: it restores the terminal and says so.
+    crate::console::serve_takeovers(
+        session,
+        format!("Detached: another `gpuvisor console --force` took over the console of {name}."),
+    );
+    eprint!("Connected to the console of {name} (escape character is ^])\r\n");
     match tokio::task::spawn_blocking(move || crate::console::attach(&sock)).await {
         Ok(Ok(d)) => {
             eprint!("\r\n{}\r\n", if d == crate::console::Detach::Closed { "Console closed." } else { "Detached." });
@@ -899,6 +914,60 @@ async fn console(cli: &Cli, name: &str, log: bool) -> i32 {
         Err(e) => {
             eprintln!("error: {e}");
             exit::ERROR
+        }
+    }
+}
+
+/// Takes the console session of instance `id` (one per console, as `virsh console`): a
+/// second `gpuvisor console` is refused naming the first's pid, or — `force` — the first
+/// is asked to detach and this one takes over. Refused too while a client that is not a
+/// `gpuvisor console` is connected to `sock` (QEMU serves one client; another would sit in
+/// its backlog, a dead session). Holds the session as long as the returned listener lives.
+async fn console_session(
+    name: &str,
+    id: &str,
+    sock: &std::path::Path,
+    force: bool,
+) -> Result<std::os::unix::net::UnixListener, String> {
+    use crate::console::SessionError;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut asked = false;
+    let session = loop {
+        match crate::console::take_session(id) {
+            Ok(l) => break l,
+            Err(SessionError::Held { pid }) => {
+                let who = pid.map(|p| format!("pid {p}")).unwrap_or_else(|| "another process".into());
+                if !force {
+                    return Err(format!(
+                        "another `gpuvisor console` session ({who}) is attached to the console of {name}: detach it \
+                         (^]) or take over with `gpuvisor console --force {name}`"
+                    ));
+                }
+                if !asked {
+                    asked = crate::console::ask_to_detach(id).is_ok();
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(format!("the console session of {name} ({who}) did not let go within 10 s"));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(SessionError::Io(e)) => return Err(format!("cannot take the console session of {name}: {e}")),
+        }
+    };
+    // What a detached session held goes away with it (QEMU closes it a moment later);
+    // anything else is another client.
+    let settle = if force { deadline } else { std::time::Instant::now() + std::time::Duration::from_secs(1) };
+    loop {
+        match crate::host::proc::unix_connections_at(sock) {
+            Ok(0) => return Ok(session),
+            Ok(_) if std::time::Instant::now() < settle => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            Ok(n) => {
+                return Err(format!(
+                    "another client ({n} connection(s), not a `gpuvisor console`) is connected to the console of \
+                     {name}: the VMM serves one client; disconnect it first"
+                ))
+            }
+            Err(e) => return Err(format!("cannot tell whether the console of {name} is free: {e}")),
         }
     }
 }

@@ -11,6 +11,14 @@
 //!   within about twice the cap plus what a guest writes between two checks.
 //! - [`attach`] is `gpuvisor console NAME`: the terminal in raw mode, bytes both ways, and
 //!   the escape byte [`ESCAPE`] (`^]`, as `virsh console`) detaches.
+//! - One session per console, as `virsh console`: QEMU serves one client and leaves a
+//!   second one waiting in its backlog, a dead session. A session holds the abstract Unix
+//!   socket [`session_name`] (the kernel frees it with the process, so a killed client
+//!   leaves nothing): a second `gpuvisor console` is refused, naming the first's pid (the
+//!   socket's peer credentials), or with `--force` asks the first to detach over that
+//!   socket ([`ask_to_detach`]: it restores its terminal, says who took over and exits)
+//!   and takes over. A connection that is not a `gpuvisor console` (e.g. `socat`) refuses
+//!   any session while it lasts ([`crate::host::proc::unix_connections_at`]).
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -70,30 +78,103 @@ pub fn rotate(log: &Path, max: u64) -> io::Result<bool> {
     Ok(true)
 }
 
-/// The terminal attributes of stdin, restored on drop (raw mode while attached).
-struct RawMode {
-    saved: Option<nix::sys::termios::Termios>,
+/// The name (abstract namespace) of the socket a console session of instance `id` holds.
+pub fn session_name(id: &str) -> String {
+    format!("gpuvisor-console-{id}")
 }
+
+/// The session socket's name as `/proc/net/unix` prints it (`@` + the abstract name).
+pub fn session_path(id: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("@{}", session_name(id)))
+}
+
+fn session_addr(id: &str) -> io::Result<std::os::unix::net::SocketAddr> {
+    use std::os::linux::net::SocketAddrExt;
+    std::os::unix::net::SocketAddr::from_abstract_name(session_name(id).as_bytes())
+}
+
+/// What a `--force` newcomer sends the session holder.
+const TAKEOVER: &[u8] = b"takeover\n";
+
+/// Why a console session could not be taken.
+#[derive(Debug)]
+pub enum SessionError {
+    /// Another session holds it (its pid, when the socket's peer credentials say).
+    Held { pid: Option<i32> },
+    /// The session socket could not be bound or reached.
+    Io(io::Error),
+}
+
+/// Takes the console session of instance `id`: binds (and listens on) its abstract socket
+/// for as long as the returned listener lives. Errors: [`SessionError::Held`] while another
+/// session holds it.
+pub fn take_session(id: &str) -> Result<std::os::unix::net::UnixListener, SessionError> {
+    match std::os::unix::net::UnixListener::bind_addr(&session_addr(id).map_err(SessionError::Io)?) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+            let pid = UnixStream::connect_addr(&session_addr(id).map_err(SessionError::Io)?)
+                .ok()
+                .and_then(|s| nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials).ok())
+                .map(|c| c.pid());
+            Err(SessionError::Held { pid })
+        }
+        Err(e) => Err(SessionError::Io(e)),
+    }
+}
+
+/// Asks the session holding the console of instance `id` to detach.
+pub fn ask_to_detach(id: &str) -> io::Result<()> {
+    UnixStream::connect_addr(&session_addr(id)?)?.write_all(TAKEOVER)
+}
+
+/// In the session's holder: a thread that waits for [`ask_to_detach`]; on it, puts the
+/// terminal back, prints `notice` and ends the process (exit 0).
+pub fn serve_takeovers(session: std::os::unix::net::UnixListener, notice: String) {
+    std::thread::spawn(move || {
+        for conn in session.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut buf = [0u8; TAKEOVER.len()];
+            if conn.read_exact(&mut buf).is_ok() && buf == TAKEOVER {
+                restore_terminal();
+                eprint!("\r\n{notice}\r\n");
+                std::process::exit(0);
+            }
+        }
+    });
+}
+
+/// The terminal attributes of stdin before raw mode, to put back on any way out (a
+/// detach, or the SIGTERM of a `--force` takeover).
+static SAVED_TERMIOS: std::sync::Mutex<Option<nix::sys::termios::Termios>> = std::sync::Mutex::new(None);
+
+/// Puts the terminal back as it was before [`attach`] (nothing if it never changed it).
+pub fn restore_terminal() {
+    let saved = SAVED_TERMIOS.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(t) = saved {
+        let _ = nix::sys::termios::tcsetattr(io::stdin(), nix::sys::termios::SetArg::TCSANOW, &t);
+    }
+}
+
+/// Stdin in raw mode, restored on drop.
+struct RawMode;
 
 impl RawMode {
     fn enter() -> RawMode {
         use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
         let stdin = io::stdin();
-        let Ok(saved) = tcgetattr(&stdin) else { return RawMode { saved: None } };
+        let Ok(saved) = tcgetattr(&stdin) else { return RawMode };
         let mut raw = saved.clone();
         cfmakeraw(&mut raw);
-        if tcsetattr(&stdin, SetArg::TCSANOW, &raw).is_err() {
-            return RawMode { saved: None };
+        if tcsetattr(&stdin, SetArg::TCSANOW, &raw).is_ok() {
+            *SAVED_TERMIOS.lock().unwrap_or_else(|p| p.into_inner()) = Some(saved);
         }
-        RawMode { saved: Some(saved) }
+        RawMode
     }
 }
 
 impl Drop for RawMode {
     fn drop(&mut self) {
-        if let Some(t) = &self.saved {
-            let _ = nix::sys::termios::tcsetattr(io::stdin(), nix::sys::termios::SetArg::TCSANOW, t);
-        }
+        restore_terminal();
     }
 }
 

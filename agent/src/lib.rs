@@ -21,6 +21,7 @@ pub mod hypervisor;
 pub mod images;
 pub mod instances;
 pub mod metrics;
+pub mod names;
 pub mod network;
 pub mod policies;
 pub mod rpc;

@@ -181,8 +181,9 @@ fn main() {
     };
     let code = match &cli.command {
         Command::Serve(args) => {
-            let explicit_socket = std::env::args().any(|a| a == "--socket" || a.starts_with("--socket="))
-                || std::env::var_os("GPUVISOR_SOCKET").is_some();
+            // Only the flag overrides the config file's `socket`: GPUVISOR_SOCKET is the
+            // clients' (an operator's shell that exports it must not move the agent).
+            let explicit_socket = std::env::args().any(|a| a == "--socket" || a.starts_with("--socket="));
             let cfg = match args.config(explicit_socket.then(|| cli.socket.clone())) {
                 Ok(c) => c,
                 Err(e) => {

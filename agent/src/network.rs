@@ -77,13 +77,15 @@ fn default_host_addr() -> String {
 }
 
 /// A forward's protocol.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Proto {
     #[default]
     Tcp,
     Udp,
 }
+
+crate::deserialize_by_name!(Proto, [("tcp", Proto::Tcp), ("udp", Proto::Udp)]);
 
 impl Proto {
     /// `tcp` or `udp`.

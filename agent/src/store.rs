@@ -245,7 +245,7 @@ pub struct InstanceDefinition {
 }
 
 /// How an instance boots.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum BootMode {
     /// QEMU loads the image's kernel and initrd itself (`-kernel`); a disk, if the image
@@ -259,6 +259,8 @@ pub enum BootMode {
     Uefi,
 }
 
+crate::deserialize_by_name!(BootMode, [("direct", BootMode::Direct), ("bios", BootMode::Bios), ("uefi", BootMode::Uefi)]);
+
 impl BootMode {
     /// `direct`, `bios` or `uefi`.
     pub fn as_str(self) -> &'static str {
@@ -271,7 +273,7 @@ impl BootMode {
 }
 
 /// What happens when an instance's VMM dies without a stop (`instance.stop` or delete).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum RestartPolicy {
     /// It stays `stopped`.
@@ -283,6 +285,11 @@ pub enum RestartPolicy {
     /// Started again whenever the VMM exits, also after the guest powered off.
     Always,
 }
+
+crate::deserialize_by_name!(
+    RestartPolicy,
+    [("no", RestartPolicy::No), ("on-failure", RestartPolicy::OnFailure), ("always", RestartPolicy::Always)]
+);
 
 /// The restarts of an instance: when they were tried, the next one, and whether the limit
 /// stopped them.

@@ -526,11 +526,34 @@ impl IntoVecBytes for OsString {
 /// `Flags` column (the listening flag `__SO_ACCEPTCON`) and splits paths on whitespace.
 /// Columns: `Num RefCount Protocol Flags Type St Inode Path` (`net/unix/af_unix.c`).
 pub fn unix_listener_inodes(path: &Path) -> Result<BTreeSet<u64>, ProcError> {
+    Ok(unix_sockets_at(path)?.into_iter().filter(|s| s.listening).map(|s| s.inode).collect())
+}
+
+/// `St` of a connected socket in `/proc/net/unix` (`SS_CONNECTED`, `include/uapi/linux/net.h`).
+const SS_CONNECTED: u64 = 3;
+
+/// How many connections a listener at `path` holds — accepted or still waiting in its
+/// backlog: the server-side sockets bound at the path that are connected
+/// (`/proc/net/unix`). E.g. a client attached to a VMM's serial console. Errors: as
+/// [`unix_listener_inodes`].
+pub fn unix_connections_at(path: &Path) -> Result<usize, ProcError> {
+    Ok(unix_sockets_at(path)?.into_iter().filter(|s| !s.listening && s.state == SS_CONNECTED).count())
+}
+
+/// One row of `/proc/net/unix` bound at a path.
+struct UnixRow {
+    inode: u64,
+    listening: bool,
+    state: u64,
+}
+
+/// The sockets bound at `path` (any of its canonical forms; an abstract name as `@name`).
+fn unix_sockets_at(path: &Path) -> Result<Vec<UnixRow>, ProcError> {
     let table = Path::new(PROC).join("net/unix");
     let text = std::fs::read(&table).map_err(|source| ProcError::Io { path: table.clone(), source })?;
     let wanted: BTreeSet<Vec<u8>> =
         canonical_forms(path).into_iter().map(|p| p.into_os_string().into_vec_bytes()).collect();
-    let mut inodes = BTreeSet::new();
+    let mut rows = Vec::new();
     for line in text.split(|&b| b == b'\n').skip(1) {
         if line.is_empty() {
             continue;
@@ -562,11 +585,13 @@ pub fn unix_listener_inodes(path: &Path) -> Result<BTreeSet<u64>, ProcError> {
             .ok()
             .and_then(|s| s.parse::<u64>().ok())
             .ok_or_else(|| malformed("Inode"))?;
-        if flags & SO_ACCEPTCON != 0 {
-            inodes.insert(inode);
-        }
+        let state = std::str::from_utf8(fields[5])
+            .ok()
+            .and_then(|s| u64::from_str_radix(s, 16).ok())
+            .ok_or_else(|| malformed("St"))?;
+        rows.push(UnixRow { inode, listening: flags & SO_ACCEPTCON != 0, state });
     }
-    Ok(inodes)
+    Ok(rows)
 }
 
 /// `true` if any of `links` is `socket:[<inode>]` for an inode in `inodes`.

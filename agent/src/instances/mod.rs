@@ -226,8 +226,14 @@ impl Manager {
     }
 
     /// Resolves an instance by id or name (O(1): the name index, then one record).
-    /// Errors: `not_found`; an unreadable record answers `internal` with its path.
+    /// Errors: `invalid_request` for an empty or blank reference (it names nothing);
+    /// `not_found`; an unreadable record answers `internal` with its path.
     pub fn find(&self, r: &str) -> Result<InstanceRecord, ApiError> {
+        if r.trim().is_empty() {
+            return Err(ApiError::invalid_request(
+                "ref is empty: name an instance by its id or its name (gpuvisor ps lists them)",
+            ));
+        }
         let id = match Uuid::parse_str(r) {
             Ok(id) => id,
             // Only a valid name can name a file of the name index.

@@ -430,16 +430,42 @@ pub struct FailpointParams {
 }
 
 /// What `debug.failpoint` does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FailpointAction {
     Pause,
     Release,
 }
 
+crate::deserialize_by_name!(FailpointAction, [("pause", FailpointAction::Pause), ("release", FailpointAction::Release)]);
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 18 finding 12: a value of the wrong JSON type for an enum parameter
+    /// (`"restart": true`) gets an error that lists the allowed values, like an unknown one.
+    #[test]
+    fn a_wrong_type_for_an_enum_parameter_lists_the_allowed_values() {
+        let base = serde_json::json!({"name": "a", "image": "demo"});
+        for (field, value, allowed) in [
+            ("restart", serde_json::json!(true), ["\"no\"", "\"on-failure\"", "\"always\""].as_slice()),
+            ("restart", serde_json::json!(1), ["\"no\"", "\"on-failure\"", "\"always\""].as_slice()),
+            ("boot", serde_json::json!(false), ["\"direct\"", "\"bios\"", "\"uefi\""].as_slice()),
+        ] {
+            let mut req = base.clone();
+            req[field] = value.clone();
+            let e = serde_json::from_value::<CreateRequest>(req).unwrap_err().to_string();
+            for a in allowed {
+                assert!(e.contains(a), "{field}: {value}: {e}");
+            }
+        }
+        let nic = serde_json::json!({"mode": "user", "forwards": [{"host_port": 8080, "guest_port": 80, "proto": 6}]});
+        let e = serde_json::from_value::<CreateRequest>(serde_json::json!({"name": "a", "image": "demo", "nics": [nic]}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"tcp\"") && e.contains("\"udp\""), "{e}");
+    }
 
     #[test]
     fn names_follow_the_pattern_and_are_never_uuids() {

@@ -224,10 +224,54 @@ pub fn refuse_bad_ids(body: &[u8]) -> Option<String> {
     }
 }
 
+/// Refuses a plain-HTTP call of a subscription method (`events.subscribe`,
+/// `events.unsubscribe`): they need a WebSocket connection, and jsonrpsee would answer a
+/// bare `Internal error`. `Some(answer)` when refused (`invalid_request`, saying how).
+pub fn refuse_http_subscriptions(body: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let wants = |r: &Value| matches!(r.get("method").and_then(Value::as_str), Some("events.subscribe" | "events.unsubscribe"));
+    let hit = match &v {
+        Value::Object(_) => wants(&v).then(|| v.clone()),
+        Value::Array(items) => items.iter().find(|r| wants(r)).cloned(),
+        _ => None,
+    }?;
+    let e = ApiError::invalid_request(
+        "events.subscribe needs a WebSocket connection: upgrade `GET /` on the agent's socket to WebSocket \
+         (`gpuvisor events` does); over plain HTTP only the other methods are served",
+    );
+    Some(
+        json!({"jsonrpc": "2.0", "id": hit.get("id").cloned().unwrap_or(Value::Null),
+            "error": {"code": e.code.class(), "message": e.message.clone(), "data": e.data()}})
+        .to_string(),
+    )
+}
+
+/// The answer to a body over [`MAX_REQUEST_BYTES`]: `-32600`, saying the limit.
+fn too_large_answer(read: usize) -> String {
+    json!({"jsonrpc": "2.0", "id": null, "error": {"code": jsonrpsee::types::error::INVALID_REQUEST_CODE,
+        "message": format!("Invalid request: the body is larger than {MAX_REQUEST_BYTES} bytes (4 MiB), the most the agent \
+            reads ({read} bytes or more were sent)")}})
+    .to_string()
+}
+
+/// How much of an oversized body is read (and dropped) so the client, still sending, gets
+/// the answer instead of a reset connection.
+const DRAIN_BYTES: usize = 64 * 1024 * 1024;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// One HTTP request: the body is read (bounded), requests with ids jsonrpsee cannot
-/// represent are refused with `-32600`, everything else goes to jsonrpsee.
+/// A JSON answer with `status`.
+fn json_response(status: u16, body: String) -> Result<jsonrpsee::server::HttpResponse, BoxError> {
+    Ok(jsonrpsee::server::HttpResponse::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(jsonrpsee::server::HttpBody::from(body))?)
+}
+
+/// One HTTP request: the body is read (bounded: a larger one is answered `-32600` with HTTP
+/// 413, saying the limit), requests with ids jsonrpsee cannot represent are refused with
+/// `-32600`, a subscription over plain HTTP is refused saying to use WebSocket, everything
+/// else goes to jsonrpsee.
 async fn checked_call<S>(
     mut svc: S,
     req: jsonrpsee::server::HttpRequest<hyper::body::Incoming>,
@@ -240,14 +284,25 @@ where
     >,
 {
     use http_body_util::BodyExt;
-    let (parts, body) = req.into_parts();
-    let bytes = http_body_util::Limited::new(body, MAX_REQUEST_BYTES as usize + 1).collect().await?.to_bytes();
-    if let Some(answer) = refuse_bad_ids(&bytes) {
-        let resp = jsonrpsee::server::HttpResponse::builder()
-            .header("content-type", "application/json")
-            .body(jsonrpsee::server::HttpBody::from(answer))?;
-        return Ok(resp);
+    let (parts, mut body) = req.into_parts();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut read = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else { continue };
+        read += data.len();
+        if read <= MAX_REQUEST_BYTES as usize {
+            buf.extend_from_slice(&data);
+        } else if read > DRAIN_BYTES {
+            break;
+        }
     }
+    if read > MAX_REQUEST_BYTES as usize {
+        return json_response(413, too_large_answer(read));
+    }
+    if let Some(answer) = refuse_bad_ids(&buf).or_else(|| refuse_http_subscriptions(&buf)) {
+        return json_response(200, answer);
+    }
+    let bytes = hyper::body::Bytes::from(buf);
     svc.call(jsonrpsee::server::HttpRequest::from_parts(parts, http_body_util::Full::new(bytes))).await
 }
 
@@ -312,6 +367,20 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 18 finding 12: `events.subscribe` over plain HTTP is refused saying to use
+    /// WebSocket (not `Internal error`), with the request's id; other methods pass.
+    #[test]
+    fn a_subscription_over_plain_http_is_refused_saying_to_use_websocket() {
+        let a: Value = serde_json::from_str(
+            &refuse_http_subscriptions(br#"{"jsonrpc":"2.0","id":7,"method":"events.subscribe"}"#).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(a["id"], 7);
+        assert_eq!(a["error"]["data"]["code"], "invalid_request");
+        assert!(a["error"]["message"].as_str().unwrap().contains("WebSocket"), "{a}");
+        assert!(refuse_http_subscriptions(br#"{"jsonrpc":"2.0","id":1,"method":"agent.health"}"#).is_none());
+    }
 
     #[test]
     fn negative_and_fractional_ids_are_refused_not_dropped() {

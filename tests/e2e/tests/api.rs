@@ -370,3 +370,38 @@ fn promtool_check(text: &str) -> Option<String> {
     let problems = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     Some(if out.status.success() { String::new() } else { problems })
 }
+
+/// Issue 18 finding 12: the edges of the interface answer clearly — `events.subscribe` over
+/// plain HTTP says to use WebSocket; a body over 4 MiB gets an answer saying the limit (not
+/// a closed connection); an empty `ref` says it names nothing (not `" was not found"`);
+/// `"restart": true` lists the allowed values.
+#[test]
+fn the_edges_of_the_interface_answer_clearly() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let e = a.err("events.subscribe", json!({}));
+    assert_api_error(&e, 400, "invalid_request");
+    assert!(e.message.contains("WebSocket"), "{e}");
+
+    let big = format!(
+        "{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"agent.health\",\"params\":{{\"pad\":\"{}\"}}}}",
+        "x".repeat(5 * 1024 * 1024)
+    );
+    let answer = rpc_raw(&a.socket, &big).unwrap_or_else(|e| panic!("BUG: no answer to a 5 MiB body: {e}"));
+    assert_eq!(answer["error"]["code"], -32600, "{answer}");
+    assert!(answer["error"]["message"].as_str().unwrap().contains("4 MiB"), "{answer}");
+    a.ok("agent.health", json!({}));
+
+    for method in ["instance.get", "instance.start", "instance.stop", "instance.delete"] {
+        let e = a.err(method, json!({"ref": ""}));
+        assert_api_error(&e, 400, "invalid_request");
+        assert!(e.message.contains("ref is empty"), "{method}: {e}");
+    }
+
+    let e = a.err("instance.create", json!({"name": "r", "image": "demo", "restart": true}));
+    assert_eq!(e.code, -32602, "{e}");
+    let said = format!("{} {}", e.message, e.data);
+    for v in ["no", "on-failure", "always"] {
+        assert!(said.contains(&format!("\\\"{v}\\\"")) || said.contains(&format!("\"{v}\"")), "lists {v}: {said}");
+    }
+    assert_nothing_left(&a);
+}

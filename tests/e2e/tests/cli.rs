@@ -454,3 +454,16 @@ fn serve_names_a_socket_path_it_cannot_listen_on() {
     assert!(!status.success(), "{status}: {out}");
     assert!(out.contains(&sock.display().to_string()), "names the socket path: {out}");
 }
+
+/// Issue 18 finding 12: `GPUVISOR_SOCKET`, exported for the CLI, does not move `serve` off
+/// its config file's `socket` (only `--socket` does).
+#[test]
+fn gpuvisor_socket_in_the_environment_does_not_override_the_config_files_socket_for_serve() {
+    let mut a = Agent::start(HOST_V).unwrap();
+    let elsewhere = a.dir.path().join("from-env.sock");
+    a.env.push(("GPUVISOR_SOCKET".into(), elsewhere.display().to_string()));
+    // The harness waits on the config file's socket: it answers there.
+    a.restart().unwrap_or_else(|e| panic!("BUG: the agent did not serve its config's socket: {e}"));
+    assert!(!elsewhere.exists(), "nothing listens where GPUVISOR_SOCKET points");
+    a.ok("agent.health", serde_json::json!({}));
+}

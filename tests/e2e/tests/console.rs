@@ -20,13 +20,14 @@ struct Session {
 }
 
 impl Session {
-    fn open(a: &Agent, name: &str) -> Session {
+    fn open(a: &Agent, name: &str, flags: &[&str]) -> Session {
         let pty = nix::pty::openpty(None, None).expect("openpty");
         let slave: OwnedFd = pty.slave;
         let child = Command::new(agent_binary())
             .arg("--socket")
             .arg(&a.socket)
             .args(["console", name])
+            .args(flags)
             .stdin(Stdio::from(slave.try_clone().unwrap()))
             .stdout(Stdio::from(slave.try_clone().unwrap()))
             .stderr(Stdio::from(slave))
@@ -89,7 +90,7 @@ fn a_console_session_runs_a_command_and_detaches_and_the_log_survives_a_restart(
     let a = Agent::start(HOST_V).unwrap();
     let v = boot(&a, "c");
     assert!(v["console_socket"].as_str().unwrap().ends_with("/console.sock"), "{v}");
-    let mut s = Session::open(&a, "c");
+    let mut s = Session::open(&a, "c", &[]);
     s.wait_for("escape character is ^]", Duration::from_secs(10));
     s.type_line("");
     s.type_line("echo con-$((6*7))");
@@ -128,7 +129,7 @@ fn a_flooding_guest_keeps_its_console_log_under_the_cap() {
     .unwrap();
     let v = boot(&a, "f");
     let log = std::path::PathBuf::from(v["serial_log"].as_str().unwrap());
-    let mut s = Session::open(&a, "f");
+    let mut s = Session::open(&a, "f", &[]);
     s.wait_for("escape character is ^]", Duration::from_secs(10));
     s.type_line("");
     // About 170 KB of output: ten caps.
@@ -147,4 +148,36 @@ fn a_flooding_guest_keeps_its_console_log_under_the_cap() {
     let text = console_log(&a, "f");
     assert!(text.contains("flood-2-done"), "the newest output is kept:\n{}", tail(&text, 5));
     assert!(!text.contains("flood-line-0\r\n"), "the oldest output was rotated away");
+}
+
+/// Issue 18 finding 12: one session per console, as `virsh console`. A second `gpuvisor
+/// console` is refused (exit 1, naming the first and `--force`) instead of being told
+/// "Connected" to a dead session; `--force` detaches the first (which restores its terminal
+/// and says who took over) and takes the console.
+#[test]
+fn a_second_console_client_is_refused_and_force_takes_over() {
+    let a = Agent::start(HOST_V).unwrap();
+    boot(&a, "c");
+    let first = Session::open(&a, "c", &[]);
+    first.wait_for("escape character is ^]", Duration::from_secs(10));
+
+    let mut second = Session::open(&a, "c", &[]);
+    let st = wait_for(Duration::from_secs(15), || second.child.try_wait().ok().flatten());
+    let text = second.text();
+    let Some(st) = st else {
+        let _ = second.child.kill();
+        panic!("BUG: a second client stays attached to a dead session: {text}");
+    };
+    assert_eq!(st.code(), Some(1), "{text}");
+    assert!(!text.contains("Connected"), "{text}");
+    assert!(text.contains("another `gpuvisor console`") && text.contains("--force"), "{text}");
+
+    let mut third = Session::open(&a, "c", &["--force"]);
+    third.wait_for("escape character is ^]", Duration::from_secs(15));
+    first.wait_for("took over", Duration::from_secs(10));
+    third.type_line("");
+    third.type_line("echo force-$((6*7))");
+    third.wait_for("force-42", Duration::from_secs(60));
+    let (st, text) = third.detach();
+    assert!(st.success(), "{st}: {text}");
 }
