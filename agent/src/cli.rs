@@ -132,6 +132,7 @@ pub enum Command {
     Serve(ServeArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on stdout.
     Completions {
+        /// The shell to complete for.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
@@ -140,7 +141,9 @@ pub enum Command {
     Manpages { dir: PathBuf },
     /// Create and boot an instance.
     Create {
+        /// The new instance's name: [a-z0-9][a-z0-9-]{0,62}, unique on this agent.
         name: String,
+        /// The image to boot (`gpuvisor image ls`).
         #[arg(long)]
         image: String,
         /// A vGPU profile (e.g. L40S-2Q), or a whole GPU: `passthrough` (any free one) or
@@ -150,10 +153,13 @@ pub enum Command {
         /// key=value (repeatable).
         #[arg(long = "label", value_parser = parse_label)]
         labels: Vec<(String, String)>,
+        /// vCPUs, 1..=64 (default 1).
         #[arg(long)]
         vcpus: Option<u32>,
+        /// Guest memory, MiB, 64..=1048576 (default 256).
         #[arg(long)]
         memory_mib: Option<u64>,
+        /// qemu or cloud-hypervisor (default: what the hypervisor plugin chooses).
         #[arg(long)]
         hypervisor: Option<String>,
         /// When the VMM dies without a stop: no (default), on-failure, always.
@@ -183,10 +189,14 @@ pub enum Command {
     /// List instances.
     Ps,
     /// Show one instance (JSON).
-    Show { name: String },
+    Show {
+        /// Instance name or id.
+        name: String,
+    },
     /// Attach to an instance's serial console (raw terminal; `^]` detaches), or print its
     /// log with `--log`.
     Console {
+        /// Instance name or id.
         name: String,
         /// Print the console log (the rotated part first) instead of attaching.
         #[arg(long)]
@@ -196,18 +206,30 @@ pub enum Command {
         force: bool,
     },
     /// Start a stopped instance.
-    Start { name: String },
+    Start {
+        /// Instance name or id.
+        name: String,
+    },
     /// Stop an instance (guest power-off, then the kill path).
     Stop {
+        /// Instance name or id.
         name: String,
         /// Skip the guest power-off.
         #[arg(long)]
         force: bool,
     },
     /// Delete an instance.
-    Rm { name: String },
+    Rm {
+        /// Instance name or id.
+        name: String,
+    },
     /// Fork an instance: a new stopped instance with the same definition and GPU profile.
-    Fork { name: String, new_name: String },
+    Fork {
+        /// The instance to fork (name or id).
+        name: String,
+        /// The new instance's name.
+        new_name: String,
+    },
     /// GPUs and their devices (type, claim owner).
     Gpus {
         #[command(subcommand)]
@@ -220,7 +242,9 @@ pub enum Command {
     /// What the placement plugin would choose for a profile, or for `passthrough` /
     /// `passthrough=<BDF>` (claims nothing).
     DryRun {
+        /// A vGPU profile (e.g. L40S-2Q), `passthrough` or `passthrough=<BDF>`.
         profile: String,
+        /// key=value (repeatable): the labels the placement plugin sees.
         #[arg(long = "label", value_parser = parse_label)]
         labels: Vec<(String, String)>,
     },
@@ -252,7 +276,12 @@ pub enum Command {
     /// agent.metrics (Prometheus text).
     Metrics,
     /// Call any JSON-RPC method with JSON params.
-    Call { method: String, params: Option<String> },
+    Call {
+        /// The method, e.g. instance.get (`gpuvisor call rpc.discover` lists them).
+        method: String,
+        /// Its params as a JSON object (default {}).
+        params: Option<String>,
+    },
     /// This host, read directly (no agent needed).
     Host {
         #[command(subcommand)]
@@ -296,21 +325,28 @@ pub enum ImageAction {
     /// Copy a kernel (and initrd) and/or a disk (qcow2, or raw with an MBR/GPT) into the
     /// agent's images directory.
     Import {
+        /// The image's name: [a-z0-9][a-z0-9._-]{0,62}.
         name: String,
+        /// A kernel for direct boot (copied).
         #[arg(long)]
         kernel: Option<PathBuf>,
         /// A disk image: qcow2, or a raw disk with a partition table.
         #[arg(long)]
         disk: Option<PathBuf>,
+        /// An initrd for the kernel (copied).
         #[arg(long)]
         initrd: Option<PathBuf>,
+        /// The kernel command line (default: the agent's default_cmdline).
         #[arg(long)]
         cmdline: Option<String>,
     },
     /// List images.
     Ls,
     /// Delete an image.
-    Rm { name: String },
+    Rm {
+        /// The image's name.
+        name: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -318,6 +354,7 @@ pub enum PluginAction {
     /// Run a plugin locally (no agent needed) on a JSON input or a directory of recorded
     /// inputs: its log lines, fuel, time and answer. Exit 1 when a plugin or a call fails.
     Test {
+        /// The plugin: a .wasm module or component, or a .wat text module.
         plugin: PathBuf,
         /// An input file (a fixture, or a file `record_policy_inputs` wrote), or a directory
         /// of them (each `*.json` of the plugin's kind, sorted).
@@ -513,11 +550,43 @@ fn duplicate_label(labels: &[(String, String)]) -> Option<&str> {
 
 /// `gpuvisor manpages DIR`: `gpuvisor.1` and `gpuvisor-<subcommand>.1` (nested ones as
 /// `gpuvisor-<a>-<b>.1`), generated from this CLI definition; hidden subcommands are left out.
-fn manpages(dir: &std::path::Path) -> i32 {
+/// The EXIT STATUS section of the man page `name` (`gpuvisor`, `gpuvisor-serve`, …), in roff.
+fn exit_status_section(name: &str) -> String {
+    let codes: &[(i32, &str)] = match name {
+        "gpuvisor-serve" => &[
+            (exit::OK, "stopped by SIGTERM or SIGINT (running VMs keep running)"),
+            (exit::ERROR, "the agent cannot start: its data directory or one of its GPUs is held by another agent, a plugin is refused, the socket cannot be served"),
+            (exit::USAGE, "an invalid configuration or flag value"),
+        ],
+        "gpuvisor-host" | "gpuvisor-host-check" => &[
+            (exit::OK, "no check failed"),
+            (exit::ERROR, "a check failed"),
+            (exit::USAGE, "the configuration cannot be read, or bad usage"),
+        ],
+        _ => &[
+            (exit::OK, "done"),
+            (exit::ERROR, "the agent answered an error (printed as `error: <message> [<data.code>]`)"),
+            (exit::USAGE, "bad command-line usage"),
+            (exit::UNREACHABLE, "no agent answers on the socket"),
+            (exit::RELEASE_PENDING, "done, but a GPU release is pending (`gpu.release_pending`, `vgpu_cleanup_pending`): the device stays blocked and the agent retries it"),
+            (exit::DEVICE_QUARANTINED, "done, but the device the operation gave back was quarantined by that release (`released_device_quarantined`)"),
+        ],
+    };
+    let mut s = String::from(".SH \"EXIT STATUS\"\n");
+    for (code, what) in codes {
+        s.push_str(&format!(".TP\n{code}\n{}\n", what.replace('\\', "\\\\").replace('-', "\\-")));
+    }
+    s
+}
+
+/// `gpuvisor manpages DIR`: `gpuvisor.1` and one page per subcommand, each with its EXIT
+/// STATUS.
+pub fn manpages(dir: &std::path::Path) -> i32 {
     fn write(cmd: &clap::Command, name: &str, dir: &std::path::Path) -> std::io::Result<()> {
         let cmd = cmd.clone().name(name.to_string());
         let mut out = Vec::new();
         clap_mangen::Man::new(cmd.clone()).render(&mut out)?;
+        out.extend_from_slice(exit_status_section(name).as_bytes());
         std::fs::write(dir.join(format!("{name}.1")), out)?;
         for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set() && s.get_name() != "help") {
             write(sub, &format!("{name}-{}", sub.get_name()), dir)?;
@@ -960,7 +1029,9 @@ async fn console_session(
     loop {
         match crate::host::proc::unix_connections_at(sock) {
             Ok(0) => return Ok(session),
-            Ok(_) if std::time::Instant::now() < settle => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            Ok(_) if std::time::Instant::now() < settle => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
             Ok(n) => {
                 return Err(format!(
                     "another client ({n} connection(s), not a `gpuvisor console`) is connected to the console of \

@@ -13,6 +13,8 @@ pub mod config;
 pub mod console;
 pub mod devices;
 pub mod disks;
+#[cfg(test)]
+mod doc_sync;
 pub mod error;
 pub mod events;
 pub mod failpoints;
