@@ -163,7 +163,8 @@ fn copy_in(what: &str, src: &Path, dest: &Path) -> Result<(), ApiError> {
     use std::io::{Read, Write};
     let read_err = |e: std::io::Error| ApiError::invalid_request(format!("cannot read {what} {}: {e}", src.display()));
     let mut from = fs::File::open(src).map_err(read_err)?;
-    let mut to = fs::OpenOptions::new().write(true).create_new(true).open(dest).map_err(|e| write_error(what, dest, e))?;
+    let mut to =
+        fs::OpenOptions::new().write(true).create_new(true).open(dest).map_err(|e| write_error(what, dest, e))?;
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = match from.read(&mut buf) {

@@ -55,12 +55,8 @@ fn lock_gpus(cfg: &Config) -> anyhow::Result<gpuvisor::host::lock::GpuLocks> {
                 "the host's GPUs cannot be listed: only the GPUs named in the configuration are locked against a second agent"),
         },
     }
-    let holder = format!(
-        "pid {}, data_dir {}, socket {}",
-        std::process::id(),
-        cfg.data_dir.display(),
-        cfg.socket.display()
-    );
+    let holder =
+        format!("pid {}, data_dir {}, socket {}", std::process::id(), cfg.data_dir.display(), cfg.socket.display());
     let locks = gpuvisor::host::lock::lock_gpus(&host, &gpus, &holder)?;
     tracing::info!(gpus = %locks.gpus().join(","), "GPUs locked for this agent");
     Ok(locks)

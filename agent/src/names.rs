@@ -23,7 +23,11 @@ where
             write!(f, "one of {}", list.join(", "))
         }
         fn visit_str<E: Error>(self, v: &str) -> Result<T, E> {
-            self.0.iter().find(|(n, _)| *n == v).map(|(_, t)| *t).ok_or_else(|| E::invalid_value(Unexpected::Str(v), &self))
+            self.0
+                .iter()
+                .find(|(n, _)| *n == v)
+                .map(|(_, t)| *t)
+                .ok_or_else(|| E::invalid_value(Unexpected::Str(v), &self))
         }
     }
     d.deserialize_str(Names(names))

@@ -166,11 +166,18 @@ pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
                     // The same port on the same address, or on 0.0.0.0 (every address) and
                     // any other address: the second bind can never succeed.
                     let clash = seen.iter().find(|(p, a, port)| {
-                        *p == f.proto && *port == f.host_port && (*a == f.host_addr || *a == ANY_ADDR || f.host_addr == ANY_ADDR)
+                        *p == f.proto
+                            && *port == f.host_port
+                            && (*a == f.host_addr || *a == ANY_ADDR || f.host_addr == ANY_ADDR)
                     });
                     if let Some((_, other, _)) = clash {
                         return Err(ApiError::invalid_request(if *other == f.host_addr {
-                            format!("{at}: host port {}/{} on {} is forwarded twice", f.host_port, f.proto.as_str(), f.host_addr)
+                            format!(
+                                "{at}: host port {}/{} on {} is forwarded twice",
+                                f.host_port,
+                                f.proto.as_str(),
+                                f.host_addr
+                            )
                         } else {
                             format!(
                                 "{at}: host port {}/{} on {} clashes with the same port on {other} (0.0.0.0 is every \

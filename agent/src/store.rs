@@ -259,7 +259,10 @@ pub enum BootMode {
     Uefi,
 }
 
-crate::deserialize_by_name!(BootMode, [("direct", BootMode::Direct), ("bios", BootMode::Bios), ("uefi", BootMode::Uefi)]);
+crate::deserialize_by_name!(
+    BootMode,
+    [("direct", BootMode::Direct), ("bios", BootMode::Bios), ("uefi", BootMode::Uefi)]
+);
 
 impl BootMode {
     /// `direct`, `bios` or `uefi`.

@@ -116,7 +116,9 @@ mod tests {
     /// is skipped (and so reported with its VF), never a profile called `NVIDIA`.
     #[test]
     fn a_name_that_is_the_vendor_word_alone_or_a_line_without_an_id_is_skipped() {
-        let c = parse_creatable_vgpu_types("ID : vGPU Name\n1148 : NVIDIA\nNVIDIA\n1149 :   nvidia  \n1150 : NVIDIA L40S-4Q\n");
+        let c = parse_creatable_vgpu_types(
+            "ID : vGPU Name\n1148 : NVIDIA\nNVIDIA\n1149 :   nvidia  \n1150 : NVIDIA L40S-4Q\n",
+        );
         assert_eq!(ids(&c), vec![(1150, "NVIDIA L40S-4Q")]);
         assert_eq!(c.skipped, vec!["1148 : NVIDIA".to_string(), "NVIDIA".to_string(), "1149 :   nvidia".to_string()]);
     }

@@ -194,8 +194,5 @@ pub fn ipv4_bindable(addr: std::net::Ipv4Addr) -> std::io::Result<bool> {
         return Ok(true);
     }
     let addrs = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
-    Ok(addrs
-        .filter_map(|a| a.address)
-        .filter_map(|s| s.as_sockaddr_in().map(|sin| sin.ip()))
-        .any(|ip| ip == addr))
+    Ok(addrs.filter_map(|a| a.address).filter_map(|s| s.as_sockaddr_in().map(|sin| sin.ip())).any(|ip| ip == addr))
 }

@@ -536,7 +536,11 @@ impl Manager {
             claim_unreadable_owner: bad.and_then(|u| u.owner),
             health,
             unknown_claim: obs.unknown_claim().map(|u| {
-                format!("{}: {}; its file names no device, so it may own any occupied device", u.path.display(), u.error)
+                format!(
+                    "{}: {}; its file names no device, so it may own any occupied device",
+                    u.path.display(),
+                    u.error
+                )
             }),
         }
     }

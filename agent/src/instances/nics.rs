@@ -12,11 +12,11 @@
 
 use super::view::PassReport;
 use super::Manager;
-use crate::metrics::PassStage;
 use crate::error::ApiError;
 use crate::host::net::{self, NetError, Tap};
 use crate::host::proc::Liveness;
 use crate::hypervisor::{NicBackend, NicSpec};
+use crate::metrics::PassStage;
 use crate::network::{self, Nic};
 use crate::store::InstanceRecord;
 
@@ -42,7 +42,10 @@ impl Manager {
                     for (j, f) in forwards.iter().enumerate() {
                         let at = format!("nics[{i}].forwards[{j}]");
                         let addr: std::net::Ipv4Addr = f.host_addr.parse().map_err(|_| {
-                            ApiError::invalid_request(format!("{at}.host_addr {:?} is not an IPv4 address", f.host_addr))
+                            ApiError::invalid_request(format!(
+                                "{at}.host_addr {:?} is not an IPv4 address",
+                                f.host_addr
+                            ))
                         })?;
                         match net::ipv4_bindable(addr) {
                             Ok(true) => {}

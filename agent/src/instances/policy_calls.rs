@@ -191,7 +191,9 @@ impl Manager {
             Some(v) => v.clone(),
             None => HypervisorKind::ALL
                 .into_iter()
-                .map(|k| hypervisor_view(k, self.hypervisor_binary(k), Err("not probed yet".into()), self.cfg.vfio_attach))
+                .map(|k| {
+                    hypervisor_view(k, self.hypervisor_binary(k), Err("not probed yet".into()), self.cfg.vfio_attach)
+                })
                 .collect(),
         }
     }

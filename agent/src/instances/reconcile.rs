@@ -207,7 +207,9 @@ impl Manager {
                     let why = obs.mode.as_ref().err().cloned().unwrap_or_default();
                     report.fail(
                         PassStage::Host,
-                        format!("the host cannot be observed completely ({why}): nothing is released or swept this pass"),
+                        format!(
+                            "the host cannot be observed completely ({why}): nothing is released or swept this pass"
+                        ),
                     );
                 }
             }
@@ -668,7 +670,8 @@ impl Manager {
                 continue;
             }
             if let Some(u) = obs.and_then(|o| o.unreadable_claim_over(&uuid, &[rec.parent.as_str()])) {
-                report.keep_device(&uuid, format!("the claim record {} cannot be read and may own it", u.path.display()));
+                report
+                    .keep_device(&uuid, format!("the claim record {} cannot be read and may own it", u.path.display()));
                 continue;
             }
             if limited {
@@ -840,9 +843,10 @@ fn record_release(
             instance: instance.map(|i| i.to_string()),
         }),
         Ok(Released::NotOurs) => report.keep_device(device, "claimed or changed meanwhile: nothing was written"),
-        Ok(Released::FoundClear) => {
-            report.keep_device(device, "found clear when the sweep came to write (another writer cleared it): nothing was written")
-        }
+        Ok(Released::FoundClear) => report.keep_device(
+            device,
+            "found clear when the sweep came to write (another writer cleared it): nothing was written",
+        ),
         Err(e) => report.failed.push(FailedItem { device: device.to_string(), error: e.to_string() }),
     }
 }

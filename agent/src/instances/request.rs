@@ -437,7 +437,10 @@ pub enum FailpointAction {
     Release,
 }
 
-crate::deserialize_by_name!(FailpointAction, [("pause", FailpointAction::Pause), ("release", FailpointAction::Release)]);
+crate::deserialize_by_name!(
+    FailpointAction,
+    [("pause", FailpointAction::Pause), ("release", FailpointAction::Release)]
+);
 
 #[cfg(test)]
 mod tests {
@@ -461,9 +464,10 @@ mod tests {
             }
         }
         let nic = serde_json::json!({"mode": "user", "forwards": [{"host_port": 8080, "guest_port": 80, "proto": 6}]});
-        let e = serde_json::from_value::<CreateRequest>(serde_json::json!({"name": "a", "image": "demo", "nics": [nic]}))
-            .unwrap_err()
-            .to_string();
+        let e =
+            serde_json::from_value::<CreateRequest>(serde_json::json!({"name": "a", "image": "demo", "nics": [nic]}))
+                .unwrap_err()
+                .to_string();
         assert!(e.contains("\"tcp\"") && e.contains("\"udp\""), "{e}");
     }
 

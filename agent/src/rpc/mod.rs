@@ -229,7 +229,8 @@ pub fn refuse_bad_ids(body: &[u8]) -> Option<String> {
 /// bare `Internal error`. `Some(answer)` when refused (`invalid_request`, saying how).
 pub fn refuse_http_subscriptions(body: &[u8]) -> Option<String> {
     let v: Value = serde_json::from_slice(body).ok()?;
-    let wants = |r: &Value| matches!(r.get("method").and_then(Value::as_str), Some("events.subscribe" | "events.unsubscribe"));
+    let wants =
+        |r: &Value| matches!(r.get("method").and_then(Value::as_str), Some("events.subscribe" | "events.unsubscribe"));
     let hit = match &v {
         Value::Object(_) => wants(&v).then(|| v.clone()),
         Value::Array(items) => items.iter().find(|r| wants(r)).cloned(),

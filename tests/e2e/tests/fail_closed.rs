@@ -1080,7 +1080,9 @@ fn an_orphan_another_writer_cleared_before_the_sweep_wrote_is_not_counted() {
 #[test]
 fn a_catalog_line_naming_only_the_vendor_is_skipped_and_warned_naming_its_vf() {
     let (a, _w) = start(HOST_V1, "");
-    a.sim.ctl(&["override", &catalog_path(VF0), "ID    : vGPU Name\n1148  : NVIDIA\n1147  : NVIDIA L40S-1Q\n"]).unwrap();
+    a.sim
+        .ctl(&["override", &catalog_path(VF0), "ID    : vGPU Name\n1148  : NVIDIA\n1147  : NVIDIA L40S-1Q\n"])
+        .unwrap();
     let gpus = a.ok("gpu.list", json!({}));
     let d = gpu_device(&gpus, VF0);
     assert_eq!(d["catalog_skipped_lines"], json!(["1148  : NVIDIA"]), "{d}");

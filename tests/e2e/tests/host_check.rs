@@ -219,12 +219,7 @@ fn host_check_probes_a_real_cloud_hypervisor_without_panicking_or_leaving_it_run
     let cfg = dir.path().join("gpuvisor.toml");
     std::fs::write(&cfg, format!("cloud_hypervisor_binary = {ch:?}\n")).unwrap();
     let ns = PidNs::new().unwrap();
-    let out = ns
-        .command(agent_binary())
-        .args(["host", "check", "-o", "json", "--config"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
+    let out = ns.command(agent_binary()).args(["host", "check", "-o", "json", "--config"]).arg(&cfg).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "BUG: host check panicked: {stderr}");
     assert!(matches!(out.status.code(), Some(0 | 1)), "{out:?}");

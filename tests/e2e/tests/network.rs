@@ -309,10 +309,7 @@ fn forwards_that_can_never_bind_are_refused_before_anything_is_claimed() {
     let low: u32 = start.trim().parse::<u32>().unwrap().saturating_sub(1).max(1);
     let before = writes(&a.state()).len();
     let cases: Vec<(Value, &str)> = vec![
-        (
-            json!([{"mode": "user", "forwards": [{"host_port": low, "guest_port": 80}]}]),
-            "ip_unprivileged_port_start",
-        ),
+        (json!([{"mode": "user", "forwards": [{"host_port": low, "guest_port": 80}]}]), "ip_unprivileged_port_start"),
         (
             json!([{"mode": "user", "forwards": [{"host_port": 18080, "guest_port": 80, "host_addr": "192.0.2.77"}]}]),
             "not an address of this host",
@@ -329,5 +326,8 @@ fn forwards_that_can_never_bind_are_refused_before_anything_is_claimed() {
         assert!(e.message.contains(says) && e.message.contains("nics[0].forwards["), "{nics}: {e}");
     }
     assert_eq!(writes(&a.state()).len(), before, "no sysfs write");
-    assert!(a.claims().is_empty() && a.instance_names().is_empty() && a.qemu_pids().is_empty(), "nothing claimed or left");
+    assert!(
+        a.claims().is_empty() && a.instance_names().is_empty() && a.qemu_pids().is_empty(),
+        "nothing claimed or left"
+    );
 }

@@ -744,8 +744,9 @@ fn cloud_hypervisor_gets_one_device_per_function() {
 fn a_cloud_hypervisor_passthrough_create_under_hold_fd_is_refused_before_any_driver_change() {
     let ch = ChWrapper::fake();
     let (k, v) = ch.setting();
-    let a = Agent::start_tuned(AgentOptions { model: "pt-2", extra: PT, ..Default::default() }, None, &[(k, v.as_str())])
-        .unwrap();
+    let a =
+        Agent::start_tuned(AgentOptions { model: "pt-2", extra: PT, ..Default::default() }, None, &[(k, v.as_str())])
+            .unwrap();
     let before = a.sim_writes().len();
     let e = a.err(
         "instance.create",

@@ -172,7 +172,9 @@ fn autostart_waits_for_the_host_until_its_vfs_appear() {
     // Started after the reboot: a live QEMU again (every VMM was killed with the host).
     let xv = wait_for(Duration::from_secs(120), || {
         Some(get(&a, "x")).filter(|v| {
-            v["state"] == "running" && v["gpu"]["device"].is_string() && a.live_qemus().iter().any(|q| q.instance_id.as_deref() == Some(id.as_str()))
+            v["state"] == "running"
+                && v["gpu"]["device"].is_string()
+                && a.live_qemus().iter().any(|q| q.instance_id.as_deref() == Some(id.as_str()))
         })
     })
     .unwrap_or_else(|| panic!("BUG: x was not started once the host was ready: {}", get(&a, "x")));
@@ -186,8 +188,9 @@ fn autostart_waits_for_the_host_until_its_vfs_appear() {
 /// the instance stays `stopped`, `gave_up`, and `last_error` names the bound.
 #[test]
 fn autostart_gives_up_waiting_for_the_host_after_restart_host_wait_s() {
-    let mut a = Agent::start_tuned(AgentOptions { model: HOST_V, ..Default::default() }, None, &[("restart_host_wait_s", "3")])
-        .unwrap();
+    let mut a =
+        Agent::start_tuned(AgentOptions { model: HOST_V, ..Default::default() }, None, &[("restart_host_wait_s", "3")])
+            .unwrap();
     a.ok("instance.create", json!({"name": "x", "image": "demo", "gpu": "L40S-2Q", "autostart": true}));
     reboot_with_late_vfs(&mut a, 600_000);
     let xv = wait_for(Duration::from_secs(60), || Some(get(&a, "x")).filter(|v| v["restarts"]["gave_up"] == true))

@@ -21,12 +21,10 @@ fn stuck_instance() -> (Agent, QemuWrapper, String, i32) {
     let w = QemuWrapper::new();
     let gate = w.dir.path().join("go");
     // The probe (`--version`) passes; a VMM waits at the gate.
-    w.set_hook(&format!(
-        "if [ \"$1\" != --version ]; then while [ ! -e {gate:?} ]; do sleep 0.05; done; fi\n"
-    ));
+    w.set_hook(&format!("if [ \"$1\" != --version ]; then while [ ! -e {gate:?} ]; do sleep 0.05; done; fi\n"));
     let extra = format!("{}reconcile_interval_s = 3600\nclaim_grace_s = 1\nvmm_ready_timeout_s = 600\n", w.extra());
-    let mut a = Agent::start_tuned(AgentOptions { model: HOST_V1, extra: &extra, ..Default::default() }, None, &[])
-        .unwrap();
+    let mut a =
+        Agent::start_tuned(AgentOptions { model: HOST_V1, extra: &extra, ..Default::default() }, None, &[]).unwrap();
     let call = a.spawn_call("instance.create", json!({"name": "s", "image": "demo", "gpu": "L40S-2Q"}));
     // The VMM (the wrapper, waiting at the gate) was spawned: its command line names the data dir.
     let data = a.data_dir.to_string_lossy().into_owned();
