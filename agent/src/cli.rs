@@ -1120,7 +1120,9 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
     if cli.output == Output::Json {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
         return match &cli.command {
-            Command::Stop { .. } if v["released_device_quarantined"].is_object() => exit::DEVICE_QUARANTINED,
+            Command::Stop { .. } | Command::Rm { .. } if v["released_device_quarantined"].is_object() => {
+                exit::DEVICE_QUARANTINED
+            }
             Command::Stop { .. } | Command::Start { .. } | Command::Create { .. }
                 if v["gpu"]["release_pending"] == true =>
             {
@@ -1128,6 +1130,19 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
             }
             _ => exit::OK,
         };
+    }
+    if let (Command::Rm { name }, Some(q)) =
+        (&cli.command, v.get("released_device_quarantined").filter(|q| q.is_object()))
+    {
+        let s = |k: &str| q[k].as_str().unwrap_or_default().to_string();
+        println!(
+            "{name} deleted; GPU {} was given back QUARANTINED ({}: {}); clear it once repaired: gpuvisor gpus unquarantine {}",
+            s("device"),
+            s("reason"),
+            s("detail"),
+            s("device")
+        );
+        return exit::DEVICE_QUARANTINED;
     }
     match &cli.command {
         Command::Ps => {

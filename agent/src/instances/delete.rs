@@ -3,7 +3,6 @@
 //! that cannot be read) turns the instance into `cleanup_pending` with its claim retained;
 //! success removes the record, its directory and its name.
 
-use super::release::Release;
 use super::view::DeleteResult;
 use super::vmm::OwnedClaim;
 use super::Manager;
@@ -11,7 +10,6 @@ use crate::error::{ApiError, CleanupPending, ReleaseFailure};
 use crate::host::proc::Liveness;
 use crate::store::{Claim, InstanceRecord, InstanceState};
 use crate::sync::lock;
-use std::time::Duration;
 
 impl Manager {
     /// `instance.delete`.
@@ -44,12 +42,12 @@ impl Manager {
         let dead = self.stop_vmm(&rec, false)?;
         crate::crash_point!("delete_after_vmm_dead");
         self.remove_taps(&rec);
+        let mut quarantined = None;
         match &owned {
-            OwnedClaim::Claim(c) => {
-                if let Err(e) = self.release(Release::Claim(c, dead), Duration::from_secs(self.cfg.release_retry_s)) {
-                    return Err(self.retain_on_delete(rec, Some(c), e.failure()));
-                }
-            }
+            OwnedClaim::Claim(c) => match self.release_noting_quarantine(&rec, c, dead) {
+                Ok(q) => quarantined = q,
+                Err(e) => return Err(self.retain_on_delete(rec, Some(c), e.failure())),
+            },
             OwnedClaim::Unreadable(u) => {
                 let why = ReleaseFailure {
                     code: "store".into(),
@@ -68,7 +66,7 @@ impl Manager {
         self.remove_vm_cgroup(rec.id);
         self.forget_instance_lock(rec.id);
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, "instance deleted");
-        Ok(DeleteResult { id: rec.id.to_string(), deleted: true })
+        Ok(DeleteResult { id: rec.id.to_string(), deleted: true, released_device_quarantined: quarantined })
     }
 
     /// A delete whose release failed: the instance becomes `cleanup_pending`, its claim

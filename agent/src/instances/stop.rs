@@ -5,7 +5,7 @@
 //! release.
 
 use super::release::Release;
-use super::view::InstanceView;
+use super::view::{InstanceView, QuarantinedDevice};
 use super::vmm::OwnedClaim;
 use super::Manager;
 use crate::error::ApiError;
@@ -62,32 +62,14 @@ impl Manager {
         // cannot be read is left alone (fail closed); the stop itself is done.
         let mut quarantined = None;
         match self.claim_of(&rec) {
-            Ok(OwnedClaim::Claim(c)) => {
-                let marked_before = self.quarantine_mark(&c.device).is_some();
-                match self.release(Release::Claim(&c, dead), Duration::from_secs(self.cfg.release_retry_s)) {
-                    Err(e) => rec.last_error = Some(format!("GPU release pending: {e}")),
-                    // Given back, but the release quarantined it (a passthrough GPU whose
-                    // reset failed): a success that must not read as plain success.
-                    Ok(_) if !marked_before => {
-                        if let Some(h) = self.quarantine_mark(&c.device) {
-                            let note = format!(
-                                "GPU {} was given back but quarantined ({}: {}): it is not handed out again until an \
-                                 operator repairs it and clears the mark (gpuvisor gpus unquarantine {})",
-                                c.device, h.reason, h.detail, c.device
-                            );
-                            tracing::error!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %c.device,
-                                reason = %h.reason, "the stop gave the GPU back quarantined");
-                            rec.last_error = Some(note);
-                            quarantined = Some(super::view::QuarantinedDevice {
-                                device: c.device.clone(),
-                                reason: h.reason,
-                                detail: h.detail,
-                            });
-                        }
-                    }
-                    Ok(_) => {}
+            Ok(OwnedClaim::Claim(c)) => match self.release_noting_quarantine(&rec, &c, dead) {
+                Err(e) => rec.last_error = Some(format!("GPU release pending: {e}")),
+                Ok(Some(q)) => {
+                    rec.last_error = Some(quarantine_note(&q));
+                    quarantined = Some(q);
                 }
-            }
+                Ok(None) => {}
+            },
             Ok(OwnedClaim::None) => {}
             Ok(OwnedClaim::Unreadable(u)) => {
                 rec.last_error = Some(format!(
@@ -110,8 +92,31 @@ impl Manager {
         Ok(view)
     }
 
-    /// The quarantine mark of `device`, if it has one.
-    fn quarantine_mark(&self, device: &str) -> Option<crate::store::HealthRecord> {
-        self.store.read_health(device).ok().flatten().filter(|h| h.quarantined)
+    /// Releases `c` (the claim of `rec`, whose VMM is `dead`) for a stop or delete, retrying
+    /// within `release_retry_s`. `Ok(Some(_))`: the device was given back but this release
+    /// quarantined it (a passthrough GPU whose reset failed) — a success that must not read
+    /// as plain success (logged at ERROR here, once).
+    pub(crate) fn release_noting_quarantine(
+        &self,
+        rec: &crate::store::InstanceRecord,
+        c: &crate::store::Claim,
+        dead: super::vmm::Dead,
+    ) -> Result<Option<QuarantinedDevice>, super::release::ReleaseError> {
+        let marked = |d: &str| self.store.read_health(d).ok().flatten().filter(|h| h.quarantined);
+        let before = marked(&c.device).is_some();
+        self.release(Release::Claim(c, dead), Duration::from_secs(self.cfg.release_retry_s))?;
+        let Some(h) = marked(&c.device).filter(|_| !before) else { return Ok(None) };
+        tracing::error!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %c.device,
+            reason = %h.reason, "the GPU was given back quarantined");
+        Ok(Some(QuarantinedDevice { device: c.device.clone(), reason: h.reason, detail: h.detail }))
     }
+}
+
+/// What `last_error` says of a device given back quarantined.
+fn quarantine_note(q: &QuarantinedDevice) -> String {
+    format!(
+        "GPU {} was given back but quarantined ({}: {}): it is not handed out again until an operator repairs it \
+         and clears the mark (gpuvisor gpus unquarantine {})",
+        q.device, q.reason, q.detail, q.device
+    )
 }

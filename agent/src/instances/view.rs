@@ -494,6 +494,10 @@ pub struct HypervisorView {
 pub struct DeleteResult {
     pub id: String,
     pub deleted: bool,
+    /// The device was given back but quarantined by the delete's release (as in
+    /// `instance.stop`'s answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_device_quarantined: Option<QuarantinedDevice>,
 }
 
 /// `plugin.reload`.

@@ -327,7 +327,8 @@ fn s057_a_wedged_gpu_is_quarantined_after_one_reset() {
 
 /// Issue 18 finding 11: a stop whose give-back quarantines the GPU (its reset fails: the
 /// GPU is wedged) says so — the answer carries `released_device_quarantined`, `last_error`
-/// names the mark, and `gpuvisor stop` prints it and exits 5 — never a plain success.
+/// names the mark, and `gpuvisor stop` prints it and exits 5 — never a plain success; and
+/// so does a delete (`gpuvisor rm`, exit 5).
 #[test]
 fn a_stop_that_gives_back_a_quarantined_gpu_says_so_in_the_answer_the_table_and_the_exit_code() {
     let a = agent("");
@@ -347,6 +348,13 @@ fn a_stop_that_gives_back_a_quarantined_gpu_says_so_in_the_answer_the_table_and_
     assert!(out.contains("QUARANTINED") && out.contains(P0) && out.contains("unquarantine"), "{out}");
     let got = a.ok("instance.get", json!({"ref": "t"}));
     assert!(got["last_error"].as_str().is_some_and(|e| e.contains("quarantined")), "{got}");
+    // A delete that gives the GPU back quarantined says so too (exit 5).
+    a.ok("gpu.unquarantine", json!({"device": P1}));
+    a.ok("instance.start", json!({"ref": "s"}));
+    let o = a.cli(&["rm", "s"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(5), "{o:?}");
+    assert!(out.contains("deleted") && out.contains("QUARANTINED") && out.contains(P1), "{out}");
 }
 
 /// S058: the agent restarts with p0 on vfio-pci held by CC's QEMU and p1 on vfio-pci with
