@@ -22,6 +22,7 @@ pub mod images;
 pub mod instances;
 pub mod metrics;
 pub mod network;
+pub mod own_file;
 pub mod policies;
 pub mod rpc;
 pub mod store;
