@@ -131,7 +131,7 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
     let id = inst["id"].as_str().unwrap();
     assert_eq!(inst["state"], "running");
     let socket = PathBuf::from(inst["vmm"]["control_socket"].as_str().unwrap());
-    assert_eq!(socket, r.a.data_dir.join("instances").join(id).join(hv.socket_name()));
+    assert_eq!(socket, r.a.data_dir.join("instances").join(id).join("vmm").join(hv.socket_name()));
     let pid = r.vmm(&inst);
     assert_eq!(ns_pid(pid), inst["vmm"]["pid"].as_i64().map(|p| p as i32), "the recorded pid is the VMM");
     assert_eq!(inst["vmm"]["liveness"], "alive");
@@ -161,7 +161,7 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
         assert_eq!(cfg["memory"]["size"], inst["memory_mib"].as_u64().unwrap() * 1024 * 1024);
         assert_eq!(cfg["cpus"]["boot_vcpus"], inst["vcpus"]);
         assert_eq!(cfg["platform"]["system_uuid"], id);
-        let serial = r.a.data_dir.join("instances").join(id).join("serial.log");
+        let serial = r.a.data_dir.join("instances").join(id).join("vmm/serial.log");
         assert_eq!(cfg["serial"], json!({"mode": "File", "file": serial}));
         assert_eq!(cfg["console"], json!({"mode": "Off"}));
         assert!(cfg["payload"]["kernel"].as_str().unwrap().ends_with("vmlinuz"), "{cfg}");
