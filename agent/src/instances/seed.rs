@@ -76,11 +76,13 @@ impl Manager {
         };
         let found = crate::own_file::inspect(&vmm, SEED_FILE).map_err(|e| seed_error(rec, e))?;
         if !(found.is_own() && recorded.as_deref() == Some(hash.as_str())) {
+            // A plant goes first (a directory would stop the rename); the agent's own old
+            // seed stays until the new one replaces it (a crash leaves one or the other).
             if let crate::own_file::Entry::Foreign(what) = &found {
                 tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, file = %seed.display(), found = %what,
                     "the seed was not the agent's own file (a VMM may have planted it): built again");
+                crate::own_file::remove(&vmm, SEED_FILE).map_err(|e| seed_error(rec, e))?;
             }
-            crate::own_file::remove(&vmm, SEED_FILE).map_err(|e| seed_error(rec, e))?;
             build_seed(&dir, &vmm, &files).map_err(|e| seed_error(rec, e))?;
             write_atomic(&dir.join(SEED_INPUTS_FILE), format!("{hash}\n").as_bytes())
                 .map_err(|e| seed_error(rec, e))?;

@@ -7,14 +7,21 @@
 //! `vmm_id` — and kept for the instance's whole life, so its files and sockets keep one
 //! owner across restarts.
 //!
-//! An id is **in use** while anything of an owner remains: its record (readable or not), a
-//! process holding it as any uid or gid (`/proc/*/status`), an entry of an instance's VMM
-//! directory owned by it (or the directory's group), a VFIO group node given to its group.
-//! A new id is the lowest one not in use. A crash between the two writes leaves an id
-//! record naming the instance, which its next spawn adopts; the record of a deleted
-//! instance is removed with its directory ([`crate::store::Store::remove_instance`]); one
-//! left by a crash in between is removed by the next allocation once nothing of its owner
-//! remains. An unreadable record keeps its id taken (unknown is not free).
+//! **Never reused while anything of its owner remains.** An id is taken while its record
+//! exists (readable or not: unknown is not free) and while any visible process holds it as
+//! a uid or gid (`/proc/*/status`, zombies aside) or a VFIO group node is given to its
+//! group. Files: a VMM can create files only in its instance's VMM directory (its view holds
+//! nothing else writable, besides `vmm_shared_paths`), and delete removes that directory
+//! before the id's record ([`crate::store::Store::remove_instance`]): while any file of an
+//! owner remains, so does its record. A record whose instance directory is gone (a delete
+//! that crashed between the two) is removed by the next allocation that meets it, once no
+//! process holds the id.
+//!
+//! **Which id.** An instance's candidates start at a point of the range given by a hash of
+//! its id and go on in order, so a new id costs O(1) lookups however many instances exist
+//! (a create stays O(1) in the number of records), and a crash between the two writes is
+//! recovered without a scan: the instance's next spawn meets the record naming it at its
+//! first candidate and adopts it.
 //!
 //! Allocation runs under the allocation lock (two allocations, or an allocation and the
 //! removal of a stale record, never interleave).
@@ -28,60 +35,76 @@ use crate::store::{InstanceRecord, StoreError, VmmIdRecord};
 impl Manager {
     /// The id `rec`'s VMM runs under, recorded before it is returned (see the module docs):
     /// the one the record names, else one an id record gives this instance (a crash between
-    /// the two writes), else a new one. `rec.vmm_id` is set and the record written.
+    /// the two writes), else a free one. `rec.vmm_id` is set and the record written.
     ///
-    /// Errors: `vmm_start_failed` when every id of `vmm_ids` is in use or the id the record
-    /// names belongs to another instance; `not_ready` when `/proc` cannot be read (who holds
-    /// an id cannot be known); store errors.
+    /// Errors: `vmm_start_failed` when every id of `vmm_ids` is taken or the id the record
+    /// names belongs to another instance; `not_ready` when `/proc` cannot be read (who
+    /// holds an id cannot be known); store errors.
     pub(crate) fn vmm_id(&self, rec: &mut InstanceRecord) -> Result<u32, ApiError> {
         let _a = self.alloc();
+        let range = self.cfg.vmm_ids;
         if let Some(uid) = rec.vmm_id {
-            match self.store.read_vmm_id(uid)? {
-                Some(r) if r.instance_id == rec.id => return Ok(uid),
-                Some(r) => {
-                    return Err(ApiError::vmm_start_failed(
-                        format!(
-                            "instance {} names VMM id {uid}, which vmm-ids/{uid}.json gives to instance {} ({}); \
-                             the VMM is not started",
-                            rec.name, r.name, r.instance_id
-                        ),
-                        None,
-                    ))
+            if let Some(r) = self.store.read_vmm_id(uid)? {
+                if r.instance_id == rec.id {
+                    return Ok(uid);
                 }
-                None => {}
+                return Err(ApiError::vmm_start_failed(
+                    format!(
+                        "instance {} names VMM id {uid}, which vmm-ids/{uid}.json gives to instance {} ({}); \
+                         the VMM is not started",
+                        rec.name, r.name, r.instance_id
+                    ),
+                    None,
+                ));
             }
         }
-        let ids = self.store.scan_vmm_ids()?;
-        if let Some(r) = ids.records.iter().find(|r| r.instance_id == rec.id) {
-            let uid = r.uid;
-            return self.record_vmm_id(rec, uid);
-        }
-        let in_use = self.ids_in_use(&ids, rec)?;
-        let range = self.cfg.vmm_ids;
-        let mut taken = in_use;
-        // A record named in the instance (its id file lost): keep that id if it is free.
-        let preferred = rec.vmm_id.filter(|u| range.contains(*u) && !taken.contains_key(u));
-        let mut candidate = preferred.or_else(|| lowest_free(range.first, range.last(), &taken));
-        while let Some(uid) = candidate {
+        let held = self.ids_held()?;
+        // The id the record names (its id record lost) first, then the instance's own
+        // sequence of candidates.
+        let (first, count) = (u64::from(range.first), u64::from(range.count));
+        let start = crate::network::fnv1a64(rec.id.as_bytes()) % count;
+        let sequence = (0..count).map(|k| (first + (start + k) % count) as u32);
+        for uid in rec.vmm_id.filter(|u| range.contains(*u)).into_iter().chain(sequence) {
+            match self.store.read_vmm_id(uid) {
+                Ok(Some(r)) if r.instance_id == rec.id => return self.record_vmm_id(rec, uid),
+                Ok(Some(r)) => {
+                    // A record of a deleted instance (its directory gone) frees its id once
+                    // no process holds it.
+                    if self.store.instance_dir(r.instance_id).exists() || held.contains_key(&uid) {
+                        continue;
+                    }
+                    self.store.remove_vmm_id(uid)?;
+                    tracing::info!(vmm_id = uid, instance.id = %r.instance_id, instance.name = %r.name,
+                        "VMM id of a deleted instance freed");
+                }
+                Ok(None) => {}
+                // Unreadable: its owner cannot be known, the id is taken.
+                Err(e) => {
+                    tracing::debug!(vmm_id = uid, error = %e, "VMM id record unreadable: skipped");
+                    continue;
+                }
+            }
+            if let Some(by) = held.get(&uid) {
+                tracing::debug!(vmm_id = uid, held_by = %by, "VMM id held: skipped");
+                continue;
+            }
             let r = VmmIdRecord { uid, instance_id: rec.id, name: rec.name.clone(), assigned_at: now_rfc3339() };
             match self.store.create_vmm_id(&r) {
                 Ok(()) => {
                     crate::crash_point!("vmm_id_after_record");
                     return self.record_vmm_id(rec, uid);
                 }
-                Err(StoreError::ClaimExists { .. }) => {
-                    taken.insert(uid, "a record created meanwhile".into());
-                    candidate = lowest_free(range.first, range.last(), &taken);
-                }
+                Err(StoreError::ClaimExists { .. }) => continue,
                 Err(e) => return Err(e.into()),
             }
         }
         Err(ApiError::vmm_start_failed(
             format!(
-                "no VMM id is free in vmm_ids ({}…{}: {} in use); widen vmm_ids or delete instances",
+                "no VMM id is free in vmm_ids ({}…{}, {} ids): each is recorded for an instance or held by a \
+                 process; widen vmm_ids or delete instances",
                 range.first,
                 range.last(),
-                taken.len()
+                range.count
             ),
             None,
         ))
@@ -98,100 +121,23 @@ impl Manager {
         Ok(uid)
     }
 
-    /// Every id of `vmm_ids` in use and what holds it (see the module docs; the files of
-    /// `rec`'s own VMM directory under the id its record names do not count). Removes, as
-    /// it goes, the records of instances that are gone and of which nothing else remains.
-    fn ids_in_use(
-        &self,
-        ids: &crate::store::Listing<VmmIdRecord>,
-        rec: &InstanceRecord,
-    ) -> Result<BTreeMap<u32, String>, ApiError> {
+    /// The ids of `vmm_ids` a process or a VFIO group node holds, and what holds each.
+    fn ids_held(&self) -> Result<BTreeMap<u32, String>, ApiError> {
         use std::os::unix::fs::MetadataExt;
         let range = self.cfg.vmm_ids;
-        let own_dir = self.store.vmm_dir(rec.id);
-        let mut used: BTreeMap<u32, String> = BTreeMap::new();
         let procs = crate::host::proc::ids_held(range.first, range.last())
             .map_err(|e| ApiError::not_ready(format!("which VMM ids are held by processes cannot be read: {e}")))?;
-        for (id, pid) in &procs {
-            used.insert(*id, format!("process {pid}"));
-        }
-        // Owners of what the VMM directories hold (a VMM creates only there).
-        let instances = self.store.root().join("instances");
-        for inst in std::fs::read_dir(&instances).map_err(ApiError::internal)?.flatten() {
-            let vmm = inst.path().join(crate::hypervisor::confine::VMM_DIR);
-            let Ok(rd) = std::fs::read_dir(&vmm) else { continue };
-            let mut paths = vec![vmm.clone()];
-            paths.extend(rd.flatten().map(|e| e.path()));
-            for p in paths {
-                if let Ok(m) = std::fs::symlink_metadata(&p) {
-                    for id in [m.uid(), m.gid()].into_iter().filter(|i| range.contains(*i)) {
-                        if p.starts_with(&own_dir) && rec.vmm_id == Some(id) {
-                            continue;
-                        }
-                        used.entry(id).or_insert_with(|| format!("file {}", p.display()));
-                    }
-                }
-            }
-        }
-        // VFIO group nodes given to a VMM's group.
+        let mut held: BTreeMap<u32, String> =
+            procs.into_iter().map(|(id, pid)| (id, format!("process {pid}"))).collect();
         if let Ok(rd) = std::fs::read_dir(self.host.vfio_dir()) {
             for e in rd.flatten() {
                 if let Ok(m) = std::fs::symlink_metadata(e.path()) {
                     if range.contains(m.gid()) {
-                        used.entry(m.gid()).or_insert_with(|| format!("device node {}", e.path().display()));
+                        held.entry(m.gid()).or_insert_with(|| format!("device node {}", e.path().display()));
                     }
                 }
             }
         }
-        for u in &ids.unreadable {
-            if let Ok(id) = u.key.parse::<u32>() {
-                used.insert(id, format!("unreadable record {}: {}", u.path.display(), u.error));
-            }
-        }
-        for r in &ids.records {
-            let gone = !self.store.instance_dir(r.instance_id).exists();
-            if gone && !used.contains_key(&r.uid) {
-                // Nothing of its owner remains: a delete that crashed before freeing it.
-                match self.store.remove_vmm_id(r.uid) {
-                    Ok(()) => {
-                        tracing::info!(vmm_id = r.uid, instance.id = %r.instance_id, instance.name = %r.name,
-                            "VMM id of a deleted instance freed");
-                        continue;
-                    }
-                    Err(e) => tracing::warn!(vmm_id = r.uid, error = %e, "a stale VMM id record cannot be removed"),
-                }
-            }
-            used.entry(r.uid).or_insert_with(|| format!("instance {} ({})", r.name, r.instance_id));
-        }
-        tracing::debug!(in_use = used.len(), first = ?used.iter().next(), "VMM ids in use");
-        Ok(used)
-    }
-}
-
-/// The lowest id of `first..=last` not in `taken`.
-fn lowest_free<T>(first: u32, last: u32, taken: &BTreeMap<u32, T>) -> Option<u32> {
-    let mut next = first;
-    for (&id, _) in taken.range(first..=last) {
-        if id > next {
-            return Some(next);
-        }
-        next = id.checked_add(1)?;
-    }
-    (next <= last).then_some(next)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_lowest_free_id_skips_every_taken_one() {
-        let taken: BTreeMap<u32, ()> = [(10, ()), (11, ()), (13, ()), (99, ())].into_iter().collect();
-        assert_eq!(lowest_free(10, 20, &taken), Some(12));
-        assert_eq!(lowest_free(5, 20, &taken), Some(5));
-        let full: BTreeMap<u32, ()> = (10..=12).map(|i| (i, ())).collect();
-        assert_eq!(lowest_free(10, 12, &full), None);
-        assert_eq!(lowest_free(10, 13, &full), Some(13));
-        assert_eq!(lowest_free(u32::MAX - 1, u32::MAX - 1, &BTreeMap::<u32, ()>::new()), Some(u32::MAX - 1));
+        Ok(held)
     }
 }
