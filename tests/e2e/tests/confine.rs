@@ -93,18 +93,27 @@ fn qemu_runs_under_its_own_id_without_capabilities_and_cannot_touch_the_records(
 }
 
 /// An instance keeps its VMM id across stops and starts; another instance gets another;
-/// delete frees it (its record goes last), and a freed id is not handed out again while a
-/// process still runs under it (a zombie does not count: it can do nothing).
+/// when the range is used up a create says so; delete frees an id (its record goes last),
+/// and a freed id is not handed out again while a process still runs under it (a zombie
+/// does not count: it can do nothing).
 #[test]
 fn a_vmm_id_is_the_instances_for_its_life_and_never_reused_while_a_process_holds_it() {
-    let a = Agent::start(HOST_V).unwrap();
+    // Two ids of the reserved range (apart from other test agents'), so that reuse is forced.
+    let first = 1_879_048_192 + 60_000 + 2 * (std::process::id() % 2_000);
+    let ids = format!("{{ first = {first}, count = 2 }}");
+    let a =
+        Agent::start_tuned(AgentOptions { model: HOST_V, ..Default::default() }, None, &[("vmm_ids", &ids)]).unwrap();
     let v1 = a.ok("instance.create", json!({"name": "one", "image": "demo"}));
     let v2 = a.ok("instance.create", json!({"name": "two", "image": "demo"}));
     let (id1, id2) = (v1["vmm_id"].as_u64().unwrap(), v2["vmm_id"].as_u64().unwrap());
     assert_ne!(id1, id2);
+    assert!([id1, id2].iter().all(|i| (u64::from(first)..u64::from(first) + 2).contains(i)));
     a.ok("instance.stop", json!({"ref": "one", "force": true}));
     let again = a.ok("instance.start", json!({"ref": "one"}));
     assert_eq!(again["vmm_id"].as_u64(), Some(id1), "kept across a restart");
+    let e = a.err("instance.create", json!({"name": "three", "image": "demo"}));
+    assert_eq!(e.data_code, "vmm_start_failed", "{e}");
+    assert!(e.message.contains("no VMM id is free in vmm_ids"), "{e}");
 
     a.ok("instance.delete", json!({"ref": "one"}));
     assert!(!a.data_dir.join(format!("vmm-ids/{id1}.json")).exists(), "delete frees the id");
@@ -117,17 +126,16 @@ fn a_vmm_id_is_the_instances_for_its_life_and_never_reused_while_a_process_holds
         straggler().into_iter().find(|p| uid_of(*p).map(u64::from) == Some(id1))
     })
     .expect("the straggler runs under the freed id");
-    let v3 = a.ok("instance.create", json!({"name": "three", "image": "demo"}));
-    let id3 = v3["vmm_id"].as_u64().unwrap();
-    assert!(id3 != id1 && id3 != id2, "BUG: id {id3} was handed out while a process runs under it");
+    let e = a.err("instance.create", json!({"name": "three", "image": "demo"}));
+    assert!(e.message.contains("no VMM id is free"), "BUG: an id was handed out while a process runs under it: {e}");
     for p in straggler() {
         sigkill(p);
     }
     wait_for(std::time::Duration::from_secs(10), || straggler().into_iter().all(|p| !alive(p)).then_some(()))
         .expect("the straggler is gone");
     // Once nothing of its owner remains, the id is free again.
-    let v4 = a.ok("instance.create", json!({"name": "four", "image": "demo"}));
-    assert_eq!(v4["vmm_id"].as_u64(), Some(id1), "the lowest free id is reused once nothing holds it");
+    let v3 = a.ok("instance.create", json!({"name": "three", "image": "demo"}));
+    assert_eq!(v3["vmm_id"].as_u64(), Some(id1), "the freed id is given again once nothing holds it");
 }
 
 /// An agent refuses to start on a configuration that still names `vmm_user` (saying what
