@@ -211,11 +211,17 @@ fn take_control_socket(socket: &Path) -> Result<(), HypervisorError> {
             })
         }
     }
-    match std::fs::remove_file(socket) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    // Whatever is at the name (a stale socket; a directory or link the VMM may have left).
+    remove_name(socket)
+}
+
+/// Removes whatever sits at `path` in the VMM directory ([`crate::own_file::remove`]: a
+/// directory whole, a link never followed).
+fn remove_name(path: &Path) -> Result<(), HypervisorError> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return Err(HypervisorError::start_failed(format!("{} is not a file in a directory", path.display())));
+    };
+    crate::own_file::remove(dir, name).map_err(HypervisorError::from)
 }
 
 /// Starts the VMM for `spec` and brings its VM up (see the module docs); `ready_timeout`
@@ -267,11 +273,7 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
     let control_socket = spec.control_socket();
     take_control_socket(&control_socket)?;
     // The console socket of an earlier boot (the control socket's check proved its VMM gone).
-    match std::fs::remove_file(spec.console_socket()) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
-    }
+    remove_name(&spec.console_socket())?;
 
     let log_path = spec.vmm_log();
     let log = open_vmm_log(&spec.log_dir, driver.log_name())?;

@@ -43,7 +43,8 @@ impl Manager {
 
     /// A [`Dead`] when the VMM of `owner` (or, with no record, of instance `id`) is provably
     /// dead; otherwise the liveness found. Without a record the hypervisor is unknown: every
-    /// hypervisor's control socket in the instance directory must be free of a live owner.
+    /// hypervisor's control socket in the VMM directory — and where versions before VMM
+    /// directories put it, the instance directory — must be free of a live owner.
     pub(crate) fn prove_dead(
         &self,
         id: uuid::Uuid,
@@ -53,9 +54,12 @@ impl Manager {
         let l = match owner {
             Some(rec) => self.liveness_at(rec, boot_id),
             None => {
-                let dir = self.store.vmm_dir(id);
-                let each = hypervisor::HypervisorKind::ALL
-                    .map(|k| proc::vmm_liveness(None, Some(&dir.join(k.driver().control_socket_name())), boot_id));
+                let dirs = [self.store.vmm_dir(id), self.store.instance_dir(id)];
+                let each: Vec<Liveness> = hypervisor::HypervisorKind::ALL
+                    .iter()
+                    .flat_map(|k| dirs.iter().map(move |d| d.join(k.driver().control_socket_name())))
+                    .map(|socket| proc::vmm_liveness(None, Some(&socket), boot_id))
+                    .collect();
                 let alive = each.iter().find(|l| matches!(l, Liveness::Alive { .. }));
                 let maybe = each.iter().find(|l| matches!(l, Liveness::MaybeAlive { .. }));
                 alive.or(maybe).cloned().unwrap_or(Liveness::Dead)

@@ -135,6 +135,13 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
     let pid = r.vmm(&inst);
     assert_eq!(ns_pid(pid), inst["vmm"]["pid"].as_i64().map(|p| p as i32), "the recorded pid is the VMM");
     assert_eq!(inst["vmm"]["liveness"], "alive");
+    // Under its instance's own id, in its own view: its VMM directory is there, the agent's
+    // record beside it is not.
+    assert_eq!(uid_of(pid).map(u64::from), inst["vmm_id"].as_u64(), "the VMM runs under its instance's id");
+    let inside = |p: &std::path::Path| PathBuf::from(format!("/proc/{pid}/root")).join(p.strip_prefix("/").unwrap());
+    let dir = r.a.data_dir.join("instances").join(id);
+    assert!(inside(&dir.join("vmm")).is_dir(), "the VMM sees its directory");
+    assert!(!inside(&dir.join("instance.json")).exists(), "the VMM does not see the agent's record");
     r.wait_console(&inst);
 
     let ps = r.a.cli(&["ps"]);
