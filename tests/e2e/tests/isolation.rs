@@ -225,9 +225,11 @@ fn a_planted_seed_link_with_a_forged_hash_is_replaced_and_never_opened() {
     let hash = std::fs::read_to_string(vmm_dir.parent().unwrap().join("seed.inputs"))
         .or_else(|_| std::fs::read_to_string(vmm_dir.join("seed.inputs")))
         .unwrap();
-    // The seed goes missing; the VMM (in its own view, as its own uid) plants the link and
-    // the forged hash in its directory.
+    // The seed goes missing (with its hash, where the old layout kept it beside the seed);
+    // the VMM (in its own view, as its own uid) plants the link and a forged hash in its
+    // directory.
     std::fs::remove_file(&seed).unwrap();
+    let _ = std::fs::remove_file(vmm_dir.join("seed.inputs"));
     let plant = format!(
         "ln -s {} {} && printf %s '{}' >{}",
         q(&secret),
