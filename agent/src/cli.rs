@@ -933,16 +933,19 @@ async fn console(cli: &Cli, name: &str, log: bool, force: bool) -> i32 {
     };
     let Some(i) = decode::<InstanceView>(&v) else { return exit::ERROR };
     if log {
-        let path = PathBuf::from(&i.serial_log);
+        // Only the agent's own files: a link, a FIFO or a file a VMM made at either name is
+        // refused, never followed or waited on (crate::own_file).
         let mut out = std::io::stdout();
-        for p in [crate::console::rotated(&path), path.clone()] {
-            match std::fs::read(&p) {
-                Ok(b) => {
+        for p in [PathBuf::from(&i.serial_log_rotated), PathBuf::from(&i.serial_log)] {
+            let (Some(dir), Some(file)) = (p.parent(), p.file_name().and_then(|f| f.to_str())) else { continue };
+            match crate::own_file::read(dir, file) {
+                Ok(Some(b)) => {
                     let _ = std::io::Write::write_all(&mut out, &b);
                 }
+                Ok(None) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
-                    eprintln!("error: cannot read {}: {e}", p.display());
+                    eprintln!("error: cannot read the console log of {name}: {e}");
                     return exit::ERROR;
                 }
             }

@@ -21,6 +21,43 @@ pub enum VfioAttach {
     HoldFd,
 }
 
+/// The range of uids (and the same gids) VMMs run under (`vmm_ids`): every instance gets
+/// one of its own ([`crate::instances::vmm_ids`]). No user or group may have an id in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmmIds {
+    /// The first id.
+    pub first: u32,
+    /// How many ids (the most instances an agent can hold).
+    pub count: u32,
+}
+
+impl VmmIds {
+    /// The last id of the range.
+    pub fn last(&self) -> u32 {
+        self.first.saturating_add(self.count.saturating_sub(1))
+    }
+
+    /// Whether `id` is in the range.
+    pub fn contains(&self, id: u32) -> bool {
+        id >= self.first && id <= self.last()
+    }
+}
+
+impl Default for VmmIds {
+    /// 0x70000000 + 65536: the window systemd's "UID/GID allocation" lists as unused
+    /// (1879048192…2147352575), above regular users, systemd's dynamic users, `nobody`,
+    /// shadow's default subordinate ranges (100000…600100000) and systemd-nspawn's
+    /// `--private-users=pick` ranges (…1879048191).
+    fn default() -> VmmIds {
+        VmmIds { first: 1_879_048_192, count: 65_536 }
+    }
+}
+
+/// The host trees every VMM's view binds read-only ([`crate::host::vmm_view`]): the data
+/// directory may not lie inside one of them (the view would show the agent's records).
+pub const VIEW_SYSTEM_TREES: &[&str] = &["/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"];
+
 /// Limits and site parameters of one policy plugin slot (`[plugins.<kind>]`).
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -295,9 +332,13 @@ config_keys! {
         help: "QEMU runs under its seccomp sandbox (-sandbox on, obsolete/elevateprivileges/spawn/resourcecontrol denied)",
         default: Some("true"), unit: None, serve_flag: false,
     },
-    vmm_user: String {
-        help: "The unprivileged user every VMM runs as (no capabilities, no_new_privs); root runs them as the agent",
-        default: Some(r#""gpuvisor-vmm""#), unit: None, serve_flag: false,
+    vmm_ids: VmmIds {
+        help: "The uids/gids VMMs run under, one of its own per instance (uid = gid), never a user's: first and count; reserve them (docs/configuration.md \"VMM identities\")",
+        default: Some("{ first = 1879048192, count = 65536 }"), unit: None, serve_flag: false,
+    },
+    vmm_shared_paths: Vec<PathBuf> {
+        help: "Host paths every VMM also sees, at the same path with the host's permissions (e.g. a qemu_binary wrapper's directory); shared by all VMMs",
+        default: Some("[]"), unit: None, serve_flag: false,
     },
     vmm_cgroup: bool {
         help: "Each VMM runs in its own cgroup v2 (gpuvisor/vm-<id>) with memory.max = guest memory + cgroup_memory_overhead_mib",
@@ -369,7 +410,8 @@ impl Default for Config {
             memory_overcommit: 1.0,
             vcpu_overcommit: 4.0,
             qemu_sandbox: true,
-            vmm_user: "gpuvisor-vmm".into(),
+            vmm_ids: VmmIds::default(),
+            vmm_shared_paths: Vec::new(),
             vmm_cgroup: true,
             cgroup_memory_overhead_mib: 1024,
             log_format: "text".into(),
@@ -396,6 +438,16 @@ impl Config {
 
     /// Parses TOML text.
     pub fn parse(text: &str) -> anyhow::Result<Config> {
+        // A key that was removed says what replaced it (serde would only say "unknown").
+        if let Ok(t) = text.parse::<toml::Table>() {
+            if t.contains_key("vmm_user") {
+                anyhow::bail!(
+                    "vmm_user was removed: every VMM now runs under a uid/gid of its own from vmm_ids, in a view of \
+                     the filesystem holding only its instance's files (docs/configuration.md \"VMM identities\"); \
+                     remove the key"
+                );
+            }
+        }
         let mut cfg: Config = toml::from_str(text)?;
         // sysfs names PCI functions in lower case.
         cfg.passthrough_gpus.iter_mut().for_each(|g| g.make_ascii_lowercase());
@@ -473,6 +525,43 @@ impl Config {
         }
         if !self.host_root.is_dir() {
             anyhow::bail!("host_root {} is not a directory", self.host_root.display());
+        }
+        self.validate_vmm_view()
+    }
+
+    /// `vmm_ids`, `vmm_shared_paths` and the data directory as every VMM's view needs them:
+    /// a non-empty range of real ids, absolute paths, and no shared path and no system tree
+    /// of the view holding the data directory (the agent's records). Errors name the key.
+    fn validate_vmm_view(&self) -> anyhow::Result<()> {
+        let ids = self.vmm_ids;
+        if ids.first == 0 || ids.count == 0 || ids.first.checked_add(ids.count - 1).is_none_or(|l| l == u32::MAX) {
+            anyhow::bail!(
+                "vmm_ids must be a non-empty range above 0 and below 4294967295, not first = {} count = {}",
+                ids.first,
+                ids.count
+            );
+        }
+        if !self.data_dir.is_absolute() {
+            anyhow::bail!("data_dir must be an absolute path, not {}", self.data_dir.display());
+        }
+        if let Some(t) = VIEW_SYSTEM_TREES.iter().find(|t| self.data_dir.starts_with(t)) {
+            anyhow::bail!(
+                "data_dir {} lies under {t}, which every VMM sees read-only: choose a data directory elsewhere \
+                 (e.g. /var/lib/gpuvisor)",
+                self.data_dir.display()
+            );
+        }
+        for p in &self.vmm_shared_paths {
+            if !p.is_absolute() {
+                anyhow::bail!("vmm_shared_paths: {} is not an absolute path", p.display());
+            }
+            if self.data_dir.starts_with(p) || p.starts_with(&self.data_dir) {
+                anyhow::bail!(
+                    "vmm_shared_paths: {} and data_dir {} overlap: every VMM would see the agent's records",
+                    p.display(),
+                    self.data_dir.display()
+                );
+            }
         }
         Ok(())
     }

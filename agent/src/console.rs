@@ -5,10 +5,12 @@
 //! everything to `<instance dir>/serial.log` across boots ([`crate::hypervisor::qemu`]).
 //!
 //! - [`rotate`] keeps each log under `console_log_max_bytes`: once a log is larger, it is
-//!   copied to `serial.log.1` (replacing the previous one) and truncated in place, keeping
-//!   what arrived during the copy — QEMU holds it open with `O_APPEND`, so its next write
-//!   lands at the new end. The agent runs it every [`ROTATE_EVERY`]: the two files stay
-//!   within about twice the cap plus what a guest writes between two checks.
+//!   copied to [`ROTATED_LOG`] in the instance directory (replacing the previous one; the
+//!   VMM never sees that directory) and truncated in place, keeping what arrived during the
+//!   copy — QEMU holds it open with `O_APPEND`, so its next write lands at the new end. The
+//!   agent runs it every [`ROTATE_EVERY`]: the two files stay within about twice the cap
+//!   plus what a guest writes between two checks. The log is the VMM's to write but the
+//!   agent's file: anything else at its name is never read ([`crate::own_file`]).
 //! - [`attach`] is `gpuvisor console NAME`: the terminal in raw mode, bytes both ways, and
 //!   the escape byte [`ESCAPE`] (`^]`, as `virsh console`) detaches.
 //! - One session per console, as `virsh console`: QEMU serves one client and leaves a
@@ -31,39 +33,41 @@ pub const ROTATE_EVERY: Duration = Duration::from_millis(500);
 /// `^]`: detaches `gpuvisor console`.
 pub const ESCAPE: u8 = 0x1d;
 
-/// The rotated log beside `log` (`serial.log.1`).
-pub fn rotated(log: &Path) -> std::path::PathBuf {
-    let mut name = log.file_name().unwrap_or_default().to_os_string();
-    name.push(".1");
-    log.with_file_name(name)
-}
+/// The rotated console log's file name, in the instance directory.
+pub const ROTATED_LOG: &str = "serial.log.1";
 
-/// Rotates `log` when it is larger than `max` bytes: its first `len` bytes (as seen at the
-/// check) go to [`rotated`] (through a temp file and a rename, so the previous copy is
-/// replaced whole); what the guest wrote meanwhile is read back, the log truncated and that
-/// tail appended again — only output written between that read and the truncation (a few
-/// microseconds) can be lost. Returns whether it rotated.
+/// Rotates `<vmm_dir>/serial.log` when it is larger than `max` bytes: its first `len` bytes
+/// (as seen at the check) go to `<rotated_dir>/`[`ROTATED_LOG`] (through a temp file in the
+/// agent's private directory and a rename, so the previous copy is replaced whole, and so is
+/// whatever else sits at that name — a directory left from the old layout included); what
+/// the guest wrote meanwhile is read back, the log truncated and that tail appended again —
+/// only output written between that read and the truncation (a few microseconds) can be
+/// lost. Returns whether it rotated.
 ///
-/// The directory is writable by an unprivileged VMM ([`crate::hypervisor::confine`]), so
-/// nothing here follows a symlink: the log is opened `O_NOFOLLOW` and the copy goes to a
-/// fresh, randomly named file (`create_new`).
-pub fn rotate(log: &Path, max: u64) -> io::Result<bool> {
+/// The VMM directory is writable by the VMM, so the log is used only when it is the
+/// agent's own file ([`crate::own_file::open`]: never a link, a FIFO or a file of the VMM's).
+/// Errors: something else sits at the log's name (the error says what), or I/O.
+pub fn rotate(vmm_dir: &Path, rotated_dir: &Path, max: u64) -> io::Result<bool> {
     use std::io::{Seek, SeekFrom};
     use std::os::unix::fs::OpenOptionsExt;
-    let mut src = match std::fs::OpenOptions::new().read(true).append(true).custom_flags(libc::O_NOFOLLOW).open(log) {
+    let log = crate::hypervisor::SERIAL_LOG;
+    let mut src = match crate::own_file::open(vmm_dir, log, true)? {
         Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(e),
+        Err(crate::own_file::Entry::Missing) => return Ok(false),
+        Err(other) => return Err(crate::own_file::foreign_error(vmm_dir, log, &other)),
     };
     let len = src.metadata()?.len();
     if len <= max {
         return Ok(false);
     }
-    let dest = rotated(log);
-    let tmp = dest.with_extension(format!("1.{}.tmp", uuid::Uuid::new_v4().simple()));
+    let dest = rotated_dir.join(ROTATED_LOG);
+    let tmp = crate::hypervisor::confine::staging_path(&dest)?;
     let copied = (|| {
         let mut out = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o640).open(&tmp)?;
         io::copy(&mut (&mut src).take(len), &mut out)?;
+        if let crate::own_file::Entry::Foreign(_) = crate::own_file::inspect(rotated_dir, ROTATED_LOG)? {
+            crate::own_file::remove(rotated_dir, ROTATED_LOG)?;
+        }
         std::fs::rename(&tmp, &dest)
     })();
     if let Err(e) = copied {
@@ -193,7 +197,8 @@ pub enum Detach {
 /// or the VMM closing it. Errors: the socket cannot be connected (the VM is not running,
 /// or another client is attached).
 pub fn attach(socket: &Path) -> io::Result<Detach> {
-    let stream = UnixStream::connect(socket)?;
+    // Only the VMM's own socket (never a link it planted to another VMM's console).
+    let stream: UnixStream = crate::own_file::connect(socket)?;
     let mut reader = stream.try_clone()?;
     let (tx, rx) = std::sync::mpsc::channel::<Detach>();
     let closed = tx.clone();
@@ -248,21 +253,47 @@ mod tests {
     #[test]
     fn a_log_over_its_cap_is_copied_and_truncated_and_appends_go_on_at_the_start() {
         let d = tempfile::tempdir().unwrap();
-        let log = d.path().join("serial.log");
+        let (inst, vmm) = (d.path(), d.path().join("vmm"));
+        std::fs::create_dir(&vmm).unwrap();
+        let log = vmm.join("serial.log");
+        let rotated = inst.join(ROTATED_LOG);
         // The writer keeps an O_APPEND fd, as QEMU's logappend does.
         let mut w = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
         w.write_all(&[b'a'; 100]).unwrap();
-        assert!(!rotate(&log, 100).unwrap(), "at the cap: kept");
+        assert!(!rotate(&vmm, inst, 100).unwrap(), "at the cap: kept");
         w.write_all(b"b").unwrap();
-        assert!(rotate(&log, 100).unwrap());
-        assert_eq!(std::fs::read(rotated(&log)).unwrap().len(), 101);
+        assert!(rotate(&vmm, inst, 100).unwrap());
+        assert_eq!(std::fs::read(&rotated).unwrap().len(), 101);
         assert_eq!(std::fs::metadata(&log).unwrap().len(), 0);
         w.write_all(b"after").unwrap();
         assert_eq!(std::fs::read(&log).unwrap(), b"after", "no hole: the writer appends at the new end");
         // A second rotation replaces the copy.
         w.write_all(&[b'c'; 200]).unwrap();
-        assert!(rotate(&log, 100).unwrap());
-        assert_eq!(std::fs::read(rotated(&log)).unwrap().len(), 205);
-        assert!(!rotate(&d.path().join("none.log"), 1).unwrap(), "no log: nothing to do");
+        assert!(rotate(&vmm, inst, 100).unwrap());
+        assert_eq!(std::fs::read(&rotated).unwrap().len(), 205);
+        assert!(!rotate(&inst.join("none"), inst, 1).is_ok_and(|r| r), "no log: nothing to do");
+    }
+
+    /// Finding 8: a directory where the rotated log goes no longer stops the rotation, and a
+    /// log that is not the agent's own is never read.
+    #[test]
+    fn a_directory_at_the_rotated_name_is_replaced_and_a_planted_log_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let (inst, vmm) = (d.path(), d.path().join("vmm"));
+        std::fs::create_dir(&vmm).unwrap();
+        std::fs::create_dir_all(inst.join(ROTATED_LOG).join("x")).unwrap();
+        std::fs::write(vmm.join("serial.log"), [b'a'; 200]).unwrap();
+
+        assert!(rotate(&vmm, inst, 100).unwrap());
+        assert_eq!(std::fs::read(inst.join(ROTATED_LOG)).unwrap().len(), 200);
+
+        let secret = d.path().join("secret");
+        std::fs::write(&secret, [b's'; 300]).unwrap();
+        std::fs::remove_file(vmm.join("serial.log")).unwrap();
+        std::os::unix::fs::symlink(&secret, vmm.join("serial.log")).unwrap();
+        let e = rotate(&vmm, inst, 100).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link, not the agent's own file"), "{e}");
+        assert_eq!(std::fs::read(inst.join(ROTATED_LOG)).unwrap().len(), 200, "the secret was not copied");
+        assert_eq!(std::fs::read(&secret).unwrap().len(), 300, "nor truncated");
     }
 }

@@ -207,7 +207,18 @@ pub fn create_overlay(
     finish(&tmp, dst, r)
 }
 
-/// Copies a file (an overlay, a UEFI variable store) to `dst` through a temporary name.
+/// Copies the open file `src` (an overlay, a UEFI variable store; `what` names it in
+/// errors) to `dst` through a temporary name.
+pub fn copy_open(src: &mut std::fs::File, what: &Path, dst: &Path) -> Result<(), DiskError> {
+    let tmp = staging(dst)?;
+    let r = std::fs::File::create_new(&tmp)
+        .and_then(|mut out| std::io::copy(src, &mut out))
+        .map(|_| ())
+        .map_err(|e| DiskError::Tool(format!("cannot copy {} to {}: {e}", what.display(), tmp.display())));
+    finish(&tmp, dst, r)
+}
+
+/// Copies a file (a UEFI variable store template) to `dst` through a temporary name.
 pub fn copy_file(src: &Path, dst: &Path) -> Result<(), DiskError> {
     let tmp = staging(dst)?;
     let r = std::fs::copy(src, &tmp)

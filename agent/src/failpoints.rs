@@ -24,6 +24,8 @@
 //! | `after_claim_commit` | create/start: the claim file is durable, the VF untouched |
 //! | `configure_after_repair` | create/start: a dirty VF was cleared, its new type not written (race point) |
 //! | `after_configure` | create/start: the type is set and verified, claim `configured` |
+//! | `vmm_id_after_record` | create/start: the VMM id's record is durable, the instance record does not name it yet |
+//! | `vmm_id_after_instance` | create/start: the instance record names its VMM id, no VMM spawned |
 //! | `after_spawn` | create/start: QEMU runs, its identity is not persisted yet |
 //! | `after_running` | create/start: the `running` record is durable |
 //! | `rollback_before_release` | rollback: the VMM is dead, the device not released (race point) |
@@ -34,6 +36,7 @@
 //! | `delete_after_deleting_mark` | delete: `deleting` is durable |
 //! | `delete_after_vmm_dead` | delete: the VMM is dead, the device not released |
 //! | `delete_after_release` | delete: the claim is gone, the record not yet |
+//! | `delete_before_vmm_id_release` | delete: the instance directory and name are gone, its VMM id record not yet |
 //! | `release_before_write` | release path: scan clean, nothing written |
 //! | `release_after_write` | release path: the device reads clear, the claim file remains |
 //! | `release_after_claim_remove` | release path: the claim file is gone |
@@ -52,6 +55,8 @@ pub const ALL: &[&str] = &[
     "create_after_record",
     "after_claim_commit",
     "after_configure",
+    "vmm_id_after_record",
+    "vmm_id_after_instance",
     "after_spawn",
     "after_running",
     "start_after_clear_identity",
@@ -61,6 +66,7 @@ pub const ALL: &[&str] = &[
     "delete_after_deleting_mark",
     "delete_after_vmm_dead",
     "delete_after_release",
+    "delete_before_vmm_id_release",
     "release_before_write",
     "release_after_write",
     "release_after_claim_remove",

@@ -203,15 +203,69 @@ pub struct ImportSource<'a> {
     pub cmdline: Option<String>,
 }
 
+/// The mode of an image's files: every VMM reads them (through its read-only view), none
+/// writes them — whatever the source's mode was (a kernel from `/boot` is often `0600`).
+pub const IMAGE_FILE_MODE: u32 = 0o644;
+
+/// Why `head` (a file's first bytes) is not a kernel QEMU or Cloud Hypervisor boots
+/// directly, or `None`: an x86 bzImage has `HdrS` at 0x202 (the boot protocol's header,
+/// the kernel's `Documentation/arch/x86/boot.rst`), a vmlinux or PVH kernel is an ELF file.
+pub fn not_a_kernel(head: &[u8]) -> Option<String> {
+    if head.get(0x202..0x206) == Some(b"HdrS") || head.starts_with(b"\x7fELF") {
+        return None;
+    }
+    Some("is neither an x86 bzImage (no \"HdrS\" at offset 0x202) nor an ELF kernel".into())
+}
+
+/// Why `head` is not an initrd the kernel unpacks, or `None`: a cpio archive (`070701`,
+/// `070702`, `070707`, or binary cpio) or a compressed stream the kernel knows (gzip, xz,
+/// zstd, bzip2, lzma, lz4, lzop; `usr/Kconfig`'s `RD_*`).
+pub fn not_an_initrd(head: &[u8]) -> Option<String> {
+    const MAGIC: &[&[u8]] = &[
+        b"070701",
+        b"070702",
+        b"070707",
+        &[0xc7, 0x71],
+        &[0x71, 0xc7],
+        &[0x1f, 0x8b],
+        &[0x1f, 0x9e],
+        &[0xfd, b'7', b'z', b'X', b'Z', 0x00],
+        &[0x28, 0xb5, 0x2f, 0xfd],
+        b"BZh",
+        &[0x5d, 0x00, 0x00],
+        &[0x02, 0x21, 0x4c, 0x18],
+        &[0x04, 0x22, 0x4d, 0x18],
+        &[0x89, b'L', b'Z', b'O'],
+    ];
+    if MAGIC.iter().any(|m| head.starts_with(m)) {
+        return None;
+    }
+    Some(
+        "is neither a cpio archive nor a compressed stream the kernel unpacks (gzip, xz, zstd, bzip2, lzma, lz4, lzop)"
+            .into(),
+    )
+}
+
+/// The first 1 KiB of `path` (less for a shorter file).
+fn head_of(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut f = fs::File::open(path)?;
+    let mut buf = Vec::with_capacity(1024);
+    std::io::Read::read_to_end(&mut std::io::Read::take(&mut f, 1024), &mut buf)?;
+    Ok(buf)
+}
+
 /// Copies a kernel (and initrd) and/or a disk into `images_dir/<name>/` and writes
 /// `image.toml` atomically (staged in a hidden directory, then renamed; a staging
-/// directory a kill left is removed when the agent starts). The disk is
-/// inspected and copied with `qemu_img` ([`disks::inspect`], [`disks::copy_into_image`]:
-/// `disk.qcow2` or `disk.raw`, flattened). Errors: `invalid_request` for a bad name, a
-/// relative path, neither a kernel nor a disk, an initrd without a kernel, an unreadable
-/// source file, or a disk that is not a qcow2 or a partitioned raw disk or whose backing
-/// file is missing; `name_taken` if the image exists; `internal` when `qemu-img` cannot run
-/// or the images directory cannot be written (full: says so).
+/// directory a kill left is removed when the agent starts). The kernel must be a bzImage or
+/// an ELF kernel ([`not_a_kernel`]), the initrd a cpio archive or a compressed stream
+/// ([`not_an_initrd`]). The disk is inspected and copied with `qemu_img`
+/// ([`disks::inspect`], [`disks::copy_into_image`]: `disk.qcow2` or `disk.raw`, flattened).
+/// Every copied file gets [`IMAGE_FILE_MODE`] (VMMs read them). Errors: `invalid_request`
+/// for a bad name, a relative path, neither a kernel nor a disk, an initrd without a
+/// kernel, an unreadable source file, a kernel or initrd that is not one, or a disk that is
+/// not a qcow2 or a partitioned raw disk or whose backing file is missing; `name_taken` if
+/// the image exists; `internal` when `qemu-img` cannot run or the images directory cannot
+/// be written (full: says so).
 pub fn import(images_dir: &Path, qemu_img: &Path, name: &str, src: &ImportSource<'_>) -> Result<Image, ApiError> {
     if !valid_name(name) {
         return Err(ApiError::invalid_request(format!(
@@ -233,6 +287,17 @@ pub fn import(images_dir: &Path, qemu_img: &Path, name: &str, src: &ImportSource
     let dir = images_dir.join(name);
     if dir.exists() {
         return Err(ApiError::name_taken("an image", name));
+    }
+    for (what, path, check) in
+        [("kernel", src.kernel, not_a_kernel as fn(&[u8]) -> Option<String>), ("initrd", src.initrd, not_an_initrd)]
+    {
+        if let Some(p) = path {
+            let head = head_of(p)
+                .map_err(|e| ApiError::invalid_request(format!("cannot read {what} {}: {e}", p.display())))?;
+            if let Some(why) = check(&head) {
+                return Err(ApiError::invalid_request(format!("{what} {} {why}", p.display())));
+            }
+        }
     }
     let disk_err = |e: disks::DiskError| match e {
         disks::DiskError::Invalid(m) => ApiError::invalid_request(m),
@@ -262,6 +327,11 @@ pub fn import(images_dir: &Path, qemu_img: &Path, name: &str, src: &ImportSource
             disk_format: disk.as_ref().map(|(_, i)| i.format),
             disk_virtual_size_bytes: disk.as_ref().map(|(_, i)| i.virtual_size_bytes),
         };
+        for f in [m.kernel.as_ref(), m.initrd.as_ref(), m.disk.as_ref()].into_iter().flatten() {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(stage.join(f), fs::Permissions::from_mode(IMAGE_FILE_MODE))
+                .map_err(ApiError::internal)?;
+        }
         let text = toml::to_string(&m).map_err(ApiError::internal)?;
         fs::write(stage.join("image.toml"), text).map_err(|e| write_error("manifest", &stage.join("image.toml"), e))?;
         fs::rename(&stage, &dir).map_err(ApiError::internal)?;
@@ -313,6 +383,70 @@ mod tests {
         assert_eq!(i.kernel, None);
         let disk = i.disk.unwrap();
         assert_eq!((disk.format, disk.virtual_size_bytes), (DiskFormat::Qcow2, 1_048_576));
+    }
+
+    fn demo(file: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/images/demo").join(file)
+    }
+
+    /// Finding 9: a kernel and initrd from `0600` sources import `0644` (every VMM reads
+    /// them, none runs as root).
+    #[test]
+    fn an_import_from_0600_sources_is_readable_by_every_vmm() {
+        use std::os::unix::fs::PermissionsExt;
+        if !demo("vmlinuz").is_file() {
+            eprintln!("skipped: no demo image (scripts/build-image target/images/demo)");
+            return;
+        }
+        let src = tempfile::tempdir().unwrap();
+        for f in ["vmlinuz", "initrd.img"] {
+            fs::copy(demo(f), src.path().join(f)).unwrap();
+            fs::set_permissions(src.path().join(f), fs::Permissions::from_mode(0o600)).unwrap();
+        }
+        let d = tempfile::tempdir().unwrap();
+        let (k, i) = (src.path().join("vmlinuz"), src.path().join("initrd.img"));
+        let img = import(
+            d.path(),
+            Path::new("qemu-img"),
+            "boot",
+            &ImportSource { kernel: Some(&k), initrd: Some(&i), ..Default::default() },
+        )
+        .unwrap();
+        for f in [img.kernel.unwrap(), img.initrd.unwrap()] {
+            assert_eq!(fs::metadata(&f).unwrap().permissions().mode() & 0o777, IMAGE_FILE_MODE, "{}", f.display());
+        }
+    }
+
+    /// Finding 9: a kernel or initrd that is not one is refused at import, naming it.
+    #[test]
+    fn a_file_that_is_no_kernel_or_no_initrd_is_refused() {
+        let src = tempfile::tempdir().unwrap();
+        let junk = src.path().join("junk");
+        fs::write(&junk, b"#!/bin/sh\necho not a kernel\n").unwrap();
+        let mut bz = vec![0u8; 0x300];
+        bz[0x202..0x206].copy_from_slice(b"HdrS");
+        let kernel = src.path().join("bz");
+        fs::write(&kernel, &bz).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let q = Path::new("qemu-img");
+
+        let e = import(d.path(), q, "a", &ImportSource { kernel: Some(&junk), ..Default::default() }).unwrap_err();
+        assert_eq!(e.code, crate::error::ErrorCode::InvalidRequest);
+        assert!(e.message.contains("kernel") && e.message.contains("neither an x86 bzImage"), "{}", e.message);
+        let e = import(
+            d.path(),
+            q,
+            "b",
+            &ImportSource { kernel: Some(&kernel), initrd: Some(&junk), ..Default::default() },
+        )
+        .unwrap_err();
+        assert!(e.message.contains("initrd") && e.message.contains("neither a cpio archive"), "{}", e.message);
+        assert!(fs::read_dir(d.path()).unwrap().next().is_none(), "nothing was staged");
+
+        assert_eq!(not_a_kernel(b"\x7fELF\x02\x01"), None);
+        for head in [&b"070701000"[..], &[0x1f, 0x8b, 8][..], &[0x28, 0xb5, 0x2f, 0xfd][..], &b"BZh91AY"[..]] {
+            assert_eq!(not_an_initrd(head), None, "{head:?}");
+        }
     }
 
     #[test]

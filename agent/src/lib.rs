@@ -25,6 +25,7 @@ pub mod instances;
 pub mod metrics;
 pub mod names;
 pub mod network;
+pub mod own_file;
 pub mod policies;
 pub mod rpc;
 pub mod store;

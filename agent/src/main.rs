@@ -72,11 +72,30 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
              liveness checks and open-handle scans; on a real host run `gpuvisor serve` in the host PID namespace"
         ),
     }
-    // The VMM user must exist before anything starts (a start would fail later anyway).
-    let vmm_user = gpuvisor::hypervisor::confine::VmmUser::resolve(&cfg.vmm_user).map_err(anyhow::Error::msg)?;
-    match &vmm_user {
-        Some(u) => tracing::info!(vmm_user = %u.name, uid = u.uid, "VMMs run unprivileged, without capabilities"),
-        None => tracing::warn!("vmm_user = \"root\": VMMs run as root"),
+    // Every VMM runs under an id of its own from vmm_ids: no user, group or subordinate
+    // range may hold one (refused before anything starts).
+    let etc = std::path::Path::new("/etc");
+    let conflicts = gpuvisor::hypervisor::confine::range_conflicts(cfg.vmm_ids, etc);
+    if !conflicts.is_empty() {
+        anyhow::bail!(
+            "vmm_ids overlaps ids in use on this host (choose another range, docs/configuration.md \"VMM identities\"): {}",
+            conflicts.join("; ")
+        );
+    }
+    if gpuvisor::hypervisor::confine::range_reserved(cfg.vmm_ids, etc) {
+        tracing::info!(
+            first = cfg.vmm_ids.first,
+            last = cfg.vmm_ids.last(),
+            "each VMM runs under a uid/gid of its own from vmm_ids, in its own view of the filesystem"
+        );
+    } else {
+        tracing::warn!(
+            first = cfg.vmm_ids.first,
+            last = cfg.vmm_ids.last(),
+            "vmm_ids is not reserved in /etc/subuid and /etc/subgid: a user added later could be given ids of it; \
+             reserve it: usermod --add-subuids FIRST-LAST --add-subgids FIRST-LAST gpuvisor-vmm (scripts/setup and \
+             the package do this for the default range)"
+        );
     }
     let store = Store::open(&cfg.data_dir)?;
     // One agent per data directory: refuse before touching anything else.

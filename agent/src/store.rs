@@ -3,9 +3,12 @@
 //! Layout (ARCHITECTURE.md "Files on a host"):
 //! ```text
 //! <data-dir>/lock                          flock: one agent per data directory
-//! <data-dir>/instances/<id>/instance.json  the instance record
+//! <data-dir>/instances/<id>/instance.json  the instance record (the directory is the agent's alone)
+//! <data-dir>/instances/<id>/vmm/           the instance's VMM directory (its sockets, logs, disk)
 //! <data-dir>/names/<name>                  the name index: the id owning an instance name
 //! <data-dir>/claims/<device>.json          one exclusive claim per device
+//! <data-dir>/vmm-ids/<uid>.json            one exclusive record per VMM uid/gid in use
+//! <data-dir>/vmm-root/                     empty: each VMM's view is mounted here (in its namespace)
 //! <data-dir>/mdevs/<uuid>.json             mdevs gpuvisor created (only these are swept)
 //! <data-dir>/health/<device>.json          health marks (suspect / quarantined)
 //! <data-dir>/images/<name>/                boot artifacts
@@ -343,6 +346,11 @@ pub struct InstanceRecord {
     def: InstanceDefinition,
     state: InstanceState,
     pub vmm: Option<VmmRecord>,
+    /// The uid (and gid) the instance's VMM runs under, from `vmm_ids`: recorded (with its
+    /// `vmm-ids/<uid>.json`) before the first spawn, kept for the instance's life. `None`
+    /// before its first start (and in records written before VMMs had ids of their own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmm_id: Option<u32>,
     pub last_error: Option<String>,
     /// Restarts under the restart policy (absent while idle).
     #[serde(default, skip_serializing_if = "RestartState::is_idle")]
@@ -360,7 +368,7 @@ impl std::ops::Deref for InstanceRecord {
 impl InstanceRecord {
     /// A new record in `state` (`starting` for a create, `stopped` for a fork), with no VMM.
     pub fn new(def: InstanceDefinition, state: InstanceState) -> InstanceRecord {
-        InstanceRecord { def, state, vmm: None, last_error: None, restarts: RestartState::default() }
+        InstanceRecord { def, state, vmm: None, vmm_id: None, last_error: None, restarts: RestartState::default() }
     }
 
     /// The lifecycle state.
@@ -577,17 +585,26 @@ pub struct Store {
     events: Events,
 }
 
-const SUBDIRS: [&str; 7] = ["", "instances", "names", "claims", "mdevs", "health", "images"];
+const SUBDIRS: [&str; 9] = ["", "instances", "names", "claims", "mdevs", "health", "images", "vmm-ids", "vmm-root"];
 
 impl Store {
     /// Opens (and creates, mode 0700) the data directory and its subdirectories. A data
     /// directory from before the name index gets one, built from the readable records.
     pub fn open(root: impl Into<PathBuf>) -> Result<Store> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let root = root.into();
         let had_names = root.join("names").is_dir();
         for sub in SUBDIRS {
             let p = root.join(sub);
-            fs::create_dir_all(&p).map_err(|e| StoreError::io(&p, e))?;
+            fs::DirBuilder::new().recursive(true).mode(0o700).create(&p).map_err(|e| StoreError::io(&p, e))?;
+        }
+        // The agent's alone: no VMM (nor any other user) needs to reach into it — each VMM
+        // sees its own files through its view (crate::host::vmm_view).
+        let m = fs::metadata(&root).map_err(|e| StoreError::io(&root, e))?;
+        if m.permissions().mode() & 0o077 != 0 {
+            if let Err(e) = fs::set_permissions(&root, fs::Permissions::from_mode(0o700)) {
+                tracing::warn!(data_dir = %root.display(), error = %e, "the data directory cannot be made mode 0700");
+            }
         }
         let store = Store { root, events: Events::default() };
         if !had_names {
@@ -626,9 +643,22 @@ impl Store {
 
     // ----- instances
 
-    /// `instances/<id>/` — also holds the VMM socket, serial log and run files.
+    /// `instances/<id>/` — the agent's alone: the record, the VMM log, the rotated console
+    /// log; its VMM's files are in [`Store::vmm_dir`].
     pub fn instance_dir(&self, id: Uuid) -> PathBuf {
         self.root.join("instances").join(id.to_string())
+    }
+
+    /// `instances/<id>/vmm/` — the VMM's directory: its sockets, serial log, disk overlay,
+    /// UEFI variables and seed; the only writable part of its view.
+    pub fn vmm_dir(&self, id: Uuid) -> PathBuf {
+        self.instance_dir(id).join(crate::hypervisor::confine::VMM_DIR)
+    }
+
+    /// `vmm-root/`: the empty directory each VMM's view is mounted on, in its own mount
+    /// namespace ([`crate::host::vmm_view`]).
+    pub fn view_root(&self) -> PathBuf {
+        self.root.join("vmm-root")
     }
 
     /// `instances/<id>/instance.json`.
@@ -697,12 +727,15 @@ impl Store {
 
     /// Removes the instance directory and its name: every other file first (VMM socket,
     /// serial log, overlays), then the record itself (durably), then the directory, then the
-    /// name index entry — so a crash midway leaves a recognisable record, or a stale name
-    /// entry that the next [`Store::claim_name`] replaces, never an orphan directory without
-    /// a record.
+    /// name index entry, then its VMM id record — so a crash midway leaves a recognisable
+    /// record, or a stale name entry that the next [`Store::claim_name`] replaces, or a VMM id
+    /// record of a gone instance that the next allocation frees, never an orphan directory
+    /// without a record.
     pub fn remove_instance(&self, id: Uuid) -> Result<()> {
         let dir = self.instance_dir(id);
-        let name = self.read_instance(id).ok().flatten().map(|r| r.name.clone());
+        let rec = self.read_instance(id).ok().flatten();
+        let name = rec.as_ref().map(|r| r.name.clone());
+        let vmm_id = rec.as_ref().and_then(|r| r.vmm_id);
         let rd = match fs::read_dir(&dir) {
             Ok(rd) => Some(rd),
             Err(e) if e.kind() == io::ErrorKind::NotFound => None,
@@ -740,6 +773,13 @@ impl Store {
         }
         if let Some(name) = &name {
             self.release_name(name, id)?;
+        }
+        // Last: the VMM id (nothing of the instance is left that its VMM could own).
+        crate::crash_point!("delete_before_vmm_id_release");
+        if let Some(uid) = vmm_id {
+            if self.read_vmm_id(uid).ok().flatten().is_some_and(|r| r.instance_id == id) {
+                self.remove_vmm_id(uid)?;
+            }
         }
         self.events.publish(EventKind::InstanceDeleted { instance_id: id.to_string(), name });
         Ok(())
@@ -990,6 +1030,45 @@ impl Store {
     pub fn images_dir(&self) -> PathBuf {
         self.root.join("images")
     }
+
+    // ----- VMM ids
+
+    fn vmm_id_path(&self, uid: u32) -> PathBuf {
+        self.root.join("vmm-ids").join(format!("{uid}.json"))
+    }
+
+    /// Records that `rec.uid` is taken, exclusively (`renameat2(RENAME_NOREPLACE)`).
+    /// Errors: [`StoreError::ClaimExists`] when the id already has a record.
+    pub fn create_vmm_id(&self, rec: &VmmIdRecord) -> Result<()> {
+        create_exclusive(&self.vmm_id_path(rec.uid), rec)
+    }
+
+    /// The record of id `uid`; `Ok(None)` when there is none.
+    pub fn read_vmm_id(&self, uid: u32) -> Result<Option<VmmIdRecord>> {
+        read_json_opt(&self.vmm_id_path(uid))
+    }
+
+    /// Frees id `uid` (unlink + directory fsync). A missing record is not an error.
+    pub fn remove_vmm_id(&self, uid: u32) -> Result<()> {
+        remove_file_durable(&self.vmm_id_path(uid), &self.root.join("vmm-ids"))
+    }
+
+    /// Every VMM id record, tolerantly (key: the uid named by the file).
+    pub fn scan_vmm_ids(&self) -> Result<Listing<VmmIdRecord>> {
+        scan_records(&self.root.join("vmm-ids"))
+    }
+}
+
+/// `vmm-ids/<uid>.json` — the uid (and gid) `uid` belongs to instance `instance_id`'s VMM.
+/// Exclusive: one record per id; removed only once nothing of the instance remains.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmmIdRecord {
+    pub uid: u32,
+    pub instance_id: Uuid,
+    /// The instance's name (for people reading the file).
+    pub name: String,
+    /// Wall time, RFC 3339.
+    pub assigned_at: String,
 }
 
 /// Something an interrupted operation left that no record owns ([`Store::leftovers`]).

@@ -17,7 +17,6 @@
 use super::{cgroup, proc, HostRoot, KVM_DEVICE};
 use crate::config::Config;
 use crate::devices::{self, mdev::MdevParent, passthrough, vendor_vfio::GpuInfo, HostMode, NVIDIA_VENDOR};
-use crate::hypervisor::confine::VmmUser;
 use crate::hypervisor::HypervisorKind;
 use serde::{Deserialize, Serialize};
 use std::io;
@@ -54,7 +53,7 @@ impl Verdict {
 pub struct Check {
     /// What was checked: `iommu`, `vfio-pci`, `vgpu-framework`, `nvidia-driver`,
     /// `vgpu-manager`, `gpu <PF>`, `passthrough <BDF>`, `kvm`, `qemu`, `cloud-hypervisor`,
-    /// `pid-namespace`, `proc`, `vmm-user`, `cgroup`.
+    /// `pid-namespace`, `proc`, `vmm-ids`, `cgroup`.
     pub check: String,
     /// The verdict.
     pub verdict: Verdict,
@@ -86,7 +85,7 @@ fn check(name: impl Into<String>, verdict: Verdict, detail: impl Into<String>) -
 }
 
 /// Runs every check for configuration `cfg` (its `host_root`, `managed_gpus`,
-/// `passthrough_gpus`, `accel`, binaries, `vmm_user`, `vmm_cgroup`). Never fails: an
+/// `passthrough_gpus`, `accel`, binaries, `vmm_ids`, `vmm_cgroup`). Never fails: an
 /// unreadable file is a verdict. Takes a few seconds (the hypervisor probes).
 pub fn check_host(cfg: &Config) -> HostReport {
     let host = HostRoot::new(&cfg.host_root);
@@ -107,7 +106,7 @@ pub fn check_host(cfg: &Config) -> HostReport {
     checks.push(hypervisor(cfg, HypervisorKind::CloudHypervisor));
     checks.push(pid_namespace());
     checks.push(proc_readable());
-    checks.push(vmm_user(&cfg.vmm_user, needs_kvm));
+    checks.push(vmm_ids(cfg.vmm_ids, needs_kvm));
     checks.push(cgroup_v2(cfg.vmm_cgroup));
     let failed = checks.iter().any(|c| c.verdict == Verdict::Fail);
     HostReport { host_root: host.root().display().to_string(), checks, failed }
@@ -555,46 +554,62 @@ fn proc_readable() -> Check {
     }
 }
 
-fn vmm_user(name: &str, needs_kvm: bool) -> Check {
-    let user = match VmmUser::resolve(name) {
-        Ok(Some(u)) => u,
-        Ok(None) => return check("vmm-user", Verdict::Warn, "vmm_user = \"root\": VMMs run as root (not recommended)"),
-        Err(e) => return check("vmm-user", Verdict::Fail, e),
+fn vmm_ids(ids: crate::config::VmmIds, needs_kvm: bool) -> Check {
+    use crate::hypervisor::confine::{range_conflicts, range_reserved, VmmIdentity, RESERVATION_OWNER};
+    let range = format!("{}…{}", ids.first, ids.last());
+    let etc = Path::new("/etc");
+    let conflicts = range_conflicts(ids, etc);
+    if !conflicts.is_empty() {
+        return check("vmm-ids", Verdict::Fail, format!("vmm_ids {range} is in use: {}", conflicts.join("; ")));
+    }
+    let reserved = if range_reserved(ids, etc) {
+        format!("reserved for {RESERVATION_OWNER} in /etc/subuid and /etc/subgid")
+    } else {
+        String::new()
     };
+    // Every VMM holds the same groups besides its own: the first id stands for all.
+    let identity = VmmIdentity::new(ids.first);
     let meta = match std::fs::metadata(KVM_DEVICE) {
         Ok(m) => m,
         Err(e) => {
             let v = if needs_kvm { Verdict::Fail } else { Verdict::Ok };
-            return check("vmm-user", v, format!("{} (uid {}); {KVM_DEVICE}: {e}", user.name, user.uid));
+            return check("vmm-ids", v, format!("VMMs run under ids {range}; {KVM_DEVICE}: {e}"));
         }
     };
     use std::os::unix::fs::MetadataExt;
     let (gid, mode) = (meta.gid(), meta.mode());
     let group =
         nix::unistd::Group::from_gid(gid.into()).ok().flatten().map(|g| g.name).unwrap_or_else(|| gid.to_string());
-    let reach = if meta.uid() == user.uid && mode & 0o600 == 0o600 {
-        Some("as its owner".to_string())
-    } else if user.groups.contains(&gid) && mode & 0o060 == 0o060 {
+    let reach = if identity.groups.contains(&gid) && mode & 0o060 == 0o060 {
         Some(format!("through group {group}"))
     } else if mode & 0o006 == 0o006 {
         Some("as any user".to_string())
     } else {
         None
     };
-    match reach {
-        Some(how) => check(
-            "vmm-user",
+    match (reach, reserved.is_empty()) {
+        (Some(how), false) => check(
+            "vmm-ids",
             Verdict::Ok,
-            format!("VMMs run as {} (uid {}); it reaches {KVM_DEVICE} {how}", user.name, user.uid),
+            format!("VMMs run under ids {range} ({reserved}); they reach {KVM_DEVICE} {how}"),
         ),
-        None => check(
-            "vmm-user",
+        (Some(how), true) => check(
+            "vmm-ids",
+            Verdict::Warn,
+            format!(
+                "VMMs run under ids {range}, which are not reserved in /etc/subuid and /etc/subgid (a user added \
+                 later could get them): usermod --add-subuids {f}-{l} --add-subgids {f}-{l} {RESERVATION_OWNER}; they \
+                 reach {KVM_DEVICE} {how}",
+                f = ids.first,
+                l = ids.last()
+            ),
+        ),
+        (None, _) => check(
+            "vmm-ids",
             if needs_kvm { Verdict::Fail } else { Verdict::Warn },
             format!(
-                "VMMs run as {} (uid {}), which cannot open {KVM_DEVICE} (group {group}, mode {:o}): create the kvm \
-                 group and give {KVM_DEVICE} to it (udev), as Debian's qemu packages do",
-                user.name,
-                user.uid,
+                "VMMs run under ids {range}, which cannot open {KVM_DEVICE} (group {group}, mode {:o}): create the \
+                 kvm group and give {KVM_DEVICE} to it (udev), as Debian's qemu packages do",
                 mode & 0o777
             ),
         ),

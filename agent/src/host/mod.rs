@@ -1,7 +1,8 @@
 //! # host — the only module that spells `/sys`, `/dev` and `/proc`
 //!
 //! [`net`]: taps (`/dev/net/tun`) and host bridges, for `bridge` NICs. [`lock`]: one agent
-//! per GPU (a `flock` on each managed GPU's sysfs directory).
+//! per GPU (a `flock` on each managed GPU's sysfs directory). [`vmm_view`]: each VMM's own
+//! view of the filesystem (a mount namespace).
 //!
 //! [`HostRoot`] builds every sysfs/devfs path (and the boot-id file) under a configurable
 //! root: `/` on a real host, a `gpuvisor-sim` mount in tests. Processes are always the
@@ -12,6 +13,7 @@ pub mod check;
 pub mod lock;
 pub mod net;
 pub mod proc;
+pub mod vmm_view;
 
 use std::path::{Path, PathBuf};
 
@@ -73,6 +75,11 @@ impl HostRoot {
     /// `sys/kernel/iommu_groups/<group>`.
     pub fn iommu_group_dir(&self, group: u32) -> PathBuf {
         self.join("sys/kernel/iommu_groups").join(group.to_string())
+    }
+
+    /// `dev/vfio` — the VFIO group nodes (and the container node `vfio`).
+    pub fn vfio_dir(&self) -> PathBuf {
+        self.join("dev/vfio")
     }
 
     /// `dev/vfio/<group>` — the VFIO group node.

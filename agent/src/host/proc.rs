@@ -820,6 +820,36 @@ pub(crate) mod testutil {
     }
 }
 
+/// The ids in `first..=last` that a visible process holds as a real, effective, saved or
+/// filesystem uid or gid (`/proc/<pid>/status` `Uid:`/`Gid:` lines), with one pid holding
+/// each: an id is never given to a new VMM while a process of its old owner lives. A zombie
+/// (`State: Z`, waiting to be reaped) holds nothing: it runs no code and owns no file.
+///
+/// Errors: `/proc` cannot be listed, or a process's status cannot be read for another
+/// reason than the process having exited (unknown is not free).
+pub fn ids_held(first: u32, last: u32) -> Result<std::collections::BTreeMap<u32, i32>, ProcError> {
+    let mut held = std::collections::BTreeMap::new();
+    for pid in all_pids()? {
+        let path = Path::new(PROC).join(pid.to_string()).join("status");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if io_vanished(&e) => continue,
+            Err(source) => return Err(ProcError::Io { path, source }),
+        };
+        if text.lines().any(|l| l.starts_with("State:") && (l.contains("Z (zombie)") || l.contains("X (dead)"))) {
+            continue;
+        }
+        for line in text.lines().filter(|l| l.starts_with("Uid:") || l.starts_with("Gid:")) {
+            for id in line[4..].split_whitespace().filter_map(|v| v.parse::<u32>().ok()) {
+                if id >= first && id <= last {
+                    held.entry(id).or_insert(pid);
+                }
+            }
+        }
+    }
+    Ok(held)
+}
+
 /// `pid <N> (<comm>)` for messages naming a holder (`pid <N>` when its name cannot be read).
 pub fn describe_pid(pid: i32) -> String {
     match std::fs::read_to_string(format!("/proc/{pid}/comm")) {

@@ -110,8 +110,13 @@ impl<'a> ChApi<'a> {
         let timeout = self.timeout;
         rt.block_on(async move {
             let exchange = async {
+                // Only a socket of the VMM's own (never a link it planted to another VMM's).
+                let owner = crate::own_file::socket_owner(&socket)
+                    .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
                 let stream = tokio::net::UnixStream::connect(&socket)
                     .await
+                    .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
+                crate::own_file::check_peer(&socket, owner, &stream)
                     .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
                 let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
                     .await

@@ -62,6 +62,7 @@ fn ch_spec(binary: &Path, run_dir: &Path) -> VmSpec {
         paused: false,
         binary: binary.to_path_buf(),
         run_dir: run_dir.to_path_buf(),
+        log_dir: run_dir.to_path_buf(),
         vfio: None,
         sandbox: false,
         ..VmSpec::test_base()

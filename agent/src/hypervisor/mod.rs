@@ -274,14 +274,19 @@ pub struct VmSpec {
     pub paused: bool,
     /// The VMM binary, e.g. `/usr/bin/qemu-system-x86_64` or `cloud-hypervisor`.
     pub binary: PathBuf,
-    /// The instance directory: the serial log, the control socket and the VMM log live here.
+    /// The VMM's directory (`<instance dir>/vmm`, its whole writable world): the serial
+    /// log, the control and console sockets, the disk overlay, the UEFI variables, the seed.
     pub run_dir: PathBuf,
+    /// The agent's instance directory, where the VMM log is written (the VMM never sees
+    /// it: it writes the log through the inherited stdout and stderr).
+    pub log_dir: PathBuf,
     /// The VFIO device, if any.
     pub vfio: Option<VfioAttach>,
     /// QEMU: run under its seccomp sandbox (`-sandbox on,…=deny`).
     pub sandbox: bool,
-    /// The unprivileged user the VMM runs as; `None`: as the agent ([`confine`]).
-    pub run_as: Option<confine::VmmUser>,
+    /// The VMM's own identity and view ([`confine`]); `None` only in the drivers' unit
+    /// tests (the VMM then runs as the agent, in the agent's view).
+    pub confine: Option<confine::Confinement>,
     /// The `cgroup.procs` of the VM's cgroup, joined before exec; `None`: no cgroup.
     pub cgroup_procs: Option<PathBuf>,
     /// Device nodes the VMM opens itself (VFIO groups with `vfio_attach = "device"`): given
@@ -364,9 +369,10 @@ impl VmSpec {
             paused: false,
             binary: PathBuf::from("qemu-system-x86_64"),
             run_dir: PathBuf::from("/nonexistent"),
+            log_dir: PathBuf::from("/nonexistent"),
             vfio: None,
             sandbox: false,
-            run_as: None,
+            confine: None,
             cgroup_procs: None,
             device_nodes: Vec::new(),
             nics: vec![],
@@ -396,19 +402,20 @@ impl VmSpec {
         self.run_dir.join(CONSOLE_SOCKET)
     }
 
-    /// The VMM's stdout and stderr: `<run_dir>/qemu.log` or `<run_dir>/cloud-hypervisor.log`.
+    /// The VMM's stdout and stderr: `<log_dir>/qemu.log` or `<log_dir>/cloud-hypervisor.log`.
     pub fn vmm_log(&self) -> PathBuf {
-        self.run_dir.join(self.hypervisor.driver().log_name())
+        self.log_dir.join(self.hypervisor.driver().log_name())
     }
 
-    /// The files the VMM itself writes, each with whether it is created when missing: made
-    /// root-owned and group-writable for its user before the spawn
+    /// The files of `run_dir` the VMM itself writes (their names), each with whether it is
+    /// created when missing: made root-owned and writable for its group before the spawn
     /// ([`confine::prepare_run_dir`]): the serial log (created), the disk overlay and the UEFI
     /// variable store.
-    pub fn vmm_files(&self) -> Vec<(PathBuf, bool)> {
-        let mut files = vec![(self.serial_log(), true)];
-        files.extend(self.disk.iter().map(|d| (d.clone(), false)));
-        files.extend(self.uefi.iter().map(|u| (u.vars.clone(), false)));
+    pub fn vmm_files(&self) -> Vec<(String, bool)> {
+        let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut files = vec![(SERIAL_LOG.to_string(), true)];
+        files.extend(self.disk.iter().map(|d| (name(d), false)));
+        files.extend(self.uefi.iter().map(|u| (name(&u.vars), false)));
         files
     }
 }

@@ -87,9 +87,13 @@ pub struct RunningVmm {
     pub exit: ExitWatch,
 }
 
-/// The last `max` bytes of `path` from byte `from` on, lossily decoded and trimmed.
+/// The last `max` bytes of the VMM log `path` from byte `from` on, lossily decoded and
+/// trimmed; empty when it is not the agent's own file ([`crate::own_file`]).
 pub fn log_tail(path: &Path, from: u64, max: u64) -> String {
-    let Ok(mut f) = File::open(path) else {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return String::new();
+    };
+    let Ok(Ok(mut f)) = crate::own_file::open(dir, name, false) else {
         return String::new();
     };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
@@ -175,6 +179,20 @@ fn add_tap_fds(cmd: &mut Command, spec: &VmSpec) {
     }
 }
 
+/// The VMM log `dir/name` opened for appending: the agent's own file, made when missing; a
+/// file that is not the agent's own there is replaced ([`crate::own_file`]).
+fn open_vmm_log(dir: &Path, name: &str) -> Result<File, HypervisorError> {
+    match crate::own_file::open(dir, name, true)? {
+        Ok(f) => return Ok(f),
+        Err(crate::own_file::Entry::Missing) => {}
+        Err(other) => {
+            tracing::warn!(file = %dir.join(name).display(), found = %other.describe(), "the VMM log was not the agent's own file; replaced");
+            crate::own_file::remove(dir, name)?;
+        }
+    }
+    Ok(OpenOptions::new().append(true).create_new(true).read(true).open(dir.join(name))?)
+}
+
 /// Refuses a control socket that a live process still listens on, then removes a stale
 /// socket file.
 fn take_control_socket(socket: &Path) -> Result<(), HypervisorError> {
@@ -193,11 +211,17 @@ fn take_control_socket(socket: &Path) -> Result<(), HypervisorError> {
             })
         }
     }
-    match std::fs::remove_file(socket) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    // Whatever is at the name (a stale socket; a directory or link the VMM may have left).
+    remove_name(socket)
+}
+
+/// Removes whatever sits at `path` in the VMM directory ([`crate::own_file::remove`]: a
+/// directory whole, a link never followed).
+fn remove_name(path: &Path) -> Result<(), HypervisorError> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return Err(HypervisorError::start_failed(format!("{} is not a file in a directory", path.display())));
+    };
+    crate::own_file::remove(dir, name).map_err(HypervisorError::from)
 }
 
 /// Starts the VMM for `spec` and brings its VM up (see the module docs); `ready_timeout`
@@ -214,31 +238,45 @@ fn take_control_socket(socket: &Path) -> Result<(), HypervisorError> {
 pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Result<RunningVmm, HypervisorError> {
     let driver = spec.hypervisor.driver();
     let args = driver.command_line(spec)?;
-    std::fs::create_dir_all(&spec.run_dir)?;
-    let user = spec.run_as.as_ref();
+    std::fs::create_dir_all(&spec.log_dir)?;
+    let confine = spec.confine.as_ref();
+    let identity = confine.map(|c| &c.identity);
     let vmm_files = spec.vmm_files();
-    super::confine::prepare_run_dir(
-        user,
-        &spec.run_dir,
-        &vmm_files.iter().map(|(p, c)| (p.as_path(), *c)).collect::<Vec<_>>(),
-    )
-    .map_err(|e| HypervisorError::start_failed(format!("the instance directory cannot be given to the VMM: {e}")))?;
-    for node in &spec.device_nodes {
-        super::confine::grant_device(user, node).map_err(|e| {
-            HypervisorError::start_failed(format!("{} cannot be given to the VMM user: {e}", node.display()))
-        })?;
-    }
+    let view = match confine {
+        Some(c) => {
+            let names: Vec<(&str, bool)> = vmm_files.iter().map(|(n, c)| (n.as_str(), *c)).collect();
+            let replaced =
+                super::confine::prepare_run_dir(&c.identity, &spec.log_dir, &spec.run_dir, &names).map_err(|e| {
+                    HypervisorError::start_failed(format!("the VMM directory cannot be given to the VMM: {e}"))
+                })?;
+            for (file, what) in replaced {
+                tracing::warn!(instance.id = %spec.id, instance.name = %spec.name, file = %file.display(), found = %what,
+                    "a file that was not the agent's own (a VMM may have planted it) was replaced");
+            }
+            for node in &spec.device_nodes {
+                super::confine::grant_device(&c.identity, node).map_err(|e| {
+                    HypervisorError::start_failed(format!("{} cannot be given to the VMM: {e}", node.display()))
+                })?;
+            }
+            let mut v = c.view.clone();
+            v.writable.push(spec.run_dir.clone());
+            std::fs::create_dir_all(&v.root)?;
+            Some(crate::host::vmm_view::VmmView::plan(&v).map_err(|e| {
+                HypervisorError::start_failed(format!("the VMM's view of the filesystem cannot be planned: {e}"))
+            })?)
+        }
+        None => {
+            std::fs::create_dir_all(&spec.run_dir)?;
+            None
+        }
+    };
     let control_socket = spec.control_socket();
     take_control_socket(&control_socket)?;
     // The console socket of an earlier boot (the control socket's check proved its VMM gone).
-    match std::fs::remove_file(spec.console_socket()) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
-    }
+    remove_name(&spec.console_socket())?;
 
     let log_path = spec.vmm_log();
-    let log = OpenOptions::new().create(true).append(true).open(&log_path)?;
+    let log = open_vmm_log(&spec.log_dir, driver.log_name())?;
     let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
     let log_err = log.try_clone()?;
 
@@ -248,20 +286,28 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
     if let Some(VfioAttach::HoldFd { node }) = &spec.vfio {
         add_hold_fd(&mut cmd, node)?;
     }
-    // After the hold-fd open (it needs root): the cgroup, the user, no_new_privs.
-    super::confine::add_pre_exec(&mut cmd, user, spec.cgroup_procs.as_deref())
+    // After the hold-fd open (it needs root and the host's view): the cgroup, the view, the
+    // identity, no_new_privs.
+    super::confine::add_pre_exec(&mut cmd, identity, view, spec.cgroup_procs.as_deref())
         .map_err(HypervisorError::start_failed)?;
-    let run_as = user.map(|u| u.name.as_str()).unwrap_or(super::confine::ROOT);
+    let run_as = identity.map(|u| u.uid.to_string()).unwrap_or_else(|| "the agent's".into());
     tracing::info!(instance.id = %spec.id, hypervisor = %spec.hypervisor, binary = %spec.binary.display(),
-        user = %run_as, args = %args.join(" "), "starting the VMM");
-    let child = cmd.spawn().map_err(|e| match &spec.vfio {
-        // The pre_exec open's errno comes back as the spawn error.
-        Some(VfioAttach::HoldFd { node }) => HypervisorError::start_failed(format!(
-            "starting {} holding the VFIO node {} failed: {e}",
-            spec.binary.display(),
-            node.display()
-        )),
-        _ => HypervisorError::start_failed(format!("starting {} as user {run_as} failed: {e}", spec.binary.display())),
+        uid = %run_as, args = %args.join(" "), "starting the VMM");
+    let child = cmd.spawn().map_err(|e| {
+        // The pre_exec steps' errno comes back as the spawn error; the view's step is in the log.
+        let tail = log_tail(&log_path, log_start, 1024);
+        let tail = if tail.is_empty() { String::new() } else { format!(" ({}: {tail})", driver.log_name()) };
+        match &spec.vfio {
+            Some(VfioAttach::HoldFd { node }) => HypervisorError::start_failed(format!(
+                "starting {} holding the VFIO node {} failed: {e}{tail}",
+                spec.binary.display(),
+                node.display()
+            )),
+            _ => HypervisorError::start_failed(format!(
+                "starting {} as uid {run_as} failed: {e}{tail}",
+                spec.binary.display()
+            )),
+        }
     })?;
     let pid = child.id() as i32;
 

@@ -55,7 +55,8 @@ impl QmpClient {
     /// Errors: connect/read/write failure or timeout, a greeting that is not QMP, or a
     /// refused `qmp_capabilities`.
     pub fn connect(path: &Path, io_timeout: Duration) -> Result<QmpClient, QmpError> {
-        let stream = UnixStream::connect(path)?;
+        // Only a socket of the VMM's own (never a link it planted to another VMM's).
+        let stream: UnixStream = crate::own_file::connect(path)?;
         stream.set_read_timeout(Some(io_timeout))?;
         stream.set_write_timeout(Some(io_timeout))?;
         let writer = stream.try_clone()?;

@@ -34,6 +34,7 @@ fn vm_spec(run_dir: &Path, vfio: Option<VfioAttach>, paused: bool) -> VmSpec {
         hypervisor: HypervisorKind::Qemu,
         binary: PathBuf::from("qemu-system-x86_64"),
         run_dir: run_dir.to_path_buf(),
+        log_dir: run_dir.to_path_buf(),
         vfio,
         sandbox: false,
         ..VmSpec::test_base()
@@ -83,6 +84,87 @@ fn spawned_qemu_is_alive_then_provably_dead_after_stop() {
     assert!(unix_listener_owners(&vmm.control_socket).unwrap().is_empty());
     assert!(wait_until(Duration::from_secs(5), || vmm.exit.exited().is_some()));
     assert!(std::fs::read_to_string(dir.path().join("qemu.log")).is_ok());
+}
+
+/// A confined QEMU runs under its own id (no capability, `no_new_privs`), in a view that
+/// holds the system trees, its device nodes and — writable — only its VMM directory: the
+/// instance directory around it (the agent's records) and a file beside it are not there.
+#[test]
+fn a_confined_qemu_runs_as_its_own_id_in_a_view_of_only_its_directory() {
+    let base = tempfile::tempdir().unwrap();
+    let inst = base.path().join("inst");
+    let run = inst.join(confine::VMM_DIR);
+    std::fs::create_dir_all(&inst).unwrap();
+    std::fs::write(inst.join("instance.json"), b"{}").unwrap();
+    std::fs::write(base.path().join("beside"), b"secret").unwrap();
+    let id = 1_879_048_192 + 40_000 + std::process::id() % 10_000;
+    let mut spec = vm_spec(&run, None, true);
+    spec.log_dir = inst.clone();
+    spec.confine = Some(confine::Confinement {
+        identity: confine::VmmIdentity::new(id),
+        view: crate::host::vmm_view::ViewSpec { root: base.path().join("vmm-root"), ..Default::default() },
+    });
+
+    let vmm = spawn(&spec, BOOT, READY).expect("QEMU starts confined");
+
+    let pid = vmm.identity.pid;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field =
+        |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).unwrap_or("").split_whitespace().collect::<Vec<_>>();
+    assert_eq!(field("Uid:"), vec![id.to_string(); 4]);
+    assert_eq!(field("Gid:"), vec![id.to_string(); 4]);
+    assert_eq!(field("CapEff:"), vec!["0000000000000000"]);
+    assert_eq!(field("NoNewPrivs:"), vec!["1"]);
+    let root = std::path::PathBuf::from(format!("/proc/{pid}/root"));
+    let names = |p: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(root.join(p.strip_prefix("/").unwrap()))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(base.path()), vec!["inst"], "only the path to its VMM directory");
+    assert_eq!(names(&inst), vec![confine::VMM_DIR], "none of the agent's files");
+    assert!(names(&run).contains(&"qmp.sock".to_string()));
+    assert!(names(Path::new("/dev"))
+        .iter()
+        .all(|d| ["null", "zero", "full", "random", "urandom", "kvm"].contains(&d.as_str())));
+    let top = base.path().components().nth(1).unwrap().as_os_str().to_string_lossy().into_owned();
+    let mut want: Vec<String> = ["bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "sbin", "usr", top.as_str()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    want.retain(|w| w == &top || Path::new("/").join(w).exists());
+    want.sort();
+    want.dedup();
+    assert_eq!(names(Path::new("/")), want, "no /proc, /sys, /run, /home, /var, /root");
+    let mut qmp = QmpClient::connect(&vmm.control_socket, Duration::from_secs(5)).unwrap();
+    assert_eq!(qmp.query_status().unwrap(), "prelaunch", "the agent reaches the socket from outside");
+    drop(qmp);
+
+    stop(&Qemu, &vmm.identity, &vmm.control_socket, no_graceful(Duration::from_secs(5)), BOOT).expect("stop");
+    assert!(std::fs::read_to_string(inst.join("qemu.log")).is_ok());
+}
+
+/// A step of the view that fails (a read-only file that does not exist) fails the spawn,
+/// naming it, before any process runs.
+#[test]
+fn a_view_that_cannot_be_made_fails_the_start_naming_the_path() {
+    let base = tempfile::tempdir().unwrap();
+    let inst = base.path().join("inst");
+    let mut spec = vm_spec(&inst.join(confine::VMM_DIR), None, true);
+    spec.log_dir = inst.clone();
+    spec.confine = Some(confine::Confinement {
+        identity: confine::VmmIdentity::new(1_879_048_192 + 50_000),
+        view: crate::host::vmm_view::ViewSpec {
+            root: base.path().join("vmm-root"),
+            read_only: vec![base.path().join("no-such-kernel")],
+            ..Default::default()
+        },
+    });
+    let e = spawn(&spec, BOOT, READY).unwrap_err().to_string();
+    assert!(e.contains("no-such-kernel"), "{e}");
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The console logs' cap: every [`crate::console::ROTATE_EVERY`] the agent checks each
-//! instance's `serial.log` and rotates the QEMU ones larger than `console_log_max_bytes`
-//! ([`crate::console::rotate`]). A failure is logged once per instance until it succeeds
-//! again.
+//! instance's `serial.log` (in its VMM directory) and rotates the QEMU ones larger than
+//! `console_log_max_bytes` into its instance directory ([`crate::console::rotate`]). A
+//! failure is logged once per instance until it succeeds again.
 
 use super::Manager;
 use crate::hypervisor::{HypervisorKind, SERIAL_LOG};
@@ -13,9 +13,10 @@ impl Manager {
         let max = self.cfg.console_log_max_bytes;
         let Ok(entries) = std::fs::read_dir(self.store.root().join("instances")) else { return };
         for e in entries.flatten() {
-            let log = e.path().join(SERIAL_LOG);
-            // Cheap first: only a log over the cap costs a record read.
-            if std::fs::metadata(&log).map(|m| m.len() <= max).unwrap_or(true) {
+            let vmm = e.path().join(crate::hypervisor::confine::VMM_DIR);
+            // Cheap first: only a log over the cap costs a record read (a link is not followed
+            // here; `rotate` refuses anything that is not the agent's own file).
+            if std::fs::symlink_metadata(vmm.join(SERIAL_LOG)).map(|m| m.len() <= max).unwrap_or(true) {
                 continue;
             }
             let id = e.file_name().to_string_lossy().into_owned();
@@ -29,7 +30,7 @@ impl Manager {
                 continue;
             }
             let mut failing = lock(&self.console_rotation_failures);
-            match crate::console::rotate(&log, max) {
+            match crate::console::rotate(&vmm, &e.path(), max) {
                 Ok(true) => {
                     failing.remove(&rec.id);
                     tracing::info!(instance.id = %rec.id, instance.name = %rec.name, max_bytes = max,

@@ -4,10 +4,13 @@
 //! image operations that must know the instances (`image.import`, and `image.delete`,
 //! which refuses an image that instance records still name).
 //!
-//! Files, in the instance directory (removed with it on delete): `disk.qcow2` (the qcow2
-//! overlay on the image's disk; the image's disk is never written) and `efivars.fd` (UEFI
-//! instances: their own copy of `ovmf_vars`, made once). Both are written under a temporary
-//! name and renamed, so "the file exists" means "the step is done".
+//! Files, in the instance's VMM directory (removed with the instance on delete):
+//! `disk.qcow2` (the qcow2 overlay on the image's disk; the image's disk is never written)
+//! and `efivars.fd` (UEFI instances: their own copy of `ovmf_vars`, made once). Both are
+//! written under a temporary name and renamed, so "the agent's own file exists" means "the
+//! step is done". The VMM can create names in that directory: a name holding anything but
+//! the agent's own file ([`crate::own_file`]: a link, a FIFO, a file of the VMM's) is never
+//! used or copied — it is removed (WARN) and the file made as for a new instance.
 
 use super::request::ImportParams;
 use super::view::ImageDeleted;
@@ -41,6 +44,25 @@ impl Manager {
                 e
             }
         })
+    }
+
+    /// Makes the files of `image` readable by every VMM ([`images::IMAGE_FILE_MODE`]): an
+    /// image imported before imports did so keeps a `0600` source's mode, and no VMM of it
+    /// could start. A failure is logged; the start then fails naming the file.
+    pub(crate) fn image_readable_for_vmms(&self, image: &Image) {
+        use std::os::unix::fs::PermissionsExt;
+        let files = [image.kernel.as_ref(), image.initrd.as_ref(), image.disk.as_ref().map(|d| &d.path)];
+        for f in files.into_iter().flatten() {
+            let Ok(m) = std::fs::symlink_metadata(f) else { continue };
+            if m.file_type().is_file() && m.permissions().mode() & 0o004 == 0 {
+                match std::fs::set_permissions(f, std::fs::Permissions::from_mode(images::IMAGE_FILE_MODE)) {
+                    Ok(()) => tracing::info!(image = %image.name, file = %f.display(),
+                        "image file made readable for VMMs (mode 0644)"),
+                    Err(e) => tracing::warn!(image = %image.name, file = %f.display(), error = %e,
+                        "an image file cannot be made readable for VMMs"),
+                }
+            }
+        }
     }
 
     /// The boot mode of a new instance of `image` on `hypervisor`, checked: `direct` needs a
@@ -125,7 +147,7 @@ impl Manager {
     /// The disk and firmware of the VM spec: the overlay when the image has a disk, the
     /// pflash pair for `uefi`.
     pub(crate) fn disk_spec(&self, rec: &InstanceRecord, image: &Image) -> (Option<PathBuf>, Option<UefiPflash>) {
-        let dir = self.store.instance_dir(rec.id);
+        let dir = self.store.vmm_dir(rec.id);
         let disk = image.disk.as_ref().map(|_| dir.join(OVERLAY));
         let uefi = (rec.boot == BootMode::Uefi)
             .then(|| UefiPflash { code: self.cfg.ovmf_code.clone(), vars: dir.join(EFIVARS) });
@@ -138,10 +160,10 @@ impl Manager {
     /// image is gone, the firmware is missing), `internal` (`qemu-img` failed).
     pub(crate) fn prepare_disk(&self, rec: &InstanceRecord) -> Result<(), ApiError> {
         let image = self.image_of(rec)?;
-        let dir = self.store.instance_dir(rec.id);
+        let dir = self.vmm_dir_ready(rec)?;
         if let Some(d) = &image.disk {
             let overlay = dir.join(OVERLAY);
-            if !overlay.exists() {
+            if !self.own_or_cleared(rec, &dir, OVERLAY)? {
                 let size = rec.disk_gib.map(|g| g.saturating_mul(GIB));
                 disks::create_overlay(&self.cfg.qemu_img_binary, &d.path, d.format, size, &overlay)
                     .map_err(disk_error)?;
@@ -151,25 +173,60 @@ impl Manager {
         }
         if rec.boot == BootMode::Uefi {
             let (_, vars) = self.uefi_firmware()?;
-            let store = dir.join(EFIVARS);
-            if !store.exists() {
-                disks::copy_file(&vars, &store).map_err(disk_error)?;
+            if !self.own_or_cleared(rec, &dir, EFIVARS)? {
+                disks::copy_file(&vars, &dir.join(EFIVARS)).map_err(disk_error)?;
             }
         }
         crate::crash_point!("boot_after_disk");
         Ok(())
     }
 
-    /// Fork: copies the source's overlay and variable store (those that exist) into the
-    /// fork's instance directory, so the fork starts from the source's disk state and its
-    /// own writes never reach the source. The source must not run (the caller checks).
-    pub(crate) fn copy_disk_state(&self, src: &InstanceRecord, dst: &InstanceRecord) -> Result<(), ApiError> {
-        let (from, to) = (self.store.instance_dir(src.id), self.store.instance_dir(dst.id));
-        for f in [OVERLAY, EFIVARS] {
-            if from.join(f).exists() {
-                std::fs::create_dir_all(&to).map_err(ApiError::internal)?;
-                disks::copy_file(&from.join(f), &to.join(f)).map_err(disk_error)?;
+    /// True when `dir/name` is the agent's own file; otherwise the name is free on return
+    /// (whatever a VMM planted there is removed, with a WARN naming it).
+    fn own_or_cleared(&self, rec: &InstanceRecord, dir: &std::path::Path, name: &str) -> Result<bool, ApiError> {
+        let fail = |e: std::io::Error| ApiError::internal(format!("{}: {e}", dir.join(name).display()));
+        match crate::own_file::inspect(dir, name).map_err(fail)? {
+            crate::own_file::Entry::Own(_) => Ok(true),
+            crate::own_file::Entry::Missing => Ok(false),
+            crate::own_file::Entry::Foreign(what) => {
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, file = %dir.join(name).display(),
+                    found = %what, "not the agent's own file (a VMM may have planted it): removed, made again");
+                crate::own_file::remove(dir, name).map_err(fail)?;
+                Ok(false)
             }
+        }
+    }
+
+    /// Fork: copies the source's overlay and variable store (those that are the agent's own
+    /// files) into the fork's VMM directory, so the fork starts from the source's disk state
+    /// and its own writes never reach the source. The source must not run (the caller
+    /// checks); a link or any other plant in its directory is never followed.
+    pub(crate) fn copy_disk_state(&self, src: &InstanceRecord, dst: &InstanceRecord) -> Result<(), ApiError> {
+        let from = if src.state() == crate::store::InstanceState::Stopped {
+            self.vmm_dir_ready(src)?
+        } else {
+            self.store.vmm_dir(src.id)
+        };
+        let mut to = None;
+        for f in [OVERLAY, EFIVARS] {
+            let fail = |e: std::io::Error| ApiError::internal(format!("{}: {e}", from.join(f).display()));
+            let mut file = match crate::own_file::open(&from, f, false) {
+                Ok(Ok(file)) => file,
+                Ok(Err(crate::own_file::Entry::Missing)) => continue,
+                Ok(Err(other)) => {
+                    tracing::warn!(instance.id = %src.id, instance.name = %src.name, file = %from.join(f).display(),
+                        found = %other.describe(), "not the agent's own file: not copied to the fork");
+                    continue;
+                }
+                // A directory that is not there yet (an instance never started) has no disk state.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(fail(e)),
+            };
+            let to = match &to {
+                Some(t) => t,
+                None => to.insert(self.vmm_dir_ready(dst)?),
+            };
+            disks::copy_open(&mut file, &from.join(f), &to.join(f)).map_err(disk_error)?;
         }
         Ok(())
     }

@@ -46,6 +46,10 @@ impl Manager {
         }
         check_instance_name(name)?;
         let has_disk = self.image_of(src).map(|i| i.disk.is_some()).unwrap_or(false)
+            || !matches!(
+                crate::own_file::inspect(&self.store.vmm_dir(src.id), super::disk::OVERLAY),
+                Ok(crate::own_file::Entry::Missing) | Err(_)
+            )
             || self.store.instance_dir(src.id).join(super::disk::OVERLAY).exists();
         if has_disk && src.state() != InstanceState::Stopped {
             return Err(ApiError::invalid_state(

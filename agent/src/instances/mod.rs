@@ -12,8 +12,10 @@
 //! | [`release`] | **the** release path: every clear of every device kind |
 //! | [`health`] | suspect and quarantine marks, strike accounting, unquarantine |
 //! | [`vmm`] | VMM liveness, spawn, stop and the kill-path accounting |
+//! | [`vmm_ids`] | the uid/gid of its own every instance's VMM runs under |
 //! | [`create`], [`start`], [`stop`], [`delete`], [`fork`] | one operation each |
 //! | [`rollback`] | rollback and retention after a failed create or start |
+//! | [`layout`] | the instance directory (the agent's) and its VMM directory (the VMM's), and the move from the old layout |
 //! | [`disk`] | boot modes, the disk overlay and UEFI variable store, image import and delete |
 //! | [`view`] | the typed views the core returns (serialised only by `rpc`) |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
@@ -45,6 +47,7 @@ pub mod disk;
 pub mod fork;
 pub mod health;
 pub mod inventory;
+pub mod layout;
 pub mod nics;
 pub mod policy_calls;
 pub mod reconcile;
@@ -57,6 +60,7 @@ pub mod stop;
 pub mod supervise;
 pub mod view;
 pub mod vmm;
+pub mod vmm_ids;
 
 use crate::config::Config;
 use crate::error::ApiError;

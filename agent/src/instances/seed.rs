@@ -1,13 +1,17 @@
-//! The cloud-init NoCloud seed of an instance: `<instance dir>/seed.iso`, an ISO 9660 image
+//! The cloud-init NoCloud seed of an instance: `<VMM dir>/seed.iso`, an ISO 9660 image
 //! with volume label `cidata` holding `meta-data` (`instance-id: <id>`,
 //! `local-hostname: <name>`), `user-data` (the instance's, or an empty `#cloud-config`) and,
 //! when given, `network-config`. Built with `genisoimage` (Debian `genisoimage`; the
 //! NoCloud layout is cloud-init's `doc/rtd/reference/datasources/nocloud.rst`).
 //!
 //! An instance gets a seed when it has a NIC or `cloud_init` inputs; others get none. The
-//! seed is checked on every start: `seed.inputs` holds a hash of the inputs it was built
-//! from, and a seed whose hash differs (or that is missing) is built again, into a temporary
-//! file renamed over the old one, so a crash leaves the old seed or the new one.
+//! seed is checked on every start: `seed.inputs` (in the instance directory, which the VMM
+//! never sees, so it cannot forge it) holds a hash of the inputs it was built from, and a
+//! seed whose hash differs, that is missing, or that is not the agent's own file
+//! ([`crate::own_file`]: a link, a FIFO, a file the VMM made where the seed belongs) is
+//! built again, into a temporary file renamed over the old one, so a crash leaves the old
+//! seed or the new one. The seed is `root:<VMM id>` mode `0440`: the VMM reads it, nothing
+//! more.
 
 use super::Manager;
 use crate::error::ApiError;
@@ -57,37 +61,51 @@ impl Manager {
     ///
     /// Errors: `vmm_start_failed` naming the cause (the instance directory cannot be written,
     /// `genisoimage` is missing or fails).
-    pub(crate) fn ensure_seed(&self, rec: &InstanceRecord) -> Result<Option<PathBuf>, ApiError> {
+    pub(crate) fn ensure_seed(&self, rec: &InstanceRecord, vmm_id: u32) -> Result<Option<PathBuf>, ApiError> {
         if rec.nics.is_empty() && rec.cloud_init.is_none() {
             return Ok(None);
         }
         let dir = self.store.instance_dir(rec.id);
-        let seed = dir.join(SEED_FILE);
+        let vmm = self.vmm_dir_ready(rec)?;
+        let seed = vmm.join(SEED_FILE);
         let files = seed_files(rec);
         let hash = seed_hash(&files);
-        let recorded = std::fs::read_to_string(dir.join(SEED_INPUTS_FILE)).unwrap_or_default();
-        if seed.is_file() && recorded.trim() == hash {
-            return Ok(Some(seed));
+        let recorded = match crate::own_file::read(&dir, SEED_INPUTS_FILE) {
+            Ok(b) => b.map(|b| String::from_utf8_lossy(&b).trim().to_string()),
+            Err(_) => None,
+        };
+        let found = crate::own_file::inspect(&vmm, SEED_FILE).map_err(|e| seed_error(rec, e))?;
+        if !(found.is_own() && recorded.as_deref() == Some(hash.as_str())) {
+            // A plant goes first (a directory would stop the rename); the agent's own old
+            // seed stays until the new one replaces it (a crash leaves one or the other).
+            if let crate::own_file::Entry::Foreign(what) = &found {
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, file = %seed.display(), found = %what,
+                    "the seed was not the agent's own file (a VMM may have planted it): built again");
+                crate::own_file::remove(&vmm, SEED_FILE).map_err(|e| seed_error(rec, e))?;
+            }
+            build_seed(&dir, &vmm, &files).map_err(|e| seed_error(rec, e))?;
+            write_atomic(&dir.join(SEED_INPUTS_FILE), format!("{hash}\n").as_bytes())
+                .map_err(|e| seed_error(rec, e))?;
+            tracing::info!(instance.id = %rec.id, instance.name = %rec.name, seed = %seed.display(), inputs = %hash,
+                "cloud-init seed built");
         }
-        build_seed(&dir, &files).map_err(|e| seed_error(rec, e))?;
-        write_atomic(&dir.join(SEED_INPUTS_FILE), format!("{hash}\n").as_bytes()).map_err(|e| seed_error(rec, e))?;
-        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, seed = %seed.display(), inputs = %hash,
-            "cloud-init seed built");
+        crate::hypervisor::confine::give_to_group(&vmm, SEED_FILE, vmm_id, crate::hypervisor::confine::VMM_READ_MODE)
+            .map_err(|e| seed_error(rec, e))?;
         Ok(Some(seed))
     }
 }
 
-/// Writes through a fresh name in the agent's private directory (the instance directory is
-/// writable by the VMM user: [`crate::hypervisor::confine::staging_path`]), then renames.
+/// Writes through a fresh name in the agent's private directory
+/// ([`crate::hypervisor::confine::staging_path`]), then renames.
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = crate::hypervisor::confine::staging_path(path)?;
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }
 
-/// Writes the files into the private directory's `seed.d/`, runs `genisoimage` into a fresh name there, renames it
-/// to `seed.iso`.
-fn build_seed(dir: &Path, files: &[(&'static str, String)]) -> Result<(), String> {
+/// Writes the files into the instance directory's private directory (`seed.d/`), runs
+/// `genisoimage` into a fresh name there, renames it to `<vmm>/seed.iso`.
+fn build_seed(dir: &Path, vmm: &Path, files: &[(&'static str, String)]) -> Result<(), String> {
     let private = crate::hypervisor::confine::private_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let src = private.join("seed.d");
     let _ = std::fs::remove_dir_all(&src);
@@ -95,7 +113,7 @@ fn build_seed(dir: &Path, files: &[(&'static str, String)]) -> Result<(), String
     for (name, content) in files {
         std::fs::write(src.join(name), content).map_err(|e| format!("{}: {e}", src.join(name).display()))?;
     }
-    let tmp = crate::hypervisor::confine::staging_path(&dir.join(SEED_FILE)).map_err(|e| e.to_string())?;
+    let tmp = crate::hypervisor::confine::staging_path(&vmm.join(SEED_FILE)).map_err(|e| e.to_string())?;
     let out = Command::new("genisoimage")
         .arg("-quiet")
         .arg("-output")
@@ -110,7 +128,7 @@ fn build_seed(dir: &Path, files: &[(&'static str, String)]) -> Result<(), String
         let _ = std::fs::remove_file(&tmp);
         return Err(format!("genisoimage failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim()));
     }
-    std::fs::rename(&tmp, dir.join(SEED_FILE)).map_err(|e| format!("{}: {e}", tmp.display()))
+    std::fs::rename(&tmp, vmm.join(SEED_FILE)).map_err(|e| format!("{}: {e}", tmp.display()))
 }
 
 #[cfg(test)]

@@ -116,6 +116,13 @@ pub struct InstanceView {
     /// The VMM, when one is recorded and not provably dead.
     pub vmm: Option<VmmView>,
     pub serial_log: String,
+    /// Where the console log's older part goes when `serial_log` is rotated
+    /// (`console_log_max_bytes`): in the instance directory, which the VMM never sees.
+    pub serial_log_rotated: String,
+    /// The uid (and gid) the instance's VMM runs under, from `vmm_ids`; absent before its
+    /// first start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmm_id: Option<u32>,
     /// The serial console's Unix socket (`gpuvisor console`), for QEMU instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub console_socket: Option<String>,
@@ -787,9 +794,11 @@ impl Manager {
             created_at: rec.created_at.clone(),
             last_error: rec.last_error.clone(),
             vmm: self.vmm_view(rec),
-            serial_log: self.store.instance_dir(rec.id).join(crate::hypervisor::SERIAL_LOG).display().to_string(),
+            serial_log: self.store.vmm_dir(rec.id).join(crate::hypervisor::SERIAL_LOG).display().to_string(),
+            serial_log_rotated: self.store.instance_dir(rec.id).join(crate::console::ROTATED_LOG).display().to_string(),
+            vmm_id: rec.vmm_id,
             console_socket: (rec.hypervisor == crate::hypervisor::HypervisorKind::Qemu)
-                .then(|| self.store.instance_dir(rec.id).join(crate::hypervisor::CONSOLE_SOCKET).display().to_string()),
+                .then(|| self.store.vmm_dir(rec.id).join(crate::hypervisor::CONSOLE_SOCKET).display().to_string()),
             gpu,
             restart: rec.restart,
             autostart: rec.autostart,
@@ -822,7 +831,7 @@ impl Manager {
                 })
                 .collect(),
             seed: (!rec.nics.is_empty() || rec.cloud_init.is_some()).then(|| SeedView {
-                path: self.store.instance_dir(rec.id).join(super::seed::SEED_FILE).display().to_string(),
+                path: self.store.vmm_dir(rec.id).join(super::seed::SEED_FILE).display().to_string(),
                 user_data_bytes: rec
                     .cloud_init
                     .as_ref()
@@ -842,7 +851,7 @@ impl Manager {
     /// The disk part of the view: the overlay of an instance whose image has a disk (or that
     /// has an overlay, when the image is unreadable).
     fn disk_view(&self, rec: &InstanceRecord) -> Option<InstanceDiskView> {
-        let overlay = self.store.instance_dir(rec.id).join(super::disk::OVERLAY);
+        let overlay = self.store.vmm_dir(rec.id).join(super::disk::OVERLAY);
         let has_disk = overlay.exists()
             || crate::images::load(&self.store.images_dir(), &rec.image).is_ok_and(|i| i.disk.is_some());
         has_disk.then(|| InstanceDiskView {

@@ -28,7 +28,7 @@ impl Manager {
     pub(crate) fn control_socket(&self, rec: &InstanceRecord) -> PathBuf {
         match &rec.vmm {
             Some(v) => v.control_socket.clone(),
-            None => self.store.instance_dir(rec.id).join(rec.hypervisor.driver().control_socket_name()),
+            None => self.store.vmm_dir(rec.id).join(rec.hypervisor.driver().control_socket_name()),
         }
     }
 
@@ -43,7 +43,8 @@ impl Manager {
 
     /// A [`Dead`] when the VMM of `owner` (or, with no record, of instance `id`) is provably
     /// dead; otherwise the liveness found. Without a record the hypervisor is unknown: every
-    /// hypervisor's control socket in the instance directory must be free of a live owner.
+    /// hypervisor's control socket in the VMM directory — and where versions before VMM
+    /// directories put it, the instance directory — must be free of a live owner.
     pub(crate) fn prove_dead(
         &self,
         id: uuid::Uuid,
@@ -53,9 +54,12 @@ impl Manager {
         let l = match owner {
             Some(rec) => self.liveness_at(rec, boot_id),
             None => {
-                let dir = self.store.instance_dir(id);
-                let each = hypervisor::HypervisorKind::ALL
-                    .map(|k| proc::vmm_liveness(None, Some(&dir.join(k.driver().control_socket_name())), boot_id));
+                let dirs = [self.store.vmm_dir(id), self.store.instance_dir(id)];
+                let each: Vec<Liveness> = hypervisor::HypervisorKind::ALL
+                    .iter()
+                    .flat_map(|k| dirs.iter().map(move |d| d.join(k.driver().control_socket_name())))
+                    .map(|socket| proc::vmm_liveness(None, Some(&socket), boot_id))
+                    .collect();
                 let alive = each.iter().find(|l| matches!(l, Liveness::Alive { .. }));
                 let maybe = each.iter().find(|l| matches!(l, Liveness::MaybeAlive { .. }));
                 alive.or(maybe).cloned().unwrap_or(Liveness::Dead)
@@ -77,14 +81,32 @@ impl Manager {
         }
     }
 
-    fn vm_spec(&self, rec: &InstanceRecord, claim: Option<&Claim>) -> Result<hypervisor::VmSpec, ApiError> {
+    fn vm_spec(
+        &self,
+        rec: &InstanceRecord,
+        claim: Option<&Claim>,
+        vmm_id: u32,
+    ) -> Result<hypervisor::VmSpec, ApiError> {
         let image = self.image_of(rec)?;
+        self.image_readable_for_vmms(&image);
         let (disk, uefi) = self.disk_spec(rec, &image);
         // `bios` and `uefi` boot the disk through the firmware: no kernel.
-        let run_as = hypervisor::confine::VmmUser::resolve(&self.cfg.vmm_user)
-            .map_err(|e| ApiError::vmm_start_failed(format!("the VMM cannot be confined: {e}"), None))?;
-        let mut device_nodes = Vec::new();
         let direct = rec.boot == crate::store::BootMode::Direct;
+        let kernel = image.kernel.clone().filter(|_| direct);
+        let initrd = image.initrd.clone().filter(|_| direct);
+        let mut view = crate::host::vmm_view::ViewSpec {
+            root: self.store.view_root(),
+            shared: self.cfg.vmm_shared_paths.clone(),
+            ..Default::default()
+        };
+        view.read_only.extend(kernel.iter().chain(&initrd).cloned());
+        // The overlay's backing file: the image's disk, read-only.
+        view.read_only.extend(image.disk.as_ref().map(|d| d.path.clone()));
+        view.read_only.extend(uefi.as_ref().map(|u| u.code.clone()));
+        if std::path::Path::new(crate::host::KVM_DEVICE).exists() {
+            view.devices.push(crate::host::KVM_DEVICE.into());
+        }
+        let mut device_nodes = Vec::new();
         let vfio = match claim {
             None => None,
             Some(c) => {
@@ -103,8 +125,15 @@ impl Manager {
                 };
                 Some(match self.cfg.vfio_attach {
                     VfioAttach::Device => {
-                        // QEMU opens the group node itself: it must be its user's to open.
-                        device_nodes.extend(group.filter(|_| run_as.is_some()).map(|g| self.host.vfio_group_node(g)));
+                        // The VMM opens the group node itself: it must be its group's to open,
+                        // and in its view with the container node and the device's sysfs.
+                        device_nodes.extend(group.map(|g| self.host.vfio_group_node(g)));
+                        view.devices.extend(device_nodes.iter().cloned());
+                        let container = self.host.vfio_dir().join("vfio");
+                        if container.exists() {
+                            view.devices.push(container);
+                        }
+                        view.read_only_dirs.extend(sysfsdevs.iter().cloned());
                         hypervisor::VfioAttach::Device { sysfsdevs }
                     }
                     VfioAttach::HoldFd => {
@@ -120,22 +149,27 @@ impl Manager {
             hypervisor::HypervisorKind::Qemu => self.cfg.qemu_binary.clone(),
             hypervisor::HypervisorKind::CloudHypervisor => self.cfg.cloud_hypervisor_binary.clone(),
         };
+        view.executables = hypervisor::confine::binary_paths(&binary);
         Ok(hypervisor::VmSpec {
             hypervisor: rec.hypervisor,
             id: rec.id,
             name: rec.name.clone(),
             vcpus: rec.vcpus,
             memory_mib: rec.memory_mib,
-            kernel: image.kernel.filter(|_| direct),
-            initrd: image.initrd.filter(|_| direct),
+            kernel,
+            initrd,
             paused: false,
             cmdline: image.cmdline.unwrap_or_else(|| self.cfg.default_cmdline.clone()),
             accel: self.cfg.accel.clone(),
             binary,
-            run_dir: self.store.instance_dir(rec.id),
+            run_dir: self.store.vmm_dir(rec.id),
+            log_dir: self.store.instance_dir(rec.id),
             vfio,
             sandbox: self.cfg.qemu_sandbox,
-            run_as,
+            confine: Some(hypervisor::confine::Confinement {
+                identity: hypervisor::confine::VmmIdentity::new(vmm_id),
+                view,
+            }),
             cgroup_procs: None,
             device_nodes,
             nics: vec![],
@@ -148,11 +182,13 @@ impl Manager {
     /// Spawns the VMM, records its identity and the `running` state (durable before the
     /// answer).
     ///
-    /// The cloud-init seed is brought up to date and the NICs' taps are opened and attached
-    /// first (`seed`, `nics`); the agent's tap fds are closed once the VMM holds its own
-    /// copies (or failed to start, which removes the taps).
+    /// The instance's VMM id is recorded first ([`Manager::vmm_id`]), the cloud-init seed is
+    /// brought up to date and the NICs' taps are opened and attached (`seed`, `nics`); the
+    /// agent's tap fds are closed once the VMM holds its own copies (or failed to start,
+    /// which removes the taps).
     pub(crate) fn spawn(&self, rec: &mut InstanceRecord, claim: Option<&Claim>) -> Result<(), ApiError> {
-        let mut spec = self.vm_spec(rec, claim)?;
+        let vmm_id = self.vmm_id(rec)?;
+        let mut spec = self.vm_spec(rec, claim, vmm_id)?;
         if let Some(cg) = self.vm_cgroups() {
             let limit = crate::host::cgroup::memory_limit_bytes(rec.memory_mib, self.cfg.cgroup_memory_overhead_mib);
             spec.cgroup_procs =
@@ -160,7 +196,7 @@ impl Manager {
                     ApiError::vmm_start_failed(format!("the VM's cgroup cannot be prepared: {e}"), None)
                 })?);
         }
-        spec.seed = self.ensure_seed(rec)?;
+        spec.seed = self.ensure_seed(rec, vmm_id)?;
         let (nics, taps) = self.open_nics(rec)?;
         spec.nics = nics;
         let boot_id = self.boot_id()?;
@@ -188,7 +224,7 @@ impl Manager {
         *rec = running;
         self.watch_exit(rec.id, vmm.identity.pid, vmm.exit.clone());
         crate::crash_point!("after_running");
-        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, hypervisor = %rec.hypervisor, pid = vmm.identity.pid, "VMM running");
+        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, hypervisor = %rec.hypervisor, pid = vmm.identity.pid, vmm_id, "VMM running");
         Ok(())
     }
 

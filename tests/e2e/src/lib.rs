@@ -19,17 +19,43 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// A temp directory the unprivileged VMM user (`vmm_user`) can traverse and read (mode
-/// 0755; `tempfile` makes 0700): the agent's data directory, its instance directories and
-/// stand-in VMM binaries live under it.
+/// A temp directory others can traverse and read (mode 0755; `tempfile` makes 0700): the
+/// agent's data directory and socket live under it.
 pub fn vmm_reachable_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
     tempdir_with_mode(prefix, 0o755)
 }
 
-/// A temp directory the VMM user can also write (mode 01777, as `/tmp`): stand-in VMMs and
-/// their hooks, which run as that user, leave their pid files and logs there.
+/// The directory the harness's agents share with every VMM (`vmm_shared_paths`): stand-in
+/// VMMs, wrappers, their hooks, pid files and logs live under it
+/// ([`vmm_writable_tempdir`]). Mode 01777, as `/tmp`.
+pub fn vmm_shared_dir() -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let d = std::env::temp_dir().join("gpuvisor-e2e-vmm-shared");
+    let _ = std::fs::create_dir_all(&d);
+    let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o1777));
+    d
+}
+
+/// A temp directory in [`vmm_shared_dir`] that every VMM sees and may write (mode 01777):
+/// stand-in VMMs and their hooks, which run under the VMM's own uid, leave their pid files
+/// and logs there.
 pub fn vmm_writable_tempdir(prefix: &str) -> std::io::Result<tempfile::TempDir> {
-    tempdir_with_mode(prefix, 0o1777)
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new().prefix(prefix).tempdir_in(vmm_shared_dir())?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777))?;
+    Ok(dir)
+}
+
+/// The `vmm_shared_paths` of the harness's agents (a TOML array): [`vmm_shared_dir`] (the
+/// stand-ins), the build's `target/` (the simulator's `ctl` for hooks, the Cloud
+/// Hypervisor test server), `../shared/tools` (the real Cloud Hypervisor) and the
+/// simulated host `sim` (hooks talk to it). Tests that show the isolation set `[]`.
+pub fn harness_shared_paths(sim: &Path) -> String {
+    let mut v = vec![vmm_shared_dir(), target_dir().canonicalize().unwrap_or_else(|_| target_dir()), sim.to_path_buf()];
+    if let Ok(t) = repo_root().join("../shared/tools").canonicalize() {
+        v.push(t);
+    }
+    format!("[{}]", v.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", "))
 }
 
 fn tempdir_with_mode(prefix: &str, mode: u32) -> std::io::Result<tempfile::TempDir> {
@@ -784,6 +810,14 @@ pub struct World {
     pub claims: Vec<(String, Value)>,
     pub instances: Vec<(String, Result<Value, String>)>,
     pub qemus: Vec<LiveQemu>,
+    /// `(uid, record)` of `vmm-ids/`; an undecodable record is `Null`.
+    pub vmm_ids: Vec<(String, Value)>,
+}
+
+/// The real uid of process `pid` (root namespace), if it can be read.
+pub fn uid_of(pid: i32) -> Option<u32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.parse().ok()
 }
 
 impl World {
@@ -797,7 +831,19 @@ impl World {
                 (d, c)
             })
             .collect();
-        World { state: a.state(), claims, instances: a.instance_records(), qemus: a.live_qemus() }
+        let vmm_ids = a
+            .data_files("vmm-ids")
+            .into_iter()
+            .filter_map(|f| f.strip_suffix(".json").map(|u| u.to_string()))
+            .map(|u| {
+                let r = std::fs::read_to_string(a.data_dir.join(format!("vmm-ids/{u}.json")))
+                    .ok()
+                    .and_then(|t| serde_json::from_str(&t).ok())
+                    .unwrap_or(Value::Null);
+                (u, r)
+            })
+            .collect();
+        World { state: a.state(), claims, instances: a.instance_records(), qemus: a.live_qemus(), vmm_ids }
     }
 
     fn claim(&self, dev: &str) -> Option<&Value> {
@@ -846,6 +892,50 @@ impl World {
         for w in ids.windows(2) {
             if w[0] == w[1] {
                 v.push(format!("I3: two live QEMUs run instance {}", w[0]));
+            }
+        }
+        // I16: one VMM id per instance and one instance per VMM id; every live VMM runs as its
+        // record's id, no two as one uid.
+        let mut by_id: Vec<(u64, &str)> = self
+            .instances
+            .iter()
+            .filter_map(|(i, r)| r.as_ref().ok().and_then(|r| r["vmm_id"].as_u64()).map(|u| (u, i.as_str())))
+            .collect();
+        by_id.sort();
+        for w in by_id.windows(2) {
+            if w[0].0 == w[1].0 {
+                v.push(format!("I16: instances {} and {} both name VMM id {}", w[0].1, w[1].1, w[0].0));
+            }
+        }
+        for (u, r) in &self.vmm_ids {
+            let owner = r["instance_id"].as_str().unwrap_or("?");
+            if let Some(rec) = self.record(owner) {
+                if rec["vmm_id"].as_u64().is_some_and(|x| x.to_string() != *u) {
+                    v.push(format!(
+                        "I16: vmm-ids/{u}.json gives instance {owner} an id its record does not name ({})",
+                        rec["vmm_id"]
+                    ));
+                }
+            }
+        }
+        let mut uids: Vec<(u32, i32)> = Vec::new();
+        for q in &self.qemus {
+            let Some(uid) = uid_of(q.pid) else { continue };
+            if let Some(want) = q.instance_id.as_deref().and_then(|i| self.record(i)).and_then(|r| r["vmm_id"].as_u64())
+            {
+                if u64::from(uid) != want {
+                    v.push(format!(
+                        "I16: QEMU {} of {:?} runs as uid {uid}, its record says {want}",
+                        q.pid, q.instance_id
+                    ));
+                }
+            }
+            uids.push((uid, q.pid));
+        }
+        uids.sort();
+        for w in uids.windows(2) {
+            if w[0].0 == w[1].0 && w[0].0 != 0 {
+                v.push(format!("I16: QEMUs {} and {} both run as uid {}", w[0].1, w[1].1, w[0].0));
             }
         }
         // I3: one instance holds at most one active (non release_pending) claim.
@@ -965,11 +1055,12 @@ impl Agent {
         let grace = o.grace.unwrap_or_else(|| plugin("grace-default"));
         let base = format!(
             "data_dir = {data:?}\nsocket = {sock:?}\nhost_root = {root:?}\naccel = \"tcg\"\nvfio_attach = \"hold-fd\"\n\
-             vfio_term_grace_s = 2\nstop_timeout_s = 10\nrelease_retry_s = 5\n{extra}\n\
+             vfio_term_grace_s = 2\nstop_timeout_s = 10\nrelease_retry_s = 5\nvmm_shared_paths = {shared}\n{extra}\n\
              [plugins.placement]\npath = {pl:?}\n[plugins.hypervisor]\npath = {hv:?}\n[plugins.grace]\npath = {gr:?}\n",
             data = data_dir,
             sock = socket,
             root = sim.path(),
+            shared = harness_shared_paths(sim.path()),
             extra = o.extra,
             pl = placement,
             hv = hypervisor,

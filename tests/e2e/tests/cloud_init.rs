@@ -42,7 +42,8 @@ fn the_guest_reads_its_hostname_and_marker_from_the_seed_and_a_restart_keeps_it(
     assert_eq!(inode(&seed), first, "the seed was kept");
 
     // Inputs that differ from the recorded ones (as after a changed setting): rebuilt.
-    let inputs = seed.with_file_name("seed.inputs");
+    // The hash of the seed's inputs lives in the instance directory (the VMM never sees it).
+    let inputs = seed.parent().and_then(|v| v.parent()).unwrap().join("seed.inputs");
     std::fs::write(&inputs, "0000000000000000\n").unwrap();
     a.ok("instance.stop", json!({"ref": "ci-one"}));
     let v = a.ok("instance.start", json!({"ref": "ci-one"}));
@@ -77,7 +78,7 @@ fn an_oversized_user_data_is_refused_and_a_plain_instance_gets_no_seed() {
     let v = a.ok("instance.create", json!({"name": "plain", "image": "demo"}));
     assert!(v.get("seed").is_none() && v.get("nics").is_none(), "{v}");
     a.wait_serial(&v, "gpuvisor-guest: ready", BOOT).unwrap();
-    let dir = a.data_dir.join("instances").join(v["id"].as_str().unwrap());
+    let dir = a.data_dir.join("instances").join(v["id"].as_str().unwrap()).join("vmm");
     assert!(!dir.join("seed.iso").exists());
     a.ok("instance.delete", json!({"ref": "plain"}));
 }

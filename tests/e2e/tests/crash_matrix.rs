@@ -34,6 +34,8 @@ const MATRIX: &[(&str, Op)] = &[
     ("create_after_record", Op::Create),
     ("after_claim_commit", Op::Create),
     ("after_configure", Op::Create),
+    ("vmm_id_after_record", Op::Create),
+    ("vmm_id_after_instance", Op::Create),
     ("after_spawn", Op::Create),
     ("after_running", Op::Create),
     ("start_after_clear_identity", Op::Start),
@@ -53,6 +55,7 @@ const MATRIX: &[(&str, Op)] = &[
     ("release_after_write", Op::Delete),
     ("release_after_claim_remove", Op::Delete),
     ("delete_after_release", Op::Delete),
+    ("delete_before_vmm_id_release", Op::Delete),
     ("reconcile_before_release", Op::Reconcile),
     ("reconcile_after_release", Op::Reconcile),
     ("release_before_write", Op::Reconcile),
@@ -263,6 +266,26 @@ fn run_case(fp: &str, op: Op, fp2: &str) -> CaseReport {
     if byv["state"] != "running" || a.vf_type(&by_vf) != 1148 || a.claim_file(&by_vf).is_none() {
         r.violations.push(format!("[I1] the bystander was disturbed: {byv}; vf type {}", a.vf_type(&by_vf)));
     }
+    // I16 after recovery: a new instance gets a VMM id of its own (a crash around the id's
+    // records never hands one id to two instances), and runs under it.
+    match a.call("instance.create", json!({"name": "fresh", "image": "demo"})) {
+        Ok(f) => {
+            safety(&a, "with a fresh instance", &mut r.violations);
+            let ids: Vec<u64> = ["by", "vm", "fresh"]
+                .iter()
+                .filter_map(|n| a.call("instance.get", json!({"ref": n})).ok())
+                .filter_map(|v| v["vmm_id"].as_u64())
+                .collect();
+            let mut uniq = ids.clone();
+            uniq.sort();
+            uniq.dedup();
+            if uniq.len() != ids.len() {
+                r.violations.push(format!("[I16] VMM ids are shared after recovery: {ids:?}"));
+            }
+            a.call("instance.delete", json!({"ref": f["name"]})).ok();
+        }
+        Err(e) => r.violations.push(format!("[end state] a fresh instance cannot be created: {e}")),
+    }
     r.notes.push(format!("end: vm {vm_state:?}, claims {}", a.claims().len()));
     r
 }
@@ -308,6 +331,21 @@ fn crash_after_configure_during_start() {
 #[test]
 fn crash_after_spawn_during_create() {
     check("after_spawn", Op::Create, "release_after_write");
+}
+
+#[test]
+fn crash_vmm_id_after_record_during_create() {
+    check("vmm_id_after_record", Op::Create, "release_after_write");
+}
+
+#[test]
+fn crash_vmm_id_after_instance_during_create() {
+    check("vmm_id_after_instance", Op::Create, "reconcile_before_release");
+}
+
+#[test]
+fn crash_delete_before_vmm_id_release() {
+    check("delete_before_vmm_id_release", Op::Delete, "reconcile_before_release");
 }
 
 #[test]

@@ -79,8 +79,9 @@ fn stop(a: &Agent, name: &str) {
     assert_eq!(v["state"], "stopped", "{v}");
 }
 
+/// The instance's VMM directory (its overlay, UEFI variables, serial log).
 fn instance_dir(a: &Agent, v: &Value) -> PathBuf {
-    a.data_dir.join("instances").join(v["id"].as_str().unwrap())
+    a.data_dir.join("instances").join(v["id"].as_str().unwrap()).join("vmm")
 }
 
 fn qemu_img_info(p: &Path) -> Value {

@@ -771,7 +771,7 @@ while True:
 /// pid) — not only the message.
 #[test]
 fn a_rollback_whose_vmm_would_not_die_names_vmm_kill_failed_in_the_cause() {
-    let tools = tempfile::tempdir().unwrap();
+    let tools = vmm_writable_tempdir("gpuvisor-fake-vmm.").unwrap();
     let fake = tools.path().join("stuck-vmm");
     let stuck_file = tools.path().join("stuck-path");
     let script = STUCK_VMM.replace("STUCK_PATH_FILE", &format!("{:?}", stuck_file.display().to_string()));
@@ -824,7 +824,8 @@ if sys.argv[1:] == ["--version"]:
 import json, os, signal, socket, sys, threading, time
 args = sys.argv[1:]
 qmp = args[args.index("-qmp") + 1].split("unix:", 1)[1].split(",", 1)[0]
-fill = FILL_PATH
+# The VMM's own directory: on the data directory's filesystem, and the only place it may write.
+fill = os.path.join(os.path.dirname(qmp), "fill")
 stuck = open(STUCK_PATH_FILE).read().strip()
 def on_term(signum, frame):
     try:
@@ -873,12 +874,9 @@ fn a_rollback_whose_own_stop_cannot_kill_the_vmm_has_release_error_vmm_kill_fail
     let mnt = Tmpfs::mount("24m");
     let data = mnt.path().join("data");
     std::fs::create_dir(&data).unwrap();
-    let tools = tempfile::tempdir().unwrap();
+    let tools = vmm_writable_tempdir("gpuvisor-fake-vmm.").unwrap();
     let stuck_file = tools.path().join("stuck-path");
-    let fill = mnt.path().join("fill");
-    let script = FILLING_VMM
-        .replace("STUCK_PATH_FILE", &format!("{:?}", stuck_file.display().to_string()))
-        .replace("FILL_PATH", &format!("{:?}", fill.display().to_string()));
+    let script = FILLING_VMM.replace("STUCK_PATH_FILE", &format!("{:?}", stuck_file.display().to_string()));
     let fake = tools.path().join("filling-vmm");
     std::fs::write(&fake, script).unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();

@@ -68,9 +68,13 @@ fn vendor_vfio_presets_count_vfs_and_list_types() {
         assert!(d.contains("L40S-1Q, L40S-2Q, L40S-4Q") && d.contains("L40S-48Q"), "{d}");
     }
     // The verdicts that depend on this machine, not the preset, are reported too.
-    for n in ["kvm", "qemu", "cloud-hypervisor", "pid-namespace", "proc", "vmm-user", "cgroup"] {
+    for n in ["kvm", "qemu", "cloud-hypervisor", "pid-namespace", "proc", "vmm-ids", "cgroup"] {
         assert!(names(&r).contains(&n.to_string()), "{n} missing: {r:#}");
     }
+    // The default vmm_ids range is free on this machine and reserved by scripts/setup.
+    let (v, d) = line(&r, "vmm-ids");
+    assert_eq!(v, "ok", "{d}");
+    assert!(d.contains("1879048192…1879113727") && d.contains("reserved for gpuvisor-vmm"), "{d}");
     let failed = r["checks"].as_array().unwrap().iter().any(|c| c["verdict"] == "fail");
     assert_eq!(code, if failed { 1 } else { 0 }, "exit code follows the verdicts: {r:#}");
     assert_eq!(r["failed"], failed);

@@ -131,10 +131,17 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
     let id = inst["id"].as_str().unwrap();
     assert_eq!(inst["state"], "running");
     let socket = PathBuf::from(inst["vmm"]["control_socket"].as_str().unwrap());
-    assert_eq!(socket, r.a.data_dir.join("instances").join(id).join(hv.socket_name()));
+    assert_eq!(socket, r.a.data_dir.join("instances").join(id).join("vmm").join(hv.socket_name()));
     let pid = r.vmm(&inst);
     assert_eq!(ns_pid(pid), inst["vmm"]["pid"].as_i64().map(|p| p as i32), "the recorded pid is the VMM");
     assert_eq!(inst["vmm"]["liveness"], "alive");
+    // Under its instance's own id, in its own view: its VMM directory is there, the agent's
+    // record beside it is not.
+    assert_eq!(uid_of(pid).map(u64::from), inst["vmm_id"].as_u64(), "the VMM runs under its instance's id");
+    let inside = |p: &std::path::Path| PathBuf::from(format!("/proc/{pid}/root")).join(p.strip_prefix("/").unwrap());
+    let dir = r.a.data_dir.join("instances").join(id);
+    assert!(inside(&dir.join("vmm")).is_dir(), "the VMM sees its directory");
+    assert!(!inside(&dir.join("instance.json")).exists(), "the VMM does not see the agent's record");
     r.wait_console(&inst);
 
     let ps = r.a.cli(&["ps"]);
@@ -161,7 +168,7 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
         assert_eq!(cfg["memory"]["size"], inst["memory_mib"].as_u64().unwrap() * 1024 * 1024);
         assert_eq!(cfg["cpus"]["boot_vcpus"], inst["vcpus"]);
         assert_eq!(cfg["platform"]["system_uuid"], id);
-        let serial = r.a.data_dir.join("instances").join(id).join("serial.log");
+        let serial = r.a.data_dir.join("instances").join(id).join("vmm/serial.log");
         assert_eq!(cfg["serial"], json!({"mode": "File", "file": serial}));
         assert_eq!(cfg["console"], json!({"mode": "Off"}));
         assert!(cfg["payload"]["kernel"].as_str().unwrap().ends_with("vmlinuz"), "{cfg}");

@@ -45,7 +45,7 @@ while True:
 
 #[test]
 fn s036_a_vmm_that_outlives_sigkill_stops_the_teardown() {
-    let tools = tempfile::tempdir().unwrap();
+    let tools = vmm_writable_tempdir("gpuvisor-fake-vmm.").unwrap();
     let fake = tools.path().join("fake-vmm");
     std::fs::write(&fake, FAKE_VMM).unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -59,7 +59,8 @@ fn s036_a_vmm_that_outlives_sigkill_stops_the_teardown() {
     let inst = a.create_gpu("a", "L40S-1Q").unwrap();
     let vf = inst["gpu"]["device"].as_str().unwrap().to_string();
     let id = inst["id"].as_str().unwrap().to_string();
-    let run_dir = a.data_dir.join("instances").join(&id);
+    // The VMM's directory (beside its QMP socket): the only one it sees of the data directory.
+    let run_dir = a.data_dir.join("instances").join(&id).join("vmm");
     // The stand-in will write this VF's vgpu_params on SIGTERM; delay that write 12 s.
     let params = format!("sys/bus/pci/devices/{vf}/nvidia/vgpu_params");
     std::fs::write(run_dir.join("stuck-path"), a.sim.path().join(&params).display().to_string()).unwrap();

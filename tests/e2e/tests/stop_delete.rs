@@ -261,7 +261,7 @@ fn s025_the_vgpu_is_released_before_any_other_teardown() {
     let dir = a.data_dir.join(format!("instances/{id}"));
     let claim_file = a.data_dir.join(format!("claims/{VF0}.json"));
     let type_file = a.sim.path().join(type_path(VF0));
-    assert!(dir.join("serial.log").exists() && dir.join("qemu.log").exists());
+    assert!(dir.join("vmm/serial.log").exists() && dir.join("qemu.log").exists());
     let seq = last_seq(&a.state());
 
     #[derive(Debug)]
