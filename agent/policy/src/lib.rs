@@ -37,14 +37,20 @@ mod component;
 mod engine;
 mod error;
 mod plugin;
+mod text;
+mod wasi;
 
 pub use cache::{set_cache_dir, CacheOutcome};
 pub use component::{ABI_VERSION_V2, PACKAGE, PACKAGE_VERSION};
+pub use engine::SLOT_CALLS;
 pub use engine::{MAX_MEMORY_BYTES, POOL_INSTANCES, TICK};
 pub use error::{CallError, LoadError, RunError};
 pub use plugin::{
     CallReport, Limits, LogLine, Plugin, PluginStats, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND, LOG_LINE_MAX_BYTES,
+    MAX_NAME_BYTES, RESERVED_NAMES,
 };
+pub use text::{printable, shown, MAX_TEXT_BYTES};
+pub use wasi::STDIO_CAPTURE_BYTES;
 
 use gpuvisor_sdk::{
     GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput, PolicyKind,

@@ -273,6 +273,14 @@ fn summary_of(run: &Run, max: usize) -> String {
     }
 }
 
+/// The fuel a call used, or why it is not known.
+fn fuel(run: &Run) -> String {
+    match run.report.fuel_used {
+        Some(f) => f.to_string(),
+        None => "not counted (stopped inside a function: wasmtime counts fuel at calls and returns)".into(),
+    }
+}
+
 fn ms(run: &Run) -> String {
     format!("{:.2} ms", run.report.wall.as_secs_f64() * 1000.0)
 }
@@ -316,7 +324,7 @@ fn print_single(plugin: &Plugin, params: Option<&(Value, String)>, rows: &[Row])
     if a.report.logs_dropped > 0 {
         println!("         ({} lines dropped by the rate limit)", a.report.logs_dropped);
     }
-    println!("fuel:    {}", a.report.fuel_used);
+    println!("fuel:    {}", fuel(a));
     println!("time:    {}", ms(a));
     match &a.result {
         Ok(v) => {
@@ -341,7 +349,7 @@ fn print_rows(names: &(String, Option<String>), params: Option<&(Value, String)>
                 .map(|r| match &r.outcome {
                     Err(e) => vec![file(r), format!("error: {e}"), "-".into(), "-".into(), "-".into()],
                     Ok((rec, a, _)) => {
-                        vec![file(r), summary_of(a, 60), a.report.fuel_used.to_string(), ms(a), recorded_note(rec, a)]
+                        vec![file(r), summary_of(a, 60), fuel(a), ms(a), recorded_note(rec, a)]
                     }
                 })
                 .collect();
