@@ -96,6 +96,20 @@ pub fn reply_json<A: serde::Serialize>(result: &Result<A, CallError>) -> serde_j
     }
 }
 
+/// A reply of [`reply_json`] (or a recorded one) in the form two replies are compared in:
+/// an error's message without the `policy plugin <name>` it starts with, so that two
+/// plugins (or a plugin and the one recorded) failing the same way compare equal.
+pub fn comparable_reply(reply: &serde_json::Value) -> serde_json::Value {
+    let mut r = reply.clone();
+    if let Some(serde_json::Value::String(m)) = r.pointer_mut("/error/message") {
+        if let Some(rest) = m.strip_prefix("policy plugin ") {
+            // A manifest name has no spaces (it is checked at load).
+            *m = rest.split_once(' ').map(|(_, after)| after.to_string()).unwrap_or_default();
+        }
+    }
+    r
+}
+
 /// Reads a policy input file ([`InputFile`]). Errors: [`RunError::Input`] (unreadable,
 /// not JSON).
 pub fn read_input_file(path: &Path) -> Result<InputFile, RunError> {

@@ -328,8 +328,10 @@ impl Plugin {
         Ok(Self::loaded(path, slot, manifest, sandbox))
     }
 
-    fn loaded(path: &Path, slot: PolicyKind, manifest: Manifest, mut sandbox: Sandbox) -> Plugin {
+    fn loaded(path: &Path, slot: PolicyKind, mut manifest: Manifest, mut sandbox: Sandbox) -> Plugin {
         sandbox.label = Arc::from(manifest.name.as_str());
+        // Free text, shown in logs and lists: escaped, cut like a name.
+        manifest.version = text::shown(&manifest.version, MAX_NAME_BYTES);
         tracing::info!(
             plugin = %manifest.name,
             version = %manifest.version,
@@ -436,8 +438,9 @@ impl Plugin {
     }
 
     /// The one call sequence (every call above goes through it): encode, call in a fresh
-    /// instance, decode as `T`; count it in the stats; report fuel, time and log lines.
-    pub(crate) fn call_report<I: Serialize + Any, T: DeserializeOwned + Any>(
+    /// instance, decode as `T`; count it in the stats; report fuel, time and log lines
+    /// ([`CallReport`]). `I` and `T` are the kind's SDK types (or JSON).
+    pub fn call_report<I: Serialize + Any, T: DeserializeOwned + Any>(
         &self,
         kind: PolicyKind,
         input: &I,
