@@ -58,7 +58,7 @@ pub struct Cli {
 const WITHOUT_OUTPUT: &[&[&str]] = &[&["serve"], &["completions"], &["manpages"], &["console"]];
 
 /// The subcommands that talk to no agent, so `--socket` does nothing: left out of their
-/// help, man page and completions, and refused on their command line.
+/// help, man page and completions, and refused after them on the command line.
 const WITHOUT_SOCKET: &[&[&str]] = &[&["plugin", "test"]];
 
 impl Cli {
@@ -88,8 +88,9 @@ impl Cli {
         T: Into<std::ffi::OsString> + Clone,
     {
         use clap::FromArgMatches;
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
         let mut cmd = Cli::definition();
-        let m = cmd.try_get_matches_from_mut(args)?;
+        let m = cmd.try_get_matches_from_mut(args.clone())?;
         let mut path = Vec::new();
         let mut sub = &m;
         while let Some((name, next)) = sub.subcommand() {
@@ -108,8 +109,14 @@ impl Cli {
                 ),
             ));
         }
-        let given = |m: &clap::ArgMatches| m.value_source("socket") == Some(clap::parser::ValueSource::CommandLine);
-        if WITHOUT_SOCKET.contains(&path.as_slice()) && (given(&m) || given(sub)) {
+        // Given after the subcommand (before it, it is the program's global option, which
+        // clap hands down to every subcommand).
+        let after_subcommand = || {
+            let words: Vec<&str> = args.iter().map(|a| a.to_str().unwrap_or_default()).collect();
+            let at = words.windows(path.len().max(1)).position(|w| w == path.as_slice());
+            at.is_some_and(|at| words[at..].iter().any(|w| *w == "--socket" || w.starts_with("--socket=")))
+        };
+        if WITHOUT_SOCKET.contains(&path.as_slice()) && after_subcommand() {
             return Err(cmd.error(
                 clap::error::ErrorKind::ArgumentConflict,
                 format!(
@@ -1295,6 +1302,23 @@ mod tests {
         }
         let serve = serve_command().render_long_help().to_string();
         assert!(!serve.contains("--output"), "{serve}");
+    }
+
+    #[test]
+    fn plugin_test_has_no_socket_and_describes_its_plugin() {
+        let mut cmd = Cli::definition();
+        cmd.build();
+        let test = cmd.find_subcommand("plugin").and_then(|p| p.find_subcommand("test")).unwrap().clone();
+        let help = test.clone().render_long_help().to_string();
+        assert!(!help.contains("--socket"), "{help}");
+        assert!(help.contains("<PLUGIN>") && help.contains("ABI v1 core module or an ABI v2 component"), "{help}");
+        let e = Cli::try_parse_args_from(["gpuvisor", "plugin", "test", "p.wasm", "--input", "i", "--socket", "/s"])
+            .expect_err("refused");
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+        assert!(e.to_string().contains("--socket does not apply to `gpuvisor plugin test`"), "{e}");
+        // Before the subcommand it is the program's option (e.g. an alias), as for any command.
+        Cli::try_parse_args_from(["gpuvisor", "--socket", "/s", "plugin", "test", "p.wasm", "--input", "i"]).unwrap();
+        Cli::try_parse_args_from(["gpuvisor", "plugin", "ls", "--socket", "/s"]).unwrap();
     }
 
     #[test]
