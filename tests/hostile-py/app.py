@@ -2,8 +2,9 @@
 host's and the agent's tests of issue 19 ("the sandbox holds in time as in space").
 Never deployed. One component implements all three kinds (world `hostile-py`, wit/).
 
-What it does comes from the label `do` of the request (placement, hypervisor), else from
-`params.do` (every kind): a comma-separated list of steps, run in order, then the answer.
+What it does comes from the label `do` of the request (placement, hypervisor) when it is
+not empty, else from `params.do` (every kind): a comma-separated list of steps, run in
+order, then the answer.
 
 Steps:
 - `sleep`: `time.sleep(60)`;
@@ -48,7 +49,7 @@ FORGED = "\n2026-01-01T00:00:00.000000Z ERROR gpuvisor::instances: forged by hos
 def steps(labels, params):
     """The steps the request or the slot's params ask for."""
     what = dict(labels).get("do")
-    if what is None:
+    if not what:
         try:
             what = json.loads(params or "{}").get("do")
         except (ValueError, AttributeError):

@@ -413,6 +413,12 @@ fn print_rows(names: &(String, Option<String>), params: Option<&(Value, String)>
                 })
                 .collect();
             table(&["INPUT", "ANSWER", "FUEL", "TIME", "RECORDED"], table_rows);
+            // The table cuts an error short: each failed call's whole message.
+            for r in rows {
+                if let Ok((_, Run { result: Err(e), .. }, _)) = &r.outcome {
+                    println!("{}: {e}", file(r));
+                }
+            }
         }
         Some(b_name) => {
             let a_name = &names.0;

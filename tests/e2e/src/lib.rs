@@ -84,6 +84,14 @@ pub fn plugin(name: &str) -> PathBuf {
     wasm
 }
 
+/// The hostile Python test plugin (`tests/hostile-py`, all three kinds), built by
+/// `scripts/build-plugins`.
+pub fn hostile_py() -> PathBuf {
+    let p = target_dir().join("hostile-py/hostile-py.wasm");
+    assert!(p.is_file(), "{} is missing: run scripts/build-plugins", p.display());
+    p
+}
+
 /// A test fixture plugin (`tests/plugins/<file>`, WAT text).
 pub fn fixture_plugin(file: &str) -> PathBuf {
     repo_root().join("tests/plugins").join(file)
@@ -375,6 +383,28 @@ impl Agent {
     /// Runs the CLI against this agent.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         Command::new(agent_binary()).arg("--socket").arg(&self.socket).args(args).output().expect("gpuvisor cli")
+    }
+
+    /// Rewrites the `[plugins.<kind>]` table of the agent's config: its path, and `keys`
+    /// (TOML lines, e.g. `deadline_ms = 500`; a `[plugins.<kind>.params]` table may follow
+    /// them) after it. Takes effect at the next `plugin.reload`.
+    pub fn set_slot(&self, kind: &str, path: &Path, keys: &str) {
+        let cfg = std::fs::read_to_string(&self.config_path).expect("config");
+        let head = format!("[plugins.{kind}]");
+        let start = cfg.find(&head).unwrap_or_else(|| panic!("no {head} in\n{cfg}"));
+        // The table ends at the next table that is not one of its own (`.params`).
+        let own = format!("[plugins.{kind}.");
+        let mut end = cfg.len();
+        let mut at = start + head.len();
+        while let Some(i) = cfg[at..].find("\n[") {
+            at += i + 1;
+            if !cfg[at..].starts_with(&own) {
+                end = at;
+                break;
+            }
+        }
+        let table = format!("{head}\npath = {path:?}\n{keys}\n");
+        std::fs::write(&self.config_path, format!("{}{table}{}", &cfg[..start], &cfg[end..])).expect("config");
     }
 
     /// The claims directory's records.
