@@ -127,12 +127,11 @@ fn block(p: &str) {
     }
     if wants(p, "stdout") {
         let out = wasi::cli::stdout::get_stdout();
-        let line = [b'.'; 4095];
+        let mut line = [b'.'; 4096];
+        line[4095] = b'\n';
         for _ in 0..25 {
             // 25 × 4 KiB: over the host's 16 KiB capture.
-            let mut chunk = line.to_vec();
-            chunk.push(b'\n');
-            if out.blocking_write_and_flush(&chunk).is_err() {
+            if out.blocking_write_and_flush(&line).is_err() {
                 break;
             }
         }
