@@ -537,7 +537,11 @@ impl Plugin {
             Err(e) => Err(CallError::UndecodableReply {
                 plugin: label.to_string(),
                 kind,
-                reason: format!("expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}", kind.as_str()),
+                // serde's message quotes the plugin's own text (e.g. an unknown variant).
+                reason: text::shown(
+                    &format!("expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}", kind.as_str()),
+                    MAX_TEXT_BYTES,
+                ),
             }),
         }
     }

@@ -92,6 +92,19 @@ pub fn hostile_py() -> PathBuf {
     p
 }
 
+/// The `gpuvisor` CLI with `--socket` naming no agent, for its local commands (`plugin
+/// test`, `host check`, ...) and for the answer when no agent runs.
+pub fn cli_alone_command() -> Command {
+    let mut c = Command::new(agent_binary());
+    c.arg("--socket").arg("/nonexistent/gpuvisor-e2e/gpuvisor.sock");
+    c
+}
+
+/// Runs [`cli_alone_command`] with `args`.
+pub fn cli_alone(args: &[&str]) -> std::process::Output {
+    cli_alone_command().args(args).output().expect("gpuvisor cli")
+}
+
 /// A test fixture plugin (`tests/plugins/<file>`, WAT text).
 pub fn fixture_plugin(file: &str) -> PathBuf {
     repo_root().join("tests/plugins").join(file)

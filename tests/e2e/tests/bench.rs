@@ -301,7 +301,10 @@ fn bench_create_with_a_sleeping_plugin_in_another_slot_and_a_call_past_its_deadl
     for i in 0..3 {
         let before = sum(&a);
         let e = a
-            .call("instance.create", json!({"name": format!("spin-{i}"), "image": "demo", "gpu": "L40S-1Q", "labels": {"do": "spin"}}))
+            .call(
+                "instance.create",
+                json!({"name": format!("spin-{i}"), "image": "demo", "gpu": "L40S-1Q", "labels": {"do": "spin"}}),
+            )
             .unwrap_err();
         assert_eq!(e.data["reason"], "deadline", "{e}");
         ratios.push(Duration::from_secs_f64((sum(&a) - before) / 0.5));

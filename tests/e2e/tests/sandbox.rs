@@ -7,7 +7,6 @@
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 fn dry_run(do_what: &str) -> Value {
@@ -79,7 +78,7 @@ fn a_plugin_that_sleeps_blocks_no_one_a_call_past_its_deadline_returns_in_time_a
         took * 1000.0,
         took / 0.5
     );
-    assert!(took >= 0.5 && took <= 1.0, "the call took {took} s for a 0.5 s deadline");
+    assert!((0.5..=1.0).contains(&took), "the call took {took} s for a 0.5 s deadline");
     assert_eq!(under1, count1, "every call under 1 s (2 × the deadline)");
 
     // A reload while a call spins (3 s deadline) returns at once: the stuck call finishes
@@ -279,7 +278,7 @@ fn a_reload_with_a_trial_refuses_a_plugin_that_fails_on_the_slots_last_input() {
 
 /// Runs `gpuvisor plugin test` with `args` in `dir`.
 fn plugin_test(dir: &Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(agent_binary())
+    let out = cli_alone_command()
         .args(["plugin", "test"])
         .args(args)
         .env("XDG_CACHE_HOME", dir.join("cache"))
