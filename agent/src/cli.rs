@@ -60,25 +60,27 @@ pub struct Cli {
 /// command line (before or after the subcommand).
 const WITHOUT_OUTPUT: &[&[&str]] = &[&["serve"], &["completions"], &["manpages"], &["console"]];
 
+/// The subcommands that talk to no agent, so `--socket` does nothing: left out of their
+/// help, man page and completions, and refused after them on the command line.
+const WITHOUT_SOCKET: &[&[&str]] = &[&["plugin", "test"]];
+
 impl Cli {
     /// The command-line definition: the derive's, with `-o/--output` taken off the
     /// [`WITHOUT_OUTPUT`] subcommands. `--help`, the man pages and the completions all use it.
     pub fn definition() -> clap::Command {
-        /// A hidden `output` argument: it keeps the global one from being propagated into
-        /// `cmd` (clap skips a global whose id the subcommand already has).
-        fn shadow(path: &[&str], cmd: clap::Command) -> clap::Command {
+        /// A hidden argument of a global's id: it keeps the global one from being propagated
+        /// into `cmd` (clap skips a global whose id the subcommand already has).
+        fn shadow(arg: &clap::Arg, path: &[&str], cmd: clap::Command) -> clap::Command {
             match path {
-                [] => cmd.arg(
-                    clap::Arg::new("output")
-                        .long("output")
-                        .short('o')
-                        .hide(true)
-                        .value_parser(clap::value_parser!(Output)),
-                ),
-                [first, rest @ ..] => cmd.mut_subcommand(first, |s| shadow(rest, s)),
+                [] => cmd.arg(arg.clone()),
+                [first, rest @ ..] => cmd.mut_subcommand(first, |s| shadow(arg, rest, s)),
             }
         }
-        WITHOUT_OUTPUT.iter().fold(<Cli as clap::CommandFactory>::command(), |cmd, path| shadow(path, cmd))
+        let output =
+            clap::Arg::new("output").long("output").short('o').hide(true).value_parser(clap::value_parser!(Output));
+        let socket = clap::Arg::new("socket").long("socket").hide(true).value_parser(clap::value_parser!(PathBuf));
+        let cmd = WITHOUT_OUTPUT.iter().fold(<Cli as clap::CommandFactory>::command(), |c, p| shadow(&output, p, c));
+        WITHOUT_SOCKET.iter().fold(cmd, |c, p| shadow(&socket, p, c))
     }
 
     /// Parses a command line (the first item is the program name). Errors are clap's, ready
@@ -89,8 +91,9 @@ impl Cli {
         T: Into<std::ffi::OsString> + Clone,
     {
         use clap::FromArgMatches;
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
         let mut cmd = Cli::definition();
-        let m = cmd.try_get_matches_from_mut(args)?;
+        let m = cmd.try_get_matches_from_mut(args.clone())?;
         let mut path = Vec::new();
         let mut sub = &m;
         while let Some((name, next)) = sub.subcommand() {
@@ -105,6 +108,22 @@ impl Cli {
                 clap::error::ErrorKind::ArgumentConflict,
                 format!(
                     "-o/--output does not apply to `gpuvisor {}`: it changes only how client commands print their results",
+                    path.join(" ")
+                ),
+            ));
+        }
+        // Given after the subcommand (before it, it is the program's global option, which
+        // clap hands down to every subcommand).
+        let after_subcommand = || {
+            let words: Vec<&str> = args.iter().map(|a| a.to_str().unwrap_or_default()).collect();
+            let at = words.windows(path.len().max(1)).position(|w| w == path.as_slice());
+            at.is_some_and(|at| words[at..].iter().any(|w| *w == "--socket" || w.starts_with("--socket=")))
+        };
+        if WITHOUT_SOCKET.contains(&path.as_slice()) && after_subcommand() {
+            return Err(cmd.error(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!(
+                    "--socket does not apply to `gpuvisor {}`: it runs locally and talks to no agent",
                     path.join(" ")
                 ),
             ));
@@ -354,7 +373,8 @@ pub enum PluginAction {
     /// Run a plugin locally (no agent needed) on a JSON input or a directory of recorded
     /// inputs: its log lines, fuel, time and answer. Exit 1 when a plugin or a call fails.
     Test {
-        /// The plugin: a .wasm module or component, or a .wat text module.
+        /// The plugin to run: a `.wasm` file (an ABI v1 core module or an ABI v2 component)
+        /// or a `.wat` text module.
         plugin: PathBuf,
         /// An input file (a fixture, or a file `record_policy_inputs` wrote), or a directory
         /// of them (each `*.json` of the plugin's kind, sorted).
@@ -383,7 +403,16 @@ pub enum PluginAction {
     #[command(visible_alias = "list")]
     Ls,
     /// Re-read the config's [plugins] and load them again (all or nothing).
-    Reload,
+    Reload {
+        /// Before the swap, call each new plugin on the last input the agent sent to its slot
+        /// (a slot not asked yet is not tried); a failed call refuses the reload.
+        #[arg(long)]
+        trial: bool,
+        /// SLOT=FILE: the trial input of a slot instead of its last one (an input, or a file
+        /// `record_policy_inputs` wrote); implies --trial. Repeatable.
+        #[arg(long, value_name = "SLOT=FILE")]
+        trial_input: Vec<String>,
+    },
 }
 
 /// `gpuvisor serve` flags; each overrides the config file's key of the same name. Their
@@ -723,7 +752,28 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Image { action: ImageAction::Ls } => ("image.list", json!({})),
         Command::Image { action: ImageAction::Rm { name } } => ("image.delete", json!({ "name": name })),
         Command::Plugin { action: PluginAction::Ls } => ("plugin.list", json!({})),
-        Command::Plugin { action: PluginAction::Reload } => ("plugin.reload", json!({})),
+        Command::Plugin { action: PluginAction::Reload { trial, trial_input } } => {
+            let mut inputs = serde_json::Map::new();
+            for item in trial_input {
+                let read = item.split_once('=').ok_or_else(|| format!("{item:?} is not SLOT=FILE")).and_then(
+                    |(slot, file)| {
+                        let text = std::fs::read_to_string(file).map_err(|e| format!("{file}: {e}"))?;
+                        let v: Value = serde_json::from_str(&text).map_err(|e| format!("{file}: not JSON: {e}"))?;
+                        Ok((slot.to_string(), v))
+                    },
+                );
+                match read {
+                    Ok((slot, v)) => {
+                        inputs.insert(slot, v);
+                    }
+                    Err(e) => {
+                        eprintln!("error: --trial-input {e}");
+                        return exit::USAGE;
+                    }
+                }
+            }
+            ("plugin.reload", json!({ "trial": *trial || !inputs.is_empty(), "inputs": inputs }))
+        }
         Command::Plugin {
             action: PluginAction::Test { plugin, input, kind, params, config, against, fail_on_diff },
         } => {
@@ -1324,11 +1374,12 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                         format!("v{}", p.abi),
                         p.calls_ok.to_string(),
                         p.calls_failed.to_string(),
+                        p.log_lines_dropped.to_string(),
                         p.path.clone(),
                     ]
                 })
                 .collect();
-            table(&["SLOT", "NAME", "VERSION", "ABI", "OK", "FAILED", "PATH"], rows);
+            table(&["SLOT", "NAME", "VERSION", "ABI", "OK", "FAILED", "LOG DROPPED", "PATH"], rows);
         }
         _ => println!("{}", serde_json::to_string_pretty(v).unwrap_or_default()),
     }
@@ -1422,6 +1473,23 @@ mod tests {
         }
         let serve = serve_command().render_long_help().to_string();
         assert!(!serve.contains("--output"), "{serve}");
+    }
+
+    #[test]
+    fn plugin_test_has_no_socket_and_describes_its_plugin() {
+        let mut cmd = Cli::definition();
+        cmd.build();
+        let test = cmd.find_subcommand("plugin").and_then(|p| p.find_subcommand("test")).unwrap().clone();
+        let help = test.clone().render_long_help().to_string();
+        assert!(!help.contains("--socket"), "{help}");
+        assert!(help.contains("<PLUGIN>") && help.contains("ABI v1 core module or an ABI v2 component"), "{help}");
+        let e = Cli::try_parse_args_from(["gpuvisor", "plugin", "test", "p.wasm", "--input", "i", "--socket", "/s"])
+            .expect_err("refused");
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+        assert!(e.to_string().contains("--socket does not apply to `gpuvisor plugin test`"), "{e}");
+        // Before the subcommand it is the program's option (e.g. an alias), as for any command.
+        Cli::try_parse_args_from(["gpuvisor", "--socket", "/s", "plugin", "test", "p.wasm", "--input", "i"]).unwrap();
+        Cli::try_parse_args_from(["gpuvisor", "plugin", "ls", "--socket", "/s"]).unwrap();
     }
 
     #[test]

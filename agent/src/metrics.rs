@@ -121,6 +121,8 @@ pub struct Metrics {
     policy_failures: IntCounterVec,
     policy_duration: HistogramVec,
     policy_rejected: IntCounterVec,
+    policy_log_dropped: IntCounterVec,
+    policy_output_dropped: IntCounterVec,
     rpc_calls: IntCounterVec,
     rpc_duration: HistogramVec,
     events: IntCounterVec,
@@ -263,6 +265,18 @@ impl Metrics {
                 "Plugin answers the agent rejected, by plugin, kind and reason",
                 &["plugin", "kind", "reason"],
             ),
+            policy_log_dropped: counter_vec(
+                &r,
+                "gpuvisor_policy_log_lines_dropped_total",
+                "Log lines of policy plugins dropped by the rate limits (stdout/stderr lines included), by plugin and kind",
+                &["plugin", "kind"],
+            ),
+            policy_output_dropped: counter_vec(
+                &r,
+                "gpuvisor_policy_output_bytes_dropped_total",
+                "stdout/stderr bytes of policy plugins past each call's 16 KiB capture, by plugin and kind",
+                &["plugin", "kind"],
+            ),
             rpc_calls: counter_vec(
                 &r,
                 "gpuvisor_rpc_calls_total",
@@ -307,6 +321,8 @@ impl Metrics {
         for reason in rejection_reasons {
             self.policy_rejected.with_label_values(&[plugin, kind, reason]);
         }
+        self.policy_log_dropped.with_label_values(&[plugin, kind]);
+        self.policy_output_dropped.with_label_values(&[plugin, kind]);
     }
 
     /// One reconcile pass ended.
@@ -376,9 +392,24 @@ impl Metrics {
         (get("ok"), get("failed"))
     }
 
-    /// The agent rejected (part of) a plugin's answer.
-    pub fn policy_rejected(&self, plugin: &str, kind: &str, reason: &str) {
-        self.policy_rejected.with_label_values(&[plugin, kind, reason]).inc();
+    /// The agent rejected `n` parts of a plugin's answer (e.g. ranked entries).
+    pub fn policy_rejected(&self, plugin: &str, kind: &str, reason: &str, n: u64) {
+        self.policy_rejected.with_label_values(&[plugin, kind, reason]).inc_by(n);
+    }
+
+    /// What a plugin call dropped: log lines over the rate limits, stdout/stderr bytes past
+    /// the capture.
+    pub fn policy_dropped(&self, plugin: &str, kind: &str, log_lines: u64, output_bytes: u64) {
+        self.policy_log_dropped.with_label_values(&[plugin, kind]).inc_by(log_lines);
+        self.policy_output_dropped.with_label_values(&[plugin, kind]).inc_by(output_bytes);
+    }
+
+    /// `(log lines, output bytes)` a plugin in a slot dropped since the agent started.
+    pub fn policy_dropped_counts(&self, plugin: &str, kind: &str) -> (u64, u64) {
+        (
+            self.policy_log_dropped.with_label_values(&[plugin, kind]).get(),
+            self.policy_output_dropped.with_label_values(&[plugin, kind]).get(),
+        )
     }
 
     /// One JSON-RPC call.

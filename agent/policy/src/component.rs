@@ -8,22 +8,16 @@
 //! log budget, error classification and stats — is the host's one sequence in `plugin.rs`.
 //!
 //! WASI (for guests built by componentize-py, componentize-js and other toolchains): every
-//! WASI 0.2 interface wasmtime-wasi implements is linked, backed by a context that grants
-//! nothing ([`deny_all`]): no preopened directories, no environment, no arguments, every
-//! socket address refused, no name lookup, a fixed wall clock and a monotonic clock that
-//! does not advance, random bytes from a fixed seed, an empty stdin, and stdout/stderr
-//! captured and sent to the plugin's log line by line. Any other import is refused at load.
+//! WASI 0.2 interface wasmtime-wasi implements is linked, granting nothing and never
+//! waiting (`wasi.rs`). Any other import is refused at load.
 
 use crate::error::{CallError, LoadError};
 use crate::plugin::{CallState, LogLevel};
 use gpuvisor_sdk as sdk;
 use gpuvisor_sdk::PolicyKind;
 use std::path::Path;
-use std::time::Duration;
-use wasmtime::component::{Component, HasSelf, InstancePre, Linker, ResourceTable};
+use wasmtime::component::{Component, HasSelf, InstancePre, Linker};
 use wasmtime::{Engine, Store};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 /// The generated host bindings of the three worlds. `types` and `log` are generated once
 /// (in `placement`) and shared.
@@ -70,15 +64,6 @@ pub const ABI_VERSION_V2: u32 = 2;
 const WASI_PACKAGES: [&str; 6] =
     ["wasi:cli/", "wasi:clocks/", "wasi:filesystem/", "wasi:io/", "wasi:random/", "wasi:sockets/"];
 
-/// Bytes of stdout + stderr kept per call (the rest is dropped; lines go to the log).
-const STDIO_CAPTURE_BYTES: usize = 16 << 10;
-
-/// The fixed wall-clock time a plugin sees: 2024-01-01T00:00:00Z.
-const FIXED_WALL_CLOCK: Duration = Duration::from_secs(1_704_067_200);
-
-/// The seed of the random bytes a plugin gets.
-const RANDOM_SEED: &[u8] = b"gpuvisor policy plugins draw no randomness";
-
 /// True when `bytes` (binary wasm) is a component rather than a core module: the
 /// preamble's version/layer field is `0x0d 0x00` / `0x01 0x00`.
 pub(crate) fn is_component(bytes: &[u8]) -> bool {
@@ -116,18 +101,42 @@ fn wrong_version(path: &Path, name: &str) -> LoadError {
     LoadError::WitVersion { path: path.to_path_buf(), name: name.to_string(), expected: PACKAGE_VERSION }
 }
 
-/// Compiles and checks a component: imports (only `gpuvisor:policy/{log,types}@2.0.0` and the
-/// WASI packages), exports (`manifest` and at least one kind interface, all at
-/// [`PACKAGE_VERSION`]), and links it. Returns the compiled component and the kinds it
-/// exports; the manifest is checked by the caller after [`Compiled::manifest`].
-pub(crate) fn compile(
-    engine: &Engine,
-    path: &Path,
-    component: Component,
-) -> Result<(Compiled, Vec<PolicyKind>), LoadError> {
+/// Checks a component from its binary, before it is compiled (compiling a language
+/// toolchain's guest takes seconds; a refused one is refused at once): its top-level
+/// imports (only `gpuvisor:policy/{log,types}@2.0.0` and the WASI packages) and exports
+/// (`manifest` and at least one kind interface, all at [`PACKAGE_VERSION`]). Returns the
+/// kinds it exports, sorted. Errors: [`LoadError`] naming the import or export, or
+/// `Compile` for a binary that does not parse.
+pub(crate) fn inspect(path: &Path, bytes: &[u8]) -> Result<Vec<PolicyKind>, LoadError> {
+    use wasmtime::wasmparser::{ComponentTypeRef, Parser, Payload};
     let p = || path.to_path_buf();
-    let ty = component.component_type();
-    for (name, _) in ty.imports(engine) {
+    let malformed =
+        |e: wasmtime::wasmparser::BinaryReaderError| LoadError::Compile { path: p(), reason: e.to_string() };
+    let (mut imports, mut exports) = (Vec::new(), Vec::new());
+    // Nested modules and components come inline, each closed by its own `End`.
+    let mut depth = 0u32;
+    for payload in Parser::new(0).parse_all(bytes) {
+        match payload.map_err(malformed)? {
+            Payload::ModuleSection { .. } | Payload::ComponentSection { .. } => depth += 1,
+            Payload::End(_) => depth = depth.saturating_sub(1),
+            Payload::ComponentImportSection(r) if depth == 0 => {
+                for import in r {
+                    let import = import.map_err(malformed)?;
+                    // A type (e.g. the world's `use types.{manifest}`) grants nothing.
+                    if !matches!(import.ty, ComponentTypeRef::Type(_)) {
+                        imports.push(import.name.name.to_string());
+                    }
+                }
+            }
+            Payload::ComponentExportSection(r) if depth == 0 => {
+                for export in r {
+                    exports.push(export.map_err(malformed)?.name.name.to_string());
+                }
+            }
+            _ => {}
+        }
+    }
+    for name in &imports {
         if let Some((interface, version)) = policy_interface(name) {
             if version != Some(PACKAGE_VERSION) {
                 return Err(wrong_version(path, name));
@@ -147,7 +156,7 @@ pub(crate) fn compile(
     }
     let mut kinds = Vec::new();
     let mut has_manifest = false;
-    for (name, _) in ty.exports(engine) {
+    for name in &exports {
         if name == "manifest" {
             has_manifest = true;
             continue;
@@ -172,10 +181,23 @@ pub(crate) fn compile(
         });
     }
     kinds.sort();
+    kinds.dedup();
+    Ok(kinds)
+}
+
+/// Links a compiled component that [`inspect`] accepted, exporting `kinds`; the manifest
+/// is checked by the caller after [`Compiled::manifest`].
+pub(crate) fn compile(
+    engine: &Engine,
+    path: &Path,
+    component: Component,
+    kinds: &[PolicyKind],
+) -> Result<Compiled, LoadError> {
+    let p = || path.to_path_buf();
 
     let link_err = |e: wasmtime::Error| LoadError::Link { path: p(), reason: format!("{e:#}") };
     let mut linker: Linker<CallState> = Linker::new(engine);
-    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(link_err)?;
+    crate::wasi::add_to_linker(&mut linker).map_err(link_err)?;
     bindings::placement::PlacementPlugin::add_to_linker::<CallState, HasSelf<CallState>>(&mut linker, |s| s)
         .map_err(link_err)?;
     let pre = linker.instantiate_pre(&component).map_err(link_err)?;
@@ -198,7 +220,28 @@ pub(crate) fn compile(
         },
         pre,
     };
-    Ok((compiled, kinds))
+    Ok(compiled)
+}
+
+/// An instantiation that failed for another reason than a trap of the guest (e.g. the
+/// pool): reported as what it is ([`CallError::Instantiate`]), never as the plugin's trap.
+#[derive(Debug)]
+pub(crate) struct InstantiateFailed(pub(crate) String);
+
+impl std::fmt::Display for InstantiateFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InstantiateFailed {}
+
+fn instantiating(e: wasmtime::Error) -> wasmtime::Error {
+    if e.is::<wasmtime::Trap>() {
+        e
+    } else {
+        wasmtime::Error::new(InstantiateFailed(format!("{e:#}")))
+    }
 }
 
 /// A typed v2 answer, before it is handed back as the caller's type.
@@ -218,7 +261,7 @@ pub(crate) enum Input<'a> {
 impl Compiled {
     /// Instantiates the component in `store` and calls `manifest`.
     pub(crate) fn manifest(&self, store: &mut Store<CallState>) -> wasmtime::Result<(sdk::Manifest, u32)> {
-        let instance = self.pre.instantiate(&mut *store)?;
+        let instance = self.pre.instantiate(&mut *store).map_err(instantiating)?;
         let func = instance.get_typed_func::<(), (wit::Manifest,)>(&mut *store, "manifest")?;
         let (m,) = func.call(&mut *store, ())?;
         let kinds = m
@@ -243,21 +286,24 @@ impl Compiled {
         let missing = || wasmtime::format_err!("the component does not export this kind");
         Ok(match input {
             Input::Placement(i) => {
-                let plugin = self.placement.as_ref().ok_or_else(missing)?.instantiate(&mut *store)?;
+                let plugin =
+                    self.placement.as_ref().ok_or_else(missing)?.instantiate(&mut *store).map_err(instantiating)?;
                 plugin
                     .gpuvisor_policy_placement()
                     .call_place(&mut *store, &placement_input(i))?
                     .map(|a| Answer::Placement(placement_answer(a)))
             }
             Input::Hypervisor(i) => {
-                let plugin = self.hypervisor.as_ref().ok_or_else(missing)?.instantiate(&mut *store)?;
+                let plugin =
+                    self.hypervisor.as_ref().ok_or_else(missing)?.instantiate(&mut *store).map_err(instantiating)?;
                 plugin
                     .gpuvisor_policy_hypervisor()
                     .call_choose(&mut *store, &hypervisor_input(i))?
                     .map(|a| Answer::Hypervisor(hypervisor_answer(a)))
             }
             Input::Grace(i) => {
-                let plugin = self.grace.as_ref().ok_or_else(missing)?.instantiate(&mut *store)?;
+                let plugin =
+                    self.grace.as_ref().ok_or_else(missing)?.instantiate(&mut *store).map_err(instantiating)?;
                 plugin
                     .gpuvisor_policy_grace()
                     .call_decide(&mut *store, &grace_input(i))?
@@ -268,72 +314,7 @@ impl Compiled {
 }
 
 // ---------------------------------------------------------------------------------------
-// WASI that grants nothing, and the log import
-
-/// What a component call's store carries besides the host's state: the WASI context
-/// (built on first use) and the captured stdout/stderr.
-#[derive(Default)]
-pub(crate) struct WasiState {
-    ctx: Option<WasiCtx>,
-    table: ResourceTable,
-    stdio: Option<MemoryOutputPipe>,
-}
-
-/// A WASI context that grants nothing (see the module docs); stdout and stderr write to
-/// `stdio`.
-fn deny_all(stdio: &MemoryOutputPipe) -> WasiCtx {
-    struct FixedWall;
-    impl wasmtime_wasi::HostWallClock for FixedWall {
-        fn resolution(&self) -> Duration {
-            Duration::from_secs(1)
-        }
-        fn now(&self) -> Duration {
-            FIXED_WALL_CLOCK
-        }
-    }
-    struct FixedMonotonic;
-    impl wasmtime_wasi::HostMonotonicClock for FixedMonotonic {
-        fn resolution(&self) -> u64 {
-            1_000_000_000
-        }
-        fn now(&self) -> u64 {
-            0
-        }
-    }
-    let mut b = WasiCtx::builder();
-    b.stdout(stdio.clone())
-        .stderr(stdio.clone())
-        .wall_clock(FixedWall)
-        .monotonic_clock(FixedMonotonic)
-        .secure_random(wasmtime_wasi::Deterministic::new(RANDOM_SEED.to_vec()))
-        .insecure_random(wasmtime_wasi::Deterministic::new(RANDOM_SEED.to_vec()))
-        .insecure_random_seed(0)
-        .allow_tcp(false)
-        .allow_udp(false)
-        .allow_ip_name_lookup(false)
-        .socket_addr_check(|_, _| Box::pin(async { false }));
-    b.build()
-}
-
-impl WasiView for CallState {
-    fn ctx(&mut self) -> WasiCtxView<'_> {
-        let w = &mut self.wasi;
-        let stdio = w.stdio.get_or_insert_with(|| MemoryOutputPipe::new(STDIO_CAPTURE_BYTES));
-        let ctx = w.ctx.get_or_insert_with(|| deny_all(stdio));
-        WasiCtxView { ctx, table: &mut w.table }
-    }
-}
-
-impl CallState {
-    /// The lines the guest wrote to stdout/stderr in this call, for the log.
-    pub(crate) fn take_stdio_lines(&mut self) -> Vec<String> {
-        let Some(pipe) = self.wasi.stdio.take() else {
-            return Vec::new();
-        };
-        let bytes = pipe.contents();
-        String::from_utf8_lossy(&bytes).lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect()
-    }
-}
+// the log import
 
 impl wit_log::Host for CallState {
     fn log(&mut self, level: wit_log::Level, message: String) {

@@ -66,6 +66,10 @@ pub enum LoadError {
     /// The manifest is not the JSON object `{"name", "version", "kinds"}`.
     #[error("policy plugin {path}: the manifest does not decode: {reason}")]
     Manifest { path: PathBuf, reason: String },
+    /// The manifest's `name` is empty, too long, of other characters than a safe set, or a
+    /// name gpuvisor's own plugins carry (`name` as shown: escaped, cut).
+    #[error("policy plugin {path}: the manifest's name \"{name}\" {problem}")]
+    Name { path: PathBuf, name: String, problem: String },
     /// The manifest's `kinds` do not include the slot the config puts the plugin in.
     #[error("policy plugin {path} ({name}) implements {kinds:?}, not the {slot} slot it is configured for", slot = slot.as_str())]
     WrongSlot { path: PathBuf, name: String, slot: PolicyKind, kinds: Vec<PolicyKind> },
@@ -90,6 +94,11 @@ pub enum CallError {
     /// A fresh instance could not be created (e.g. every sandbox slot is in use).
     #[error("policy plugin {plugin} ({}): no sandbox instance could be created: {reason}", kind.as_str())]
     Instantiate { plugin: String, kind: PolicyKind, reason: String },
+    /// Every place of the slot's share of the sandbox pool stayed taken by other calls of
+    /// the slot for the call's whole deadline: the call was not run (see PLUGINS.md and
+    /// docs/plugins.md "The sandbox and its limits").
+    #[error("policy plugin {plugin} ({}): not run: the {share} slot already had {calls} calls running (its share of the sandbox) for {waited_ms} ms, the call's deadline", kind.as_str())]
+    Busy { plugin: String, kind: PolicyKind, share: &'static str, calls: u32, waited_ms: u128 },
     /// The plugin trapped (e.g. `unreachable`, a panic, an out-of-bounds access).
     #[error("policy plugin {plugin} ({}) trapped: {message}", kind.as_str())]
     Trap { plugin: String, kind: PolicyKind, message: String },
@@ -120,7 +129,7 @@ impl CallError {
     /// A stable short label for metrics (`result` / `reason` label values): `not_provided`,
     /// `input_too_large`, `input_encode`, `instantiate`, `trap`, `out_of_fuel`, `deadline`,
     /// `memory_limit`, `output_too_large`, `bad_pointer`, `undecodable_reply`,
-    /// `plugin_error`.
+    /// `plugin_error`, `busy`.
     pub fn reason(&self) -> &'static str {
         match self {
             CallError::NotProvided { .. } => "not_provided",
@@ -135,6 +144,7 @@ impl CallError {
             CallError::BadPointer { .. } => "bad_pointer",
             CallError::UndecodableReply { .. } => "undecodable_reply",
             CallError::Plugin { .. } => "plugin_error",
+            CallError::Busy { .. } => "busy",
         }
     }
 }

@@ -37,14 +37,20 @@ mod component;
 mod engine;
 mod error;
 mod plugin;
+mod text;
+mod wasi;
 
 pub use cache::{set_cache_dir, CacheOutcome};
 pub use component::{ABI_VERSION_V2, PACKAGE, PACKAGE_VERSION};
+pub use engine::SLOT_CALLS;
 pub use engine::{MAX_MEMORY_BYTES, POOL_INSTANCES, TICK};
 pub use error::{CallError, LoadError, RunError};
 pub use plugin::{
     CallReport, Limits, LogLine, Plugin, PluginStats, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND, LOG_LINE_MAX_BYTES,
+    MAX_NAME_BYTES, RESERVED_NAMES,
 };
+pub use text::{printable, shown, MAX_TEXT_BYTES};
+pub use wasi::STDIO_CAPTURE_BYTES;
 
 use gpuvisor_sdk::{
     GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, PlacementAnswer, PlacementInput, PolicyKind,
@@ -88,6 +94,20 @@ pub fn reply_json<A: serde::Serialize>(result: &Result<A, CallError>) -> serde_j
         Ok(a) => serde_json::json!({ "ok": serde_json::to_value(a).unwrap_or(serde_json::Value::Null) }),
         Err(e) => serde_json::json!({ "error": { "reason": e.reason(), "message": e.to_string() } }),
     }
+}
+
+/// A reply of [`reply_json`] (or a recorded one) in the form two replies are compared in:
+/// an error's message without the `policy plugin <name>` it starts with, so that two
+/// plugins (or a plugin and the one recorded) failing the same way compare equal.
+pub fn comparable_reply(reply: &serde_json::Value) -> serde_json::Value {
+    let mut r = reply.clone();
+    if let Some(serde_json::Value::String(m)) = r.pointer_mut("/error/message") {
+        if let Some(rest) = m.strip_prefix("policy plugin ") {
+            // A manifest name has no spaces (it is checked at load).
+            *m = rest.split_once(' ').map(|(_, after)| after.to_string()).unwrap_or_default();
+        }
+    }
+    r
 }
 
 /// Reads a policy input file ([`InputFile`]). Errors: [`RunError::Input`] (unreadable,

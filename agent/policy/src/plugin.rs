@@ -2,8 +2,9 @@
 
 use crate::cache::{self, CacheOutcome};
 use crate::component;
-use crate::engine::{self, deadline_ticks};
+use crate::engine::{self, Share};
 use crate::error::{CallError, LoadError};
+use crate::text::{self, MAX_TEXT_BYTES};
 use gpuvisor_sdk::abi::unpack;
 pub(crate) use gpuvisor_sdk::abi::LogLevel;
 use gpuvisor_sdk::{
@@ -15,11 +16,12 @@ use serde::Serialize;
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use wasmtime::{
     Caller, Engine, ExternType, FuncType, Instance, InstancePre, Linker, Module, ResourceLimiter, Store, Trap,
-    TypedFunc,
+    TypedFunc, UpdateDeadline,
 };
 
 /// Per-plugin limits, applied to every call (and to the load-time manifest call).
@@ -63,6 +65,13 @@ pub struct PluginStats {
     pub fuel_consumed: u64,
     /// `gpuvisor.log` lines dropped by the rate limit or as unreadable.
     pub log_lines_dropped: u64,
+    /// stdout/stderr bytes dropped past each call's capture (components).
+    pub output_bytes_dropped: u64,
+    /// Calls waiting now for a place in the slot's share of the sandbox pool.
+    pub calls_waiting: u64,
+    /// Calls holding a place now (at most [`crate::SLOT_CALLS`] per slot over all plugins
+    /// of the slot).
+    pub calls_running: u64,
 }
 
 /// One `gpuvisor.log` line of a call, as the plugin wrote it (truncated to
@@ -82,11 +91,23 @@ pub struct CallReport {
     pub logs: Vec<LogLine>,
     /// Lines of this call dropped by the rate limits or as unreadable.
     pub logs_dropped: u64,
-    /// Fuel consumed (instantiation included).
-    pub fuel_used: u64,
-    /// Wall-clock time of the call (input encoding, instantiation, the call, reply decoding).
+    /// Bytes the plugin wrote to stdout/stderr past the first
+    /// [`crate::STDIO_CAPTURE_BYTES`] of the call (components): dropped, never an error.
+    pub output_bytes_dropped: u64,
+    /// Fuel consumed (instantiation included); `None` when it is not known: the call was
+    /// stopped inside a function by its deadline or by a trap of the code itself (an
+    /// out-of-bounds access, a stack overflow, ...), and wasmtime counts the fuel of a
+    /// running function only at its calls and returns (a trap by `unreachable` — a panic —
+    /// or by running out of fuel is counted).
+    pub fuel_used: Option<u64>,
+    /// Wall-clock time of the call (input encoding, waiting for a place in the slot's share,
+    /// instantiation, the call, reply decoding).
     #[serde(serialize_with = "ser_ms")]
     pub wall: Duration,
+    /// The part of `wall` spent waiting for a place in the slot's share of the sandbox pool
+    /// (every place taken by other calls of the slot).
+    #[serde(serialize_with = "ser_ms")]
+    pub waited: Duration,
 }
 
 fn ser_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -111,8 +132,15 @@ pub const LOG_LINES_PER_SECOND: u32 = 100;
 pub const LOG_LINE_MAX_BYTES: usize = 1024;
 /// Longest manifest accepted, bytes.
 const MAX_MANIFEST_BYTES: usize = 64 << 10;
-/// Longest plugin error message kept in a [`CallError`], bytes.
-const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
+/// Longest manifest name, bytes.
+pub const MAX_NAME_BYTES: usize = 64;
+
+/// The names of the plugins gpuvisor ships. A plugin may carry one only when it is loaded
+/// from a file of that name (`<name>.wasm`, or cargo's `<name_with_underscores>.wasm`),
+/// i.e. when whoever installed the file called it that; a site's plugin needs a name of
+/// its own, so that logs, metrics and `plugin.list` never credit a default plugin with
+/// another plugin's calls.
+pub const RESERVED_NAMES: [&str; 4] = ["placement-spread", "placement-pack", "hypervisor-default", "grace-default"];
 
 /// A loaded policy plugin: the module compiled once, linked against the only allowed
 /// import, and checked (ABI version, exports, manifest, slot). Every call runs in a fresh
@@ -198,13 +226,14 @@ impl Plugin {
             cached,
             limits,
             log: Arc::new(LogLimiter::default()),
+            activity: Activity::default(),
         };
         let init = |what: &'static str| {
             move |source: CallError| LoadError::Init { path: path.to_path_buf(), what, source: Box::new(source) }
         };
         let kind_for_errors = slot.unwrap_or(PolicyKind::Placement);
         let (version, manifest_bytes) = sandbox
-            .with_instance(kind_for_errors, |store, instance, label| {
+            .with_instance(kind_for_errors, Share::Load, &mut CallReport::default(), |store, instance, label| {
                 let abi: TypedFunc<(), i32> = typed(instance, store, "gpuvisor_abi_version", label, kind_for_errors)?;
                 let version =
                     abi.call(&mut *store, ()).map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
@@ -235,7 +264,8 @@ impl Plugin {
             });
         }
         let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
-            .map_err(|e| LoadError::Manifest { path: p(), reason: e.to_string() })?;
+            .map_err(|e| LoadError::Manifest { path: p(), reason: text::shown(&e.to_string(), MAX_TEXT_BYTES) })?;
+        check_name(path, &manifest.name)?;
         let slot = slot_of(path, slot, &manifest)?;
         for kind in &manifest.kinds {
             check_entry_point(path, &module, *kind)?;
@@ -254,19 +284,21 @@ impl Plugin {
         bytes: &[u8],
     ) -> Result<Plugin, LoadError> {
         let p = || path.to_path_buf();
+        let exported = component::inspect(path, bytes)?;
         let (compiled, cached) = cache::compile::<wasmtime::component::Component>(engine, bytes)
             .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
-        let (compiled, exported) = component::compile(engine, path, compiled)?;
+        let compiled = component::compile(engine, path, compiled, &exported)?;
         let sandbox = Sandbox {
             label: Arc::from(path.display().to_string()),
             code: Code::Component(Box::new(compiled)),
             cached,
             limits,
             log: Arc::new(LogLimiter::default()),
+            activity: Activity::default(),
         };
         let kind_for_errors = slot.unwrap_or(exported[0]);
         let (manifest, abi_version) = sandbox
-            .with_store(kind_for_errors, &mut CallReport::default(), |store, code, label| match code {
+            .with_store(kind_for_errors, Share::Load, &mut CallReport::default(), |store, code, label| match code {
                 Code::Component(c) => {
                     c.manifest(store).map_err(|e| classify(e, store, label, kind_for_errors, &limits))
                 }
@@ -277,6 +309,7 @@ impl Plugin {
                 }),
             })
             .map_err(|source| LoadError::Init { path: p(), what: "calling manifest", source: Box::new(source) })?;
+        check_name(path, &manifest.name)?;
         if abi_version != component::ABI_VERSION_V2 {
             return Err(LoadError::AbiVersion {
                 path: p(),
@@ -295,8 +328,10 @@ impl Plugin {
         Ok(Self::loaded(path, slot, manifest, sandbox))
     }
 
-    fn loaded(path: &Path, slot: PolicyKind, manifest: Manifest, mut sandbox: Sandbox) -> Plugin {
+    fn loaded(path: &Path, slot: PolicyKind, mut manifest: Manifest, mut sandbox: Sandbox) -> Plugin {
         sandbox.label = Arc::from(manifest.name.as_str());
+        // Free text, shown in logs and lists: escaped, cut like a name.
+        manifest.version = text::shown(&manifest.version, MAX_NAME_BYTES);
         tracing::info!(
             plugin = %manifest.name,
             version = %manifest.version,
@@ -354,6 +389,8 @@ impl Plugin {
             Err(poisoned) => poisoned.into_inner().clone(),
         };
         stats.log_lines_dropped = self.sandbox.log.dropped();
+        stats.calls_waiting = self.sandbox.activity.waiting.load(Ordering::SeqCst);
+        stats.calls_running = self.sandbox.activity.running.load(Ordering::SeqCst);
         stats
     }
 
@@ -401,22 +438,24 @@ impl Plugin {
     }
 
     /// The one call sequence (every call above goes through it): encode, call in a fresh
-    /// instance, decode as `T`; count it in the stats; report fuel, time and log lines.
-    pub(crate) fn call_report<I: Serialize + Any, T: DeserializeOwned + Any>(
+    /// instance, decode as `T`; count it in the stats; report fuel, time and log lines
+    /// ([`CallReport`]). `I` and `T` are the kind's SDK types (or JSON).
+    pub fn call_report<I: Serialize + Any, T: DeserializeOwned + Any>(
         &self,
         kind: PolicyKind,
         input: &I,
     ) -> (Result<T, CallError>, CallReport) {
         let started = Instant::now();
         let mut report = CallReport::default();
-        let result = self.call_inner(kind, input, &mut report);
+        let result = self.call_inner(kind, input, &mut report).map(safe_answer);
         report.wall = started.elapsed();
         let mut stats = match self.stats.lock() {
             Ok(s) => s,
             Err(poisoned) => poisoned.into_inner(),
         };
         stats.total_duration += report.wall;
-        stats.fuel_consumed += report.fuel_used;
+        stats.fuel_consumed += report.fuel_used.unwrap_or(0);
+        stats.output_bytes_dropped += report.output_bytes_dropped;
         match &result {
             Ok(_) => stats.calls_ok += 1,
             Err(e) => *stats.calls_failed.entry(e.reason()).or_insert(0) += 1,
@@ -455,7 +494,7 @@ impl Plugin {
             });
         }
         let limits = self.limits;
-        let reply = self.sandbox.with_instance_report(kind, report, |store, instance, label| {
+        let reply = self.sandbox.with_instance(kind, Share::Slot(self.slot), report, |store, instance, label| {
             let alloc: TypedFunc<i32, i32> = typed(instance, store, "gpuvisor_alloc", label, kind)?;
             let len = i32::try_from(bytes.len()).map_err(|_| CallError::InputTooLarge {
                 plugin: label.to_string(),
@@ -493,15 +532,70 @@ impl Plugin {
             Ok(Reply::Error(message)) => Err(CallError::Plugin {
                 plugin: label.to_string(),
                 kind,
-                message: truncate(message, MAX_ERROR_MESSAGE_BYTES),
+                message: text::shown(&message, MAX_TEXT_BYTES),
             }),
             Err(e) => Err(CallError::UndecodableReply {
                 plugin: label.to_string(),
                 kind,
-                reason: format!("expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}", kind.as_str()),
+                // serde's message quotes the plugin's own text (e.g. an unknown variant).
+                reason: text::shown(
+                    &format!("expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}", kind.as_str()),
+                    MAX_TEXT_BYTES,
+                ),
             }),
         }
     }
+}
+
+/// Checks the manifest's name: 1 to [`MAX_NAME_BYTES`] bytes of ASCII letters, digits,
+/// `.`, `_` and `-`, starting with a letter or a digit; one of [`RESERVED_NAMES`] only
+/// from the file of that name. The name is what logs, metrics and `plugin.list` call the
+/// plugin.
+fn check_name(path: &Path, name: &str) -> Result<(), LoadError> {
+    let charset = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    let problem = if name.is_empty() {
+        "is empty".to_string()
+    } else if name.len() > MAX_NAME_BYTES {
+        format!("is {} bytes long (at most {MAX_NAME_BYTES})", name.len())
+    } else if !name.starts_with(|c: char| c.is_ascii_alphanumeric()) || !name.chars().all(charset) {
+        "must be ASCII letters, digits, '.', '_' and '-', starting with a letter or a digit".to_string()
+    } else if RESERVED_NAMES.contains(&name) && !file_is_named(path, name) {
+        format!(
+            "is the name of a plugin gpuvisor ships, which only its own file ({name}.wasm) may carry; give the plugin a name of its own"
+        )
+    } else {
+        return Ok(());
+    };
+    Err(LoadError::Name { path: path.to_path_buf(), name: text::shown(name, MAX_NAME_BYTES), problem })
+}
+
+/// True when the file at `path` is called `name` (`<name>.wasm`, or `<name_with_underscores>.wasm`
+/// as cargo names a build).
+fn file_is_named(path: &Path, name: &str) -> bool {
+    path.file_stem().and_then(|s| s.to_str()).is_some_and(|stem| stem.replace('_', "-") == name)
+}
+
+/// An answer's free text — reject reasons, grace reasons, the hypervisor's name — made
+/// [`text::printable`] and cut to [`MAX_TEXT_BYTES`], as every plugin text the agent shows
+/// (an answer of any other type, e.g. JSON, as is).
+fn safe_answer<T: Any>(mut answer: T) -> T {
+    let safe = |s: &mut String| {
+        if s.len() > MAX_TEXT_BYTES || text::printable(s) != s.as_str() {
+            *s = text::shown(s, MAX_TEXT_BYTES);
+        }
+    };
+    let any = &mut answer as &mut dyn Any;
+    if let Some(PlacementAnswer::Reject(why)) = any.downcast_mut::<PlacementAnswer>() {
+        safe(why);
+    } else if let Some(a) = any.downcast_mut::<HypervisorAnswer>() {
+        match a {
+            HypervisorAnswer::Hypervisor(name) => safe(name),
+            HypervisorAnswer::Reject(why) => safe(why),
+        }
+    } else if let Some(a) = any.downcast_mut::<GraceAnswer>() {
+        a.decisions.iter_mut().for_each(|d| safe(&mut d.reason));
+    }
+    answer
 }
 
 /// The slot a plugin is loaded for: the configured one, which its manifest must list, or
@@ -576,14 +670,15 @@ impl Plugin {
             PolicyKind::Hypervisor => component::Input::Hypervisor(as_typed(input, &mut h).map_err(bad_input)?),
             PolicyKind::Grace => component::Input::Grace(as_typed(input, &mut g).map_err(bad_input)?),
         };
-        let answer = self.sandbox.with_store(kind, report, |store, code, label| match code {
-            Code::Component(c) => c.call(store, typed).map_err(|e| classify(e, store, label, kind, &limits)),
-            Code::Module(_) => Err(component::not_exported(label, kind)),
-        })?;
+        let answer =
+            self.sandbox.with_store(kind, Share::Slot(self.slot), report, |store, code, label| match code {
+                Code::Component(c) => c.call(store, typed).map_err(|e| classify(e, store, label, kind, &limits)),
+                Code::Module(_) => Err(component::not_exported(label, kind)),
+            })?;
         let answer = answer.map_err(|message| CallError::Plugin {
             plugin: label.to_string(),
             kind,
-            message: truncate(message, MAX_ERROR_MESSAGE_BYTES),
+            message: text::shown(&message, MAX_TEXT_BYTES),
         })?;
         let (len, converted) = match answer {
             component::Answer::Placement(a) => (json_len(&a), answer_as::<T, _>(a)),
@@ -637,7 +732,9 @@ pub(crate) struct CallState {
     limiter: Limiter,
     pub(crate) log: CallLog,
     /// WASI (components only; built on first use).
-    pub(crate) wasi: component::WasiState,
+    pub(crate) wasi: crate::wasi::WasiState,
+    /// The call stopped where wasmtime had not counted its fuel ([`CallReport::fuel_used`]).
+    fuel_uncounted: bool,
 }
 
 /// Memory/table limits of one call; remembers a refused memory growth so the resulting
@@ -783,27 +880,45 @@ struct Sandbox {
     cached: CacheOutcome,
     limits: Limits,
     log: Arc<LogLimiter>,
+    activity: Activity,
+}
+
+/// Calls of one plugin in progress now.
+#[derive(Default)]
+struct Activity {
+    /// Waiting for a place in the slot's share of the pool.
+    waiting: AtomicU64,
+    /// Holding a place: instantiating, running, reading the answer.
+    running: AtomicU64,
+}
+
+/// One more in a counter, one less again on drop.
+struct Count<'a>(&'a AtomicU64);
+
+impl<'a> Count<'a> {
+    fn up(counter: &'a AtomicU64) -> Count<'a> {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Count(counter)
+    }
+}
+
+impl Drop for Count<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Sandbox {
+    /// Runs `f` with a fresh store and a fresh instance of the v1 module.
     fn with_instance<R>(
         &self,
         kind: PolicyKind,
-        f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
-    ) -> Result<R, CallError> {
-        let mut report = CallReport::default();
-        self.with_instance_report(kind, &mut report, f)
-    }
-
-    /// Runs `f` with a fresh store and a fresh instance of the v1 module.
-    fn with_instance_report<R>(
-        &self,
-        kind: PolicyKind,
+        share: Share,
         report: &mut CallReport,
         f: impl FnOnce(&mut Store<CallState>, &Instance, &str) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
         let limits = self.limits;
-        self.with_store(kind, report, |store, code, label| {
+        self.with_store(kind, share, report, |store, code, label| {
             let Code::Module(pre) = code else {
                 return Err(CallError::Trap { plugin: label.to_string(), kind, message: "not a core module".into() });
             };
@@ -819,18 +934,38 @@ impl Sandbox {
         })
     }
 
-    /// The one store sequence of every call, v1 and v2: a fresh store (fuel, memory
-    /// limiter, deadline set, the ticker running), `f`, then the fuel consumed and the log
-    /// lines (the plugin's own and, for components, its stdout/stderr) into `report`.
+    /// The one store sequence of every call, v1 and v2: a place in the call's share of the
+    /// pool (waiting at most the deadline for one), a fresh store (fuel, memory limiter,
+    /// the deadline set, the ticker running), `f`, then the fuel consumed and the log lines
+    /// (the plugin's own and, for components, its stdout/stderr) into `report`.
     fn with_store<R>(
         &self,
         kind: PolicyKind,
+        share: Share,
         report: &mut CallReport,
         f: impl FnOnce(&mut Store<CallState>, &Code, &str) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
         let label: &str = &self.label;
         let shared =
             engine::shared().map_err(|reason| CallError::Instantiate { plugin: label.to_string(), kind, reason })?;
+        // The deadline covers the whole call: waiting for a place, then running.
+        let asked = Instant::now();
+        let deadline = asked + self.limits.deadline;
+        let place = {
+            let _waiting = Count::up(&self.activity.waiting);
+            share.enter(self.limits.deadline)
+        };
+        report.waited = asked.elapsed();
+        let (Some(_place), false) = (place, Instant::now() >= deadline) else {
+            return Err(CallError::Busy {
+                plugin: label.to_string(),
+                kind,
+                share: share.name(),
+                calls: engine::SLOT_CALLS,
+                waited_ms: report.waited.as_millis(),
+            });
+        };
+        let _running = Count::up(&self.activity.running);
         let counts = match self.code {
             Code::Module(_) => MODULE_COUNTS,
             Code::Component(_) => COMPONENT_COUNTS,
@@ -846,7 +981,8 @@ impl Sandbox {
                     lines: Vec::new(),
                     dropped: 0,
                 },
-                wasi: component::WasiState::default(),
+                wasi: crate::wasi::WasiState::default(),
+                fuel_uncounted: false,
             },
         );
         store.limiter(|state| &mut state.limiter);
@@ -855,15 +991,26 @@ impl Sandbox {
             kind,
             reason: format!("{e:#}"),
         })?;
-        store.epoch_deadline_trap();
-        let _running = shared.running();
-        store.set_epoch_deadline(deadline_ticks(self.limits.deadline));
+        let _ticking = shared.running();
+        // The deadline is the wall clock's: every tick checks it (a tick is at least TICK
+        // and more on a busy host, so counting ticks would make the deadline longer).
+        store.epoch_deadline_callback(move |_| {
+            if Instant::now() >= deadline {
+                Err(Trap::Interrupt.into())
+            } else {
+                Ok(UpdateDeadline::Continue(1))
+            }
+        });
+        store.set_epoch_deadline(1);
         let result = f(&mut store, &self.code, label);
-        report.fuel_used = self.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+        report.fuel_used =
+            (!store.data().fuel_uncounted).then(|| self.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)));
         let state = store.data_mut();
-        for line in state.take_stdio_lines() {
+        let (lines, output_dropped) = state.wasi.take_output();
+        for line in lines {
             state.log.line(LogLevel::Info, line);
         }
+        report.output_bytes_dropped = output_dropped;
         let log = &mut state.log;
         report.logs = std::mem::take(&mut log.lines);
         report.logs_dropped = log.dropped;
@@ -872,16 +1019,29 @@ impl Sandbox {
 }
 
 /// Maps a wasmtime error from instantiation or a call to a [`CallError`].
-fn classify(e: wasmtime::Error, store: &Store<CallState>, label: &str, kind: PolicyKind, limits: &Limits) -> CallError {
+fn classify(
+    e: wasmtime::Error,
+    store: &mut Store<CallState>,
+    label: &str,
+    kind: PolicyKind,
+    limits: &Limits,
+) -> CallError {
     let plugin = label.to_string();
+    // Stopped inside a function: its fuel since its last call was not written back.
+    store.data_mut().fuel_uncounted =
+        e.downcast_ref::<Trap>().is_some_and(|t| !matches!(t, Trap::OutOfFuel | Trap::UnreachableCodeReached));
+    if let (Some(failed), false) = (e.downcast_ref::<component::InstantiateFailed>(), store.data().limiter.memory_hit) {
+        return CallError::Instantiate { plugin, kind, reason: text::shown(&failed.0, MAX_TEXT_BYTES) };
+    }
     match e.downcast_ref::<Trap>() {
         Some(Trap::OutOfFuel) => CallError::OutOfFuel { plugin, kind, fuel: limits.fuel },
         Some(Trap::Interrupt) => CallError::Deadline { plugin, kind, deadline_ms: limits.deadline.as_millis() },
         _ if store.data().limiter.memory_hit => {
             CallError::MemoryLimit { plugin, kind, limit_bytes: limits.memory_bytes }
         }
-        Some(trap) => CallError::Trap { plugin, kind, message: trap.to_string() },
-        None => CallError::Trap { plugin, kind, message: format!("{e:#}") },
+        // A guest's names (e.g. in a backtrace) are the plugin's text.
+        Some(trap) => CallError::Trap { plugin, kind, message: text::shown(&trap.to_string(), MAX_TEXT_BYTES) },
+        None => CallError::Trap { plugin, kind, message: text::shown(&format!("{e:#}"), MAX_TEXT_BYTES) },
     }
 }
 
@@ -945,26 +1105,6 @@ fn read_reply(
     }
 }
 
-fn truncate(mut s: String, max: usize) -> String {
-    if cut_to(&mut s, max) {
-        s.push('…');
-    }
-    s
-}
-
-/// Cuts `s` to at most `max` bytes on a char boundary; true when it was longer.
-fn cut_to(s: &mut String, max: usize) -> bool {
-    if s.len() <= max {
-        return false;
-    }
-    let mut cut = max;
-    while !s.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    s.truncate(cut);
-    true
-}
-
 // ---------------------------------------------------------------------------------------
 // linking and load-time checks
 
@@ -1005,7 +1145,7 @@ impl CallLog {
     /// admits the line under the per-call and per-second budgets, truncates it to
     /// [`LOG_LINE_MAX_BYTES`], sends it to `tracing` with the plugin's name and keeps it
     /// for the call's [`CallReport`]; a line over budget is dropped and counted.
-    pub(crate) fn line(&mut self, level: LogLevel, mut line: String) {
+    pub(crate) fn line(&mut self, level: LogLevel, line: String) {
         let admitted = if self.left == 0 {
             self.shared.drop_one();
             false
@@ -1019,7 +1159,8 @@ impl CallLog {
             self.dropped += 1;
             return;
         }
-        cut_to(&mut line, LOG_LINE_MAX_BYTES);
+        // One line of the log per line the plugin wrote, whatever it wrote.
+        let line = text::shown(&line, LOG_LINE_MAX_BYTES);
         let plugin: &str = &self.plugin;
         match level {
             LogLevel::Error => tracing::error!(plugin = %plugin, "{line}"),
@@ -1139,10 +1280,5 @@ mod tests {
         assert_eq!(l.memory_bytes, 64 << 20);
         assert_eq!(l.deadline, Duration::from_millis(100));
         assert_eq!((l.max_input_bytes, l.max_output_bytes), (4 << 20, 1 << 20));
-    }
-
-    #[test]
-    fn long_messages_are_cut_on_a_char_boundary() {
-        assert_eq!(truncate("ééé".into(), 3), "é…");
     }
 }

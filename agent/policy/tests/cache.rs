@@ -1,6 +1,7 @@
 //! The compiled-plugin cache (`gpuvisor_policy::set_cache_dir`): a second load of the same
 //! file is a hit, a changed file or a damaged entry compiles again, an untrusted directory
-//! is not used. One test (the cache directory is process-wide).
+//! is not used; a component refused for its imports is never compiled. One test (the cache
+//! directory is process-wide).
 
 mod common;
 
@@ -70,6 +71,27 @@ fn compiled_plugins_are_kept_found_and_recompiled_when_damaged_or_changed() {
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     assert_eq!(load(&module).cache_outcome(), CacheOutcome::Uncached);
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+
+    // A component with an import the host does not grant is refused from its binary, before
+    // it is compiled (issue 19: a toolchain's guest took ~28 s to compile, then was refused):
+    // nothing compiled, nothing kept. Its core module has 20,000 functions.
+    let before = entries(&dir).len();
+    let funcs: String = (0..20_000).map(|i| format!("(func (export \"f{i}\") (result i32) i32.const {i})\n")).collect();
+    let big = tmp.path().join("big-forbidden.wat");
+    std::fs::write(
+        &big,
+        format!("(component (import \"evil:net/socket\" (instance)) (core module $m {funcs}) (core instance (instantiate $m)))"),
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let e = Plugin::load(&big, PolicyKind::Placement, Limits::default()).expect_err("a forbidden import");
+    println!(
+        "{} bytes of component text refused in {:?}: {e}",
+        std::fs::metadata(&big).unwrap().len(),
+        started.elapsed()
+    );
+    assert!(e.to_string().contains("forbidden import evil:net/socket"), "{e}");
+    assert_eq!(entries(&dir).len(), before, "the refused component was compiled and kept");
 
     // No cache directory: uncached.
     set_cache_dir(None);

@@ -34,14 +34,7 @@ fn limits() -> Limits {
 }
 
 fn built(file: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
-    let path = target.join("plugins").join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/setup (the guest toolchains), then scripts/build-plugins",
-        path.display()
-    );
-    path
+    common::built(&format!("plugins/{file}"))
 }
 
 /// The three plugins, loaded once (compiling the interpreters takes a while).
@@ -80,7 +73,7 @@ fn run(name: &str, plugin: &Plugin, input: &Value, what: &str) -> Outcome {
     };
     let logs = report.logs.iter().map(|l| (l.level.to_string(), l.line.clone())).collect();
     assert_eq!(report.logs_dropped, 0, "{what}: {name}");
-    Outcome { reply, logs, fuel: report.fuel_used }
+    Outcome { reply, logs, fuel: report.fuel_used.unwrap_or(0) }
 }
 
 /// Runs `input` through every guest, checks that they agree (answer, error message, log

@@ -35,6 +35,21 @@ impl Run {
     fn reply(&self) -> Value {
         gpuvisor_policy::reply_json(&self.result)
     }
+
+    /// The reply as compared with another plugin's or the recorded one
+    /// ([`gpuvisor_policy::comparable_reply`]: the same error is the same, whichever plugin).
+    fn key(&self) -> Value {
+        gpuvisor_policy::comparable_reply(&self.reply())
+    }
+
+    fn same_as(&self, reply: &Value) -> bool {
+        self.key() == gpuvisor_policy::comparable_reply(reply)
+    }
+}
+
+/// A load error with its causes, as `plugin reload` gives it.
+fn load_error(e: gpuvisor_policy::LoadError) -> String {
+    format!("{:#}", anyhow::Error::new(e))
 }
 
 pub fn run(output: Output, a: &TestArgs<'_>) -> i32 {
@@ -62,10 +77,10 @@ pub fn run(output: Output, a: &TestArgs<'_>) -> i32 {
         // The slot decides the config's limits: learn it first when not given.
         let kind = match kind {
             Some(k) => k,
-            None => Plugin::load_any(path, Limits::default()).map_err(|e| e.to_string())?.slot(),
+            None => Plugin::load_any(path, Limits::default()).map_err(load_error)?.slot(),
         };
         let limits = cfg.as_ref().map(|c| crate::policies::limits_for(c, kind)).unwrap_or_default();
-        Plugin::load(path, kind, limits).map_err(|e| e.to_string())
+        Plugin::load(path, kind, limits).map_err(load_error)
     };
     let plugin = match load(a.plugin, kind) {
         Ok(p) => p,
@@ -177,10 +192,10 @@ impl Summary {
                         usize::from(a.result.is_err()) + usize::from(b.as_ref().is_some_and(|b| b.result.is_err()));
                     if let Some(rec) = rec {
                         s.recorded += 1;
-                        s.differ_recorded += usize::from(*rec != a.reply());
+                        s.differ_recorded += usize::from(!a.same_as(rec));
                     }
                     if against {
-                        s.differ_ab += usize::from(b.as_ref().is_some_and(|b| b.reply() != a.reply()));
+                        s.differ_ab += usize::from(b.as_ref().is_some_and(|b| b.key() != a.key()));
                     }
                 }
             }
@@ -257,7 +272,7 @@ fn compact(v: &Value, max: usize) -> String {
     }
 }
 
-/// A reply in a few words: the `ok` answer compacted, or `error <reason>`.
+/// A reply in a few words: the `ok` answer compacted, or `error <reason>: <message>`.
 fn summary_of(run: &Run, max: usize) -> String {
     match &run.result {
         Ok(v) => match v.get("ranked").and_then(|r| r.as_array()) {
@@ -269,7 +284,52 @@ fn summary_of(run: &Run, max: usize) -> String {
             }
             None => compact(v, max),
         },
-        Err(e) => format!("error {}", e.reason()),
+        Err(e) => {
+            let detail = gpuvisor_policy::comparable_reply(&run.reply());
+            let message = detail.pointer("/error/message").and_then(Value::as_str).unwrap_or_default();
+            cut(&format!("error {}: {message}", e.reason()), max)
+        }
+    }
+}
+
+/// `s` cut to `max` characters (an ellipsis marks the cut).
+fn cut(s: &str, max: usize) -> String {
+    if s.chars().count() > max {
+        format!("{}…", s.chars().take(max).collect::<String>())
+    } else {
+        s.to_string()
+    }
+}
+
+/// Where two different replies first differ, in a few words: the first rank two ranked
+/// lists disagree on, or both replies from their first differing character.
+fn difference(a: &Run, b: &Run, max: usize) -> String {
+    let (ka, kb) = (a.key(), b.key());
+    let ranked = |k: &Value| k.pointer("/ok/ranked").and_then(Value::as_array).cloned();
+    if let (Some(ra), Some(rb)) = (ranked(&ka), ranked(&kb)) {
+        let text = |r: &[Value], i: usize| r.get(i).map(|d| compact(d, 40)).unwrap_or_else(|| "nothing".into());
+        match (0..ra.len().max(rb.len())).find(|&i| ra.get(i) != rb.get(i)) {
+            Some(i) => return format!("first difference at rank {}: A {}, B {}", i + 1, text(&ra, i), text(&rb, i)),
+            None => return "the same ranks".into(),
+        }
+    }
+    let (sa, sb) = (compact(&ka, usize::MAX), compact(&kb, usize::MAX));
+    let at = sa.chars().zip(sb.chars()).take_while(|(x, y)| x == y).count().saturating_sub(10);
+    let from = |s: &str| {
+        let tail: String = s.chars().skip(at).collect();
+        format!("{}{}", if at > 0 { "…" } else { "" }, cut(&tail, max))
+    };
+    format!("first difference: A {}, B {}", from(&sa), from(&sb))
+}
+
+/// The fuel a call used, or why it is not known (`long`: the whole reason).
+fn fuel(run: &Run, long: bool) -> String {
+    match (run.report.fuel_used, long) {
+        (Some(f), _) => f.to_string(),
+        (None, true) => "not counted: the call was stopped inside a function (by its deadline or a trap), and \
+                         wasmtime counts a function's fuel only at its calls and returns"
+            .into(),
+        (None, false) => "-".into(),
     }
 }
 
@@ -280,7 +340,7 @@ fn ms(run: &Run) -> String {
 fn recorded_note(rec: &Option<Value>, a: &Run) -> String {
     match rec {
         None => "-".into(),
-        Some(r) if *r == a.reply() => "same".into(),
+        Some(r) if a.same_as(r) => "same".into(),
         Some(r) => format!("differs (recorded {})", compact(r, 60)),
     }
 }
@@ -316,7 +376,14 @@ fn print_single(plugin: &Plugin, params: Option<&(Value, String)>, rows: &[Row])
     if a.report.logs_dropped > 0 {
         println!("         ({} lines dropped by the rate limit)", a.report.logs_dropped);
     }
-    println!("fuel:    {}", a.report.fuel_used);
+    if a.report.output_bytes_dropped > 0 {
+        println!(
+            "         ({} bytes of stdout/stderr dropped past the {} KiB capture)",
+            a.report.output_bytes_dropped,
+            gpuvisor_policy::STDIO_CAPTURE_BYTES >> 10
+        );
+    }
+    println!("fuel:    {}", fuel(a, true));
     println!("time:    {}", ms(a));
     match &a.result {
         Ok(v) => {
@@ -341,18 +408,24 @@ fn print_rows(names: &(String, Option<String>), params: Option<&(Value, String)>
                 .map(|r| match &r.outcome {
                     Err(e) => vec![file(r), format!("error: {e}"), "-".into(), "-".into(), "-".into()],
                     Ok((rec, a, _)) => {
-                        vec![file(r), summary_of(a, 60), a.report.fuel_used.to_string(), ms(a), recorded_note(rec, a)]
+                        vec![file(r), summary_of(a, 60), fuel(a, false), ms(a), recorded_note(rec, a)]
                     }
                 })
                 .collect();
             table(&["INPUT", "ANSWER", "FUEL", "TIME", "RECORDED"], table_rows);
+            // The table cuts an error short: each failed call's whole message.
+            for r in rows {
+                if let Ok((_, Run { result: Err(e), .. }, _)) = &r.outcome {
+                    println!("{}: {e}", file(r));
+                }
+            }
         }
         Some(b_name) => {
             let a_name = &names.0;
             for r in rows {
                 match &r.outcome {
                     Err(e) => println!("{}  error: {e}", file(r)),
-                    Ok((_, a, Some(b))) if a.reply() == b.reply() => {
+                    Ok((_, a, Some(b))) if a.key() == b.key() => {
                         println!("{}  same: {}", file(r), summary_of(a, 80))
                     }
                     Ok((_, a, b)) => {
@@ -360,6 +433,8 @@ fn print_rows(names: &(String, Option<String>), params: Option<&(Value, String)>
                         println!("  A {a_name}: {}", summary_of(a, 100));
                         if let Some(b) = b {
                             println!("  B {b_name}: {}", summary_of(b, 100));
+                            // The summaries may agree where the answers do not.
+                            println!("  {}", difference(a, b, 60));
                         }
                     }
                 }
@@ -382,8 +457,10 @@ fn print_json(
             "plugin": p.manifest().name,
             "logs": r.report.logs,
             "logs_dropped": r.report.logs_dropped,
+            "output_bytes_dropped": r.report.output_bytes_dropped,
             "fuel_used": r.report.fuel_used,
             "wall_ms": r.report.wall.as_secs_f64() * 1000.0,
+            "waited_ms": r.report.waited.as_secs_f64() * 1000.0,
             "reply": r.reply(),
             "answer": r.result.as_ref().ok(),
         })
@@ -396,10 +473,10 @@ fn print_json(
                 let mut v = run_json(plugin, a);
                 v["input"] = json!(r.path);
                 v["recorded_reply"] = json!(rec);
-                v["same_as_recorded"] = json!(rec.as_ref().map(|rec| *rec == a.reply()));
+                v["same_as_recorded"] = json!(rec.as_ref().map(|rec| a.same_as(rec)));
                 if let (Some(o), Some(b)) = (other, b) {
                     v["against"] = run_json(o, b);
-                    v["same_as_against"] = json!(b.reply() == a.reply());
+                    v["same_as_against"] = json!(b.key() == a.key());
                 }
                 v
             }

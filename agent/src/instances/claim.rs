@@ -121,14 +121,16 @@ impl Manager {
         let boot_id = self.boot_id().map_err(fail)?;
         let started = Instant::now();
         let ask = PlacementAsk { instance_id: rec.id, name: &rec.name, labels: &rec.labels, profile: &profile };
-        let (obs, framework, ranked) = {
+        let (obs, framework, ranking) = {
             let _a = self.alloc();
             let (obs, framework) = self.observe_candidates(&profile, whole).map_err(fail)?;
-            let ranked = self.rank(&ask, framework, &obs).map_err(fail)?;
-            (obs, framework, ranked)
+            let ranking = self.rank(&ask, framework, &obs).map_err(fail)?;
+            (obs, framework, ranking)
         };
         crate::crash_point!("claim_before_create");
-        let mut notes = obs.notes.clone();
+        // What the placement plugin ranked and the agent dropped first: often the cause.
+        let (ranked, mut notes) = (ranking.candidates, ranking.notes);
+        notes.extend(obs.notes.iter().cloned());
         // Legal candidates the placement plugin left out: the answer must not say none was
         // free.
         let plugin = self.policies().placement.name().to_string();

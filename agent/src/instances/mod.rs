@@ -113,6 +113,8 @@ pub struct Manager {
     supervise: supervise::SuperviseState,
     /// The VMs' cgroups, once detected (`None` inside: none on this host).
     vm_cgroups: std::sync::OnceLock<Option<crate::host::cgroup::VmCgroups>>,
+    /// The last input sent to each plugin slot (`plugin.reload`'s trial calls).
+    last_policy_inputs: crate::policies::LastInputs,
 }
 
 impl Manager {
@@ -148,6 +150,7 @@ impl Manager {
             console_rotation_failures: Mutex::new(Default::default()),
             supervise: Default::default(),
             vm_cgroups: Default::default(),
+            last_policy_inputs: Default::default(),
         }
     }
 
@@ -178,9 +181,12 @@ impl Manager {
 
     /// `plugin.reload`: re-reads the config file (when the agent was started with one) and
     /// loads every slot again with its path, limits and params; all or nothing — any error
-    /// refuses the reload and keeps the old plugins and params. Calls in flight finish on
-    /// the old ones. Counters are keyed by plugin name and survive the reload.
-    pub fn reload_plugins(&self) -> Result<view::ReloadResult, ApiError> {
+    /// refuses the reload and keeps the old plugins and params. With `trial`, each new
+    /// plugin is first called on an input of its slot ([`crate::policies::ReloadParams`]);
+    /// a failed call refuses the reload too. Calls in flight finish on the old ones (a
+    /// reload never waits for them). Counters are keyed by plugin name and survive the
+    /// reload.
+    pub fn reload_plugins(&self, params: &crate::policies::ReloadParams) -> Result<view::ReloadResult, ApiError> {
         let mut cfg = self.cfg.clone();
         if let Some(path) = &self.config_path {
             let fresh = Config::load(path)
@@ -190,8 +196,14 @@ impl Manager {
         }
         let new = Policies::load(&cfg, self.cfg.claim_grace_s)
             .map_err(|e| ApiError::invalid_request(format!("plugin.reload refused, old plugins kept: {e:#}")))?;
+        let trial = if params.trial || !params.inputs.is_empty() {
+            new.trial(params, &self.last_policy_inputs)
+                .map_err(|e| ApiError::invalid_request(format!("plugin.reload refused, old plugins kept: {e}")))?
+        } else {
+            Vec::new()
+        };
         new.announce(&self.metrics);
-        let result = view::ReloadResult { reloaded: true, plugins: new.names() };
+        let result = view::ReloadResult { reloaded: true, plugins: new.names(), trial };
         *self.policies.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
         tracing::info!(
             placement = %result.plugins.placement,

@@ -29,11 +29,10 @@ impl Manager {
     /// What the NICs need from this host, before anything is claimed (`invalid_request`
     /// naming the field otherwise): every `bridge` NIC's bridge exists and is a bridge, and
     /// every `user` forward can be bound by the VMM — its address is this host's (or
-    /// `0.0.0.0`, or loopback) and, for an unprivileged VMM (`vmm_user` not root), its host
-    /// port is at least `net.ipv4.ip_unprivileged_port_start`. Such a forward would only fail
+    /// `0.0.0.0`, or loopback) and, as every VMM is unprivileged (its own uid from
+    /// `vmm_ids`), its host port is at least `net.ipv4.ip_unprivileged_port_start`. Such a forward would only fail
     /// once the VMM starts (`vmm_start_failed`, after the device was configured).
     pub(crate) fn check_nics_on_host(&self, nics: &[Nic]) -> Result<(), ApiError> {
-        let unprivileged = crate::hypervisor::confine::VmmUser::resolve(&self.cfg.vmm_user).is_ok_and(|u| u.is_some());
         let mut port_start = None;
         for (i, nic) in nics.iter().enumerate() {
             match nic {
@@ -59,9 +58,6 @@ impl Manager {
                                 tracing::warn!(error = %e, "the host's addresses cannot be listed: forward addresses are not checked")
                             }
                         }
-                        if !unprivileged {
-                            continue;
-                        }
                         if port_start.is_none() {
                             port_start = Some(net::unprivileged_port_start().unwrap_or_else(|e| {
                                 tracing::warn!(error = %e, "net.ipv4.ip_unprivileged_port_start cannot be read: 1024 assumed");
@@ -72,8 +68,8 @@ impl Manager {
                         if f.host_port < start {
                             return Err(ApiError::invalid_request(format!(
                                 "{at}.host_port {} is below net.ipv4.ip_unprivileged_port_start ({start}): the VMM runs \
-                                 as the unprivileged {:?} and could never bind it (use a port of {start} or more)",
-                                f.host_port, self.cfg.vmm_user
+                                 under its own unprivileged uid and could never bind it (use a port of {start} or more)",
+                                f.host_port
                             )));
                         }
                     }

@@ -8,12 +8,13 @@ use super::Manager;
 use crate::error::ApiError;
 use crate::events::EventKind;
 use crate::hypervisor::HypervisorKind;
+use crate::policies::LastInput;
 use crate::policies::Slot;
 use crate::store::{Framework, Labels};
-use gpuvisor_policy::{CallError, Plugin};
+use gpuvisor_policy::CallError;
 use gpuvisor_sdk::{
-    GraceDecision, GraceInput, GraceItem, HypervisorAnswer, HypervisorInfo, HypervisorInput, HypervisorRequest,
-    PlacementAnswer, PlacementInput, PlacementRequest, PolicyKind,
+    DeviceState, GraceAnswer, GraceDecision, GraceInput, GraceItem, HypervisorAnswer, HypervisorInfo, HypervisorInput,
+    HypervisorRequest, PlacementAnswer, PlacementInput, PlacementRequest, PolicyKind,
 };
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
@@ -34,6 +35,48 @@ impl PolicyFailure {
     pub fn to_api(&self) -> ApiError {
         ApiError::policy_failed(&self.plugin, self.kind.as_str(), &self.reason, &self.message)
     }
+}
+
+/// Rejected entries of one answer named in the log line (the rest are counted).
+const LOGGED_ENTRIES: usize = 5;
+/// Rejected entries of one placement answer named in `notes` (the rest are counted).
+pub const NOTED_ENTRIES: usize = 8;
+/// The longest rejected entry shown, bytes (a plugin's entry is anything it wrote).
+const ENTRY_SHOWN_BYTES: usize = 64;
+
+/// A rejected entry as shown in the log and in notes: quoted, escaped and cut.
+fn entry(e: &str) -> String {
+    format!("\"{}\"", gpuvisor_policy::shown(e, ENTRY_SHOWN_BYTES))
+}
+
+/// Why `dev`, ranked by the placement plugin, is not a legal candidate, from the inventory
+/// the plugin saw.
+fn not_a_candidate(input: &PlacementInput, dev: &str, profile: &str) -> String {
+    let found = input.inventory.gpus.iter().find_map(|g| g.devices.iter().find(|d| d.address == dev).map(|d| (g, d)));
+    match found {
+        None if input.inventory.gpus.iter().any(|g| g.address == dev) => {
+            "it is a GPU, not one of its devices the request can take".into()
+        }
+        None => "it is not a device of a managed GPU the request can use".into(),
+        Some((_, d)) => match d.state {
+            DeviceState::Claimed => "it is claimed".into(),
+            DeviceState::Quarantined => "it is quarantined".into(),
+            DeviceState::Unreadable => "its state cannot be read".into(),
+            DeviceState::Dirty => {
+                format!("it is dirty and its GPU cannot take {profile} once it is repaired (the equal-size rule)")
+            }
+            DeviceState::Free => {
+                format!("it cannot take {profile} now (not a type it can create, or the equal-size rule)")
+            }
+        },
+    }
+}
+
+/// The placement plugin's answer, validated: the legal candidates in its order, and notes
+/// on what was dropped (bounded).
+pub struct Ranking {
+    pub candidates: Vec<Candidate>,
+    pub notes: Vec<String>,
 }
 
 /// Who asks for a placement.
@@ -74,19 +117,21 @@ impl Manager {
         }
     }
 
-    /// The one sequence of a plugin call: time, call, record, count, log a failure once.
-    fn call_policy<I: Serialize, A: Serialize>(
-        &self,
-        kind: PolicyKind,
-        slot: &Slot,
-        input: &I,
-        call: impl FnOnce(&Plugin) -> Result<A, CallError>,
-    ) -> Result<A, PolicyFailure> {
+    /// The one sequence of a plugin call: time, call, remember the input (for a trial
+    /// reload), record, count (the call, its dropped log lines and output), log a failure
+    /// once.
+    fn call_policy<I, A>(&self, kind: PolicyKind, slot: &Slot, input: &I) -> Result<A, PolicyFailure>
+    where
+        I: Serialize + Clone + Into<LastInput> + std::any::Any,
+        A: Serialize + serde::de::DeserializeOwned + std::any::Any,
+    {
         let started = Instant::now();
-        let answer = call(&slot.plugin);
+        let (answer, report) = slot.plugin.call_report::<I, A>(kind, input);
         let secs = started.elapsed().as_secs_f64();
+        self.last_policy_inputs.remember(input.clone().into());
         self.record_call(kind, slot.name(), input, &answer);
         self.metrics.policy_call(slot.name(), kind.as_str(), answer.as_ref().err().map(|e| e.reason()), secs);
+        self.metrics.policy_dropped(slot.name(), kind.as_str(), report.logs_dropped, report.output_bytes_dropped);
         answer.map_err(|e| {
             tracing::warn!(plugin.name = %slot.name(), kind = %kind.as_str(), reason = %e.reason(), error = %e, "policy plugin call failed");
             self.store.events().publish(EventKind::PolicyFailure {
@@ -99,21 +144,31 @@ impl Manager {
         })
     }
 
-    /// Counts (and logs once) a part of an answer the agent rejected.
-    fn reject(&self, slot: &Slot, kind: PolicyKind, reason: &str, detail: &str) {
-        self.metrics.policy_rejected(slot.name(), kind.as_str(), reason);
-        tracing::warn!(plugin.name = %slot.name(), kind = %kind.as_str(), reason = %reason, detail = %detail, "policy answer rejected");
+    /// Counts and logs, once per call, the parts of an answer the agent rejected: `dropped`
+    /// holds each rejected entry (as the plugin wrote it) and why; the log line shows the
+    /// first few, escaped and cut.
+    fn reject(&self, slot: &Slot, kind: PolicyKind, reason: &str, dropped: &[(String, String)]) {
+        if dropped.is_empty() {
+            return;
+        }
+        self.metrics.policy_rejected(slot.name(), kind.as_str(), reason, dropped.len() as u64);
+        let shown: Vec<String> =
+            dropped.iter().take(LOGGED_ENTRIES).map(|(e, why)| format!("{}: {why}", entry(e))).collect();
+        let more = dropped.len().saturating_sub(LOGGED_ENTRIES);
+        tracing::warn!(plugin.name = %slot.name(), kind = %kind.as_str(), reason = %reason, rejected = dropped.len(),
+            entries = %shown.join("; "), more = more, "policy answer rejected in part");
     }
 
     /// Asks the `placement` plugin and validates its answer: unknown, illegal and duplicate
-    /// devices are dropped (and counted). A reject answers `no_capacity` with the policy's
-    /// reason; a failed call `policy_failed`.
+    /// devices are dropped (counted, logged once per call, and said in the ranking's
+    /// `notes`, at most [`NOTED_ENTRIES`] of them). A reject answers `no_capacity` with the
+    /// policy's reason; a failed call `policy_failed`.
     pub(crate) fn rank(
         &self,
         ask: &PlacementAsk<'_>,
         framework: Framework,
         obs: &Observation,
-    ) -> Result<Vec<Candidate>, ApiError> {
+    ) -> Result<Ranking, ApiError> {
         let policies = self.policies();
         let slot = &policies.placement;
         let input = PlacementInput {
@@ -128,9 +183,7 @@ impl Manager {
             inventory: obs.inventory(framework),
             params: slot.params.clone(),
         };
-        let answer = self
-            .call_policy(PolicyKind::Placement, slot, &input, |p| p.call_placement(&input))
-            .map_err(|f| f.to_api())?;
+        let answer: PlacementAnswer = self.call_policy(PolicyKind::Placement, slot, &input).map_err(|f| f.to_api())?;
         let ranked = match answer {
             PlacementAnswer::Ranked(r) => r,
             PlacementAnswer::Reject(reason) => {
@@ -149,13 +202,30 @@ impl Manager {
             }
         };
         let mut out: Vec<Candidate> = Vec::new();
+        let mut dropped: Vec<(String, String)> = Vec::new();
         for dev in ranked {
             match obs.candidates.iter().find(|c| c.device == dev) {
                 Some(c) if !out.iter().any(|o| o.device == dev) => out.push(c.clone()),
-                _ => self.reject(slot, PolicyKind::Placement, "not_a_legal_candidate", &dev),
+                Some(_) => dropped.push((dev, "ranked twice".into())),
+                None => {
+                    let why = not_a_candidate(&input, &dev, ask.profile);
+                    dropped.push((dev, why));
+                }
             }
         }
-        Ok(out)
+        self.reject(slot, PolicyKind::Placement, "not_a_legal_candidate", &dropped);
+        let mut notes: Vec<String> = dropped
+            .iter()
+            .take(NOTED_ENTRIES)
+            .map(|(e, why)| format!("{}: ranked by the placement plugin, but {why}", entry(e)))
+            .collect();
+        if dropped.len() > NOTED_ENTRIES {
+            notes.push(format!(
+                "and {} more entries ranked by the placement plugin were dropped",
+                dropped.len() - NOTED_ENTRIES
+            ));
+        }
+        Ok(Ranking { candidates: out, notes })
     }
 
     /// Probes every hypervisor's binary (blocking: a few seconds at most) and keeps the
@@ -244,9 +314,8 @@ impl Manager {
             hypervisors: hypervisors.clone(),
             params: slot.params.clone(),
         };
-        let answer = self
-            .call_policy(PolicyKind::Hypervisor, slot, &input, |p| p.call_hypervisor(&input))
-            .map_err(|f| f.to_api())?;
+        let answer: HypervisorAnswer =
+            self.call_policy(PolicyKind::Hypervisor, slot, &input).map_err(|f| f.to_api())?;
         let chosen = match answer {
             HypervisorAnswer::Hypervisor(h) => h,
             HypervisorAnswer::Reject(reason) => {
@@ -260,7 +329,12 @@ impl Manager {
         let (Some(info), Some(kind)) =
             (hypervisors.iter().find(|h| h.name == chosen), HypervisorKind::from_name(&chosen))
         else {
-            self.reject(slot, PolicyKind::Hypervisor, "unknown_hypervisor", &chosen);
+            self.reject(
+                slot,
+                PolicyKind::Hypervisor,
+                "unknown_hypervisor",
+                &[(chosen.clone(), "not a hypervisor gpuvisor knows".into())],
+            );
             return Err(ApiError::hypervisor_unsupported(
                 format!("the hypervisor plugin chose {chosen:?}, which gpuvisor does not know"),
                 Some(&chosen),
@@ -270,7 +344,7 @@ impl Manager {
         if let Some(why) =
             kind.cannot_carry(sdk_framework).or_else(|| kind.cannot_attach(sdk_framework, self.cfg.vfio_attach))
         {
-            self.reject(slot, PolicyKind::Hypervisor, "cannot_carry_device", &chosen);
+            self.reject(slot, PolicyKind::Hypervisor, "cannot_carry_device", &[(chosen.clone(), why.to_string())]);
             return Err(ApiError::hypervisor_unsupported(
                 format!("the hypervisor plugin chose {chosen}, but {why}"),
                 Some(&chosen),
@@ -312,17 +386,19 @@ impl Manager {
             items,
             params: slot.params.clone(),
         };
-        let answer = self
-            .call_policy(PolicyKind::Grace, slot, &input, |p| p.call_grace(&input))
+        let answer: GraceAnswer = self
+            .call_policy(PolicyKind::Grace, slot, &input)
             .map_err(|f| format!("grace plugin failed: {}; kept every eligible item", f.message))?;
         let mut out = HashMap::new();
+        let mut unasked = Vec::new();
         for d in answer.decisions {
             if asked.contains(&d.device) {
                 out.insert(d.device.clone(), d);
             } else {
-                self.reject(slot, PolicyKind::Grace, "unasked_device", &d.device);
+                unasked.push((d.device, "not an item of the batch".to_string()));
             }
         }
+        self.reject(slot, PolicyKind::Grace, "unasked_device", &unasked);
         Ok(out)
     }
 }

@@ -508,10 +508,13 @@ pub struct DeleteResult {
 }
 
 /// `plugin.reload`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ReloadResult {
     pub reloaded: bool,
     pub plugins: crate::policies::PluginNames,
+    /// The trial calls made before the swap (`trial`), one per slot that had an input.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trial: Vec<crate::policies::TrialRun>,
 }
 
 /// `gpu.unquarantine`.
@@ -543,6 +546,20 @@ pub struct PluginView {
     /// Calls of this plugin in this slot since the agent started (kept across reloads).
     pub calls_ok: u64,
     pub calls_failed: u64,
+    /// Its log lines dropped by the rate limits (stdout/stderr lines included) since the
+    /// agent started (kept across reloads).
+    #[serde(default)]
+    pub log_lines_dropped: u64,
+    /// Its stdout/stderr bytes dropped past each call's 16 KiB capture since the agent
+    /// started (kept across reloads).
+    #[serde(default)]
+    pub output_bytes_dropped: u64,
+    /// Its calls running now, and waiting for a place in the slot's share of the sandbox
+    /// pool (at most 8 calls of a slot run at once).
+    #[serde(default)]
+    pub calls_running: u64,
+    #[serde(default)]
+    pub calls_waiting: u64,
 }
 
 fn abi_one() -> u32 {
@@ -1155,15 +1172,16 @@ impl Manager {
         };
         let _a = self.alloc();
         let (obs, framework) = self.observe_candidates(&profile, whole.as_ref())?;
-        let ranked = self.rank(&ask, framework, &obs)?;
+        let ranking = self.rank(&ask, framework, &obs)?;
         Ok(DryRun {
             profile,
             plugin: self.policies().placement.name().to_string(),
-            ranked: ranked
+            ranked: ranking
+                .candidates
                 .iter()
                 .map(|c| RankedDevice { device: c.device.clone(), gpu: c.gpu.clone(), dirty: c.dirty })
                 .collect(),
-            notes: obs.notes,
+            notes: ranking.notes.into_iter().chain(obs.notes).collect(),
         })
     }
 
@@ -1237,6 +1255,9 @@ impl Manager {
         ] {
             if let Some(s) = p.slot(kind) {
                 let (calls_ok, calls_failed) = self.metrics.policy_call_counts(s.name(), kind.as_str());
+                let (log_lines_dropped, output_bytes_dropped) =
+                    self.metrics.policy_dropped_counts(s.name(), kind.as_str());
+                let stats = s.plugin.stats();
                 let m = s.plugin.manifest();
                 plugins.push(PluginView {
                     slot: slot.into(),
@@ -1248,6 +1269,10 @@ impl Manager {
                     compiled: Some(s.plugin.cache_outcome().as_str().to_string()),
                     calls_ok,
                     calls_failed,
+                    log_lines_dropped,
+                    output_bytes_dropped,
+                    calls_running: stats.calls_running,
+                    calls_waiting: stats.calls_waiting,
                 });
             }
         }

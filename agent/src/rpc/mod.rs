@@ -131,7 +131,7 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         .map(|(images, unreadable)| crate::instances::view::ImageList { images, unreadable }));
     with_params!(module, "image.delete", |m, n: NameParams| m.delete_image(&n.name));
     without_params!(module, "plugin.list", |m| Ok(m.plugin_list()));
-    without_params!(module, "plugin.reload", |m| m.reload_plugins());
+    with_params!(module, "plugin.reload", |m, r: crate::policies::ReloadParams| m.reload_plugins(&r));
     without_params!(module, "reconcile.run", |m| Ok(m.reconcile()));
     without_params!(module, "agent.health", |m| Ok(m.health()));
     without_params!(module, "agent.metrics", |m| Ok(m.metrics_text()));

@@ -56,10 +56,19 @@ export const placement = {
     const ranked = usable.flatMap(([, gpu]) => candidates(gpu, input.request.profile));
     if (ranked.length === 0) {
       const who = tenant ?? 'no tenant';
-      log('info', `no GPU free of other tenants for ${who}`);
+      const profile = input.request.profile;
+      if (usable.length === 0) {
+        log('info', `no GPU free of other tenants for ${who}`);
+        return { tag: 'reject', val: `no GPU without other tenants can take profile ${profile} for tenant ${who}` };
+      }
+      // GPUs without other tenants exist, but none of their devices can take the profile.
+      const gpus = usable.map(([, gpu]) => gpu.address).join(', ');
+      log('info', `no device of ${gpus} can take ${profile} for ${who}`);
       return {
         tag: 'reject',
-        val: `no GPU without other tenants can take profile ${input.request.profile} for tenant ${who}`,
+        val:
+          `the GPUs without other tenants (${gpus}) have no device that can take profile ${profile} now ` +
+          `(in use, or running vGPUs of another size: a GPU runs one vGPU size at a time) for tenant ${who}`,
       };
     }
     return { tag: 'ranked', val: ranked };

@@ -67,9 +67,16 @@ def place(inp):
     ranked = [a for _, gpu in usable for a in candidates(gpu, inp.request.profile)]
     if not ranked:
         who = tenant if tenant is not None else "no tenant"
-        log.log(log.Level.INFO, f"no GPU free of other tenants for {who}")
+        profile = inp.request.profile
+        if not usable:
+            log.log(log.Level.INFO, f"no GPU free of other tenants for {who}")
+            return PlacementAnswer_Reject(f"no GPU without other tenants can take profile {profile} for tenant {who}")
+        # GPUs without other tenants exist, but none of their devices can take the profile.
+        gpus = ", ".join(gpu.address for _, gpu in usable)
+        log.log(log.Level.INFO, f"no device of {gpus} can take {profile} for {who}")
         return PlacementAnswer_Reject(
-            f"no GPU without other tenants can take profile {inp.request.profile} for tenant {who}"
+            f"the GPUs without other tenants ({gpus}) have no device that can take profile {profile} now "
+            f"(in use, or running vGPUs of another size: a GPU runs one vGPU size at a time) for tenant {who}"
         )
     return PlacementAnswer_Ranked(ranked)
 

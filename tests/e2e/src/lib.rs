@@ -110,6 +110,27 @@ pub fn plugin(name: &str) -> PathBuf {
     wasm
 }
 
+/// The hostile Python test plugin (`tests/hostile-py`, all three kinds), built by
+/// `scripts/build-plugins`.
+pub fn hostile_py() -> PathBuf {
+    let p = target_dir().join("hostile-py/hostile-py.wasm");
+    assert!(p.is_file(), "{} is missing: run scripts/build-plugins", p.display());
+    p
+}
+
+/// The `gpuvisor` CLI with `--socket` naming no agent, for its local commands (`plugin
+/// test`, `host check`, ...) and for the answer when no agent runs.
+pub fn cli_alone_command() -> Command {
+    let mut c = Command::new(agent_binary());
+    c.arg("--socket").arg("/nonexistent/gpuvisor-e2e/gpuvisor.sock");
+    c
+}
+
+/// Runs [`cli_alone_command`] with `args`.
+pub fn cli_alone(args: &[&str]) -> std::process::Output {
+    cli_alone_command().args(args).output().expect("gpuvisor cli")
+}
+
 /// A test fixture plugin (`tests/plugins/<file>`, WAT text).
 pub fn fixture_plugin(file: &str) -> PathBuf {
     repo_root().join("tests/plugins").join(file)
@@ -401,6 +422,28 @@ impl Agent {
     /// Runs the CLI against this agent.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         Command::new(agent_binary()).arg("--socket").arg(&self.socket).args(args).output().expect("gpuvisor cli")
+    }
+
+    /// Rewrites the `[plugins.<kind>]` table of the agent's config: its path, and `keys`
+    /// (TOML lines, e.g. `deadline_ms = 500`; a `[plugins.<kind>.params]` table may follow
+    /// them) after it. Takes effect at the next `plugin.reload`.
+    pub fn set_slot(&self, kind: &str, path: &Path, keys: &str) {
+        let cfg = std::fs::read_to_string(&self.config_path).expect("config");
+        let head = format!("[plugins.{kind}]");
+        let start = cfg.find(&head).unwrap_or_else(|| panic!("no {head} in\n{cfg}"));
+        // The table ends at the next table that is not one of its own (`.params`).
+        let own = format!("[plugins.{kind}.");
+        let mut end = cfg.len();
+        let mut at = start + head.len();
+        while let Some(i) = cfg[at..].find("\n[") {
+            at += i + 1;
+            if !cfg[at..].starts_with(&own) {
+                end = at;
+                break;
+            }
+        }
+        let table = format!("{head}\npath = {path:?}\n{keys}\n");
+        std::fs::write(&self.config_path, format!("{}{table}{}", &cfg[..start], &cfg[end..])).expect("config");
     }
 
     /// The claims directory's records.
@@ -1469,7 +1512,7 @@ impl ChWrapper {
         )
         .unwrap();
         std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
-        // The VMM runs as the unprivileged vmm_user: it appends to the log the test reads.
+        // The VMM runs under its own unprivileged uid: it appends to the log the test reads.
         std::fs::write(&requests_log, "").unwrap();
         std::fs::set_permissions(&requests_log, std::fs::Permissions::from_mode(0o666)).unwrap();
         ChWrapper { dir, binary, control, requests_log, real }

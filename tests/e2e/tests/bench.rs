@@ -261,3 +261,56 @@ fn bench_start_to_ready_with_the_plugin_cache() {
         warm.as_secs_f64() / floor.as_secs_f64(),
     );
 }
+
+/// Issue 19: a create's latency (to its answer) while the plugin of another slot (the
+/// hypervisor slot: `tests/hostile-py`) is told to sleep 60 s (`time.sleep`) on every call,
+/// against the same plugin answering at once; and how long a call past its deadline takes,
+/// as the agent recorded it, against the deadline.
+#[test]
+#[ignore]
+fn bench_create_with_a_sleeping_plugin_in_another_slot_and_a_call_past_its_deadline() {
+    let a = Agent::start_with(AgentOptions { hypervisor: Some(hostile_py()), ..Default::default() }).unwrap();
+    a.set_slot("hypervisor", &hostile_py(), "deadline_ms = 500\nfuel = 100000000000\nmemory_mib = 256");
+    a.ok("plugin.reload", json!({}));
+    let create = |name: &str, what: &str| {
+        let t0 = Instant::now();
+        let inst = a
+            .call("instance.create", json!({"name": name, "image": "demo", "gpu": "L40S-1Q", "labels": {"do": what}}))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let took = t0.elapsed();
+        a.ok("instance.delete", json!({"ref": inst["id"]}));
+        took
+    };
+    create("warm-up", "");
+    let (mut plain, mut sleeping) = (Vec::new(), Vec::new());
+    // Alternating, so that a drift of the machine's load falls on both.
+    for i in 0..5 {
+        plain.push(create(&format!("plain-{i}"), ""));
+        sleeping.push(create(&format!("sleeping-{i}"), "sleep"));
+    }
+    let (plain, sleeping) = (median(plain), median(sleeping));
+    println!("bench create median: hypervisor plugin answering {plain:?}, sleeping 60 s {sleeping:?}");
+    println!(
+        "bench create latency ratio with a sleeping plugin in another slot / without = {:.3} (goal <= 1.2)",
+        sleeping.as_secs_f64() / plain.as_secs_f64()
+    );
+    // A hypervisor call that never ends: the agent's own measure of it against its deadline.
+    let labels = [("plugin", "hostile-py"), ("kind", "hypervisor")];
+    let sum = |a: &Agent| metric0(&a.metrics(), "gpuvisor_policy_call_duration_seconds_sum", &labels);
+    let mut ratios = Vec::new();
+    for i in 0..3 {
+        let before = sum(&a);
+        let e = a
+            .call(
+                "instance.create",
+                json!({"name": format!("spin-{i}"), "image": "demo", "gpu": "L40S-1Q", "labels": {"do": "spin"}}),
+            )
+            .unwrap_err();
+        assert_eq!(e.data["reason"], "deadline", "{e}");
+        ratios.push(Duration::from_secs_f64((sum(&a) - before) / 0.5));
+    }
+    println!(
+        "bench a call past its deadline: recorded duration / deadline (500 ms) = {:.3} (median of 3; goal <= 2)",
+        median(ratios).as_secs_f64()
+    );
+}

@@ -4,7 +4,7 @@
 
 use gpuvisor_e2e::*;
 use serde_json::Value;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 const ONE_GPU: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
@@ -21,16 +21,6 @@ fn stderr(o: &Output) -> String {
 fn ok(o: Output) -> String {
     assert!(o.status.success(), "exit {:?}\nstdout: {}\nstderr: {}", o.status, stdout(&o), stderr(&o));
     stdout(&o)
-}
-
-/// The CLI without an agent (a socket path where nothing listens).
-fn cli_alone(args: &[&str]) -> Output {
-    Command::new(agent_binary())
-        .arg("--socket")
-        .arg("/nonexistent/gpuvisor-e2e/gpuvisor.sock")
-        .args(args)
-        .output()
-        .expect("gpuvisor cli")
 }
 
 /// The table row (whitespace-split cells) whose first cell is `first`.

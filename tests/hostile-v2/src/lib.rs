@@ -10,10 +10,18 @@
 //! - `nothing` (params exactly `{"do":"nothing"}`): ranks nothing at once (the empty
 //!   plugin of the cost benchmark);
 //! - `wasi`: tries every WASI capability and answers `reject(<what it got>)`;
+//! - `sleep`: blocks on a 60 s `monotonic-clock.subscribe-duration`, then ranks the free
+//!   devices; `sleep-until`: the same on `subscribe-instant` of the end of time;
+//!   `poll`: the same through `wasi:io/poll.poll` on a list of such clocks;
+//! - `stdin`: a `blocking-read` of stdin, then ranks the free devices;
+//! - `stdout`: writes 100 KiB to stdout with `blocking-write-and-flush`, then ranks the
+//!   free devices;
 //! - anything else: ranks the free devices.
 //!
 //! Features change the manifest: `lying-manifest` lists `grace`, `abi-one` says
-//! abi-version 1; the host refuses both at load.
+//! abi-version 1; the host refuses both at load. `name-escape` (escape codes and a newline),
+//! `name-empty`, `name-long` (200 bytes) and `name-default` (`placement-spread`, a default
+//! plugin's) change its name.
 
 #![cfg(target_arch = "wasm32")]
 
@@ -29,7 +37,22 @@ impl Guest for Hostile {
         let kinds =
             if cfg!(feature = "lying-manifest") { vec![PolicyKind::Grace] } else { vec![PolicyKind::Placement] };
         let abi_version = if cfg!(feature = "abi-one") { 1 } else { 2 };
-        Manifest { name: "hostile-v2".into(), version: "0.1.0".into(), kinds, abi_version }
+        Manifest { name: name(), version: "0.1.0".into(), kinds, abi_version }
+    }
+}
+
+/// The manifest's name (the features `name-*` make it lie).
+fn name() -> String {
+    if cfg!(feature = "name-escape") {
+        "hostile\u{1b}[31m\n2026-01-01T00:00:00Z ERROR forged".into()
+    } else if cfg!(feature = "name-empty") {
+        String::new()
+    } else if cfg!(feature = "name-long") {
+        "h".repeat(200)
+    } else if cfg!(feature = "name-default") {
+        "placement-spread".into()
+    } else {
+        "hostile-v2".into()
     }
 }
 
@@ -71,6 +94,7 @@ impl Placement for Hostile {
         if wants(&p, "wasi") {
             return Ok(PlacementAnswer::Reject(probe_wasi()));
         }
+        block(&p);
         let devices = input.inventory.gpus.iter().flat_map(|g| g.devices.iter());
         let ranked: Vec<String> = if wants(&p, "claimed") {
             let mut all: Vec<_> = devices.collect();
@@ -80,6 +104,37 @@ impl Placement for Hostile {
             devices.filter(|d| d.state == DeviceState::Free).map(|d| d.address.clone()).collect()
         };
         Ok(PlacementAnswer::Ranked(ranked))
+    }
+}
+
+/// The steps that wait on the host: a clock, stdin; and the stdout flood.
+fn block(p: &str) {
+    use wasi::clocks::monotonic_clock;
+    const MINUTE_NS: u64 = 60_000_000_000;
+    if wants(p, "sleep") {
+        monotonic_clock::subscribe_duration(MINUTE_NS).block();
+    }
+    if wants(p, "sleep-until") {
+        monotonic_clock::subscribe_instant(u64::MAX).block();
+    }
+    if wants(p, "poll") {
+        let clocks = [monotonic_clock::subscribe_duration(MINUTE_NS), monotonic_clock::subscribe_duration(MINUTE_NS)];
+        let list: Vec<&wasi::io::poll::Pollable> = clocks.iter().collect();
+        std::hint::black_box(wasi::io::poll::poll(&list));
+    }
+    if wants(p, "stdin") {
+        std::hint::black_box(wasi::cli::stdin::get_stdin().blocking_read(4096)).ok();
+    }
+    if wants(p, "stdout") {
+        let out = wasi::cli::stdout::get_stdout();
+        let mut line = [b'.'; 4096];
+        line[4095] = b'\n';
+        for _ in 0..25 {
+            // 25 × 4 KiB: over the host's 16 KiB capture.
+            if out.blocking_write_and_flush(&line).is_err() {
+                break;
+            }
+        }
     }
 }
 

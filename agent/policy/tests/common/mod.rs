@@ -20,6 +20,35 @@ pub fn wat(name: &str) -> PathBuf {
     root().join("tests/plugins").join(name)
 }
 
+/// The target directory (`CARGO_TARGET_DIR`, else the workspace's `target/`).
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
+}
+
+/// A file `scripts/build-plugins` writes under the target directory, e.g.
+/// `plugins/tenant-isolation-py.wasm`.
+pub fn built(file: &str) -> PathBuf {
+    let path = target_dir().join(file);
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/setup (the guest toolchains), then scripts/build-plugins",
+        path.display()
+    );
+    path
+}
+
+/// The hostile Python test plugin (`tests/hostile-py`), built by `scripts/build-plugins`.
+pub fn hostile_py() -> PathBuf {
+    built("hostile-py/hostile-py.wasm")
+}
+
+/// A fixture's JSON.
+pub fn fixture_json(name: &str) -> serde_json::Value {
+    let path = fixture(name);
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// Every plugin crate of the repository: the defaults and the examples.
 const PLUGINS: [&str; 5] =
     ["placement-spread", "placement-pack", "hypervisor-default", "grace-default", "hypervisor-ch-plain"];
@@ -35,7 +64,7 @@ pub fn built_plugin(name: &str) -> PathBuf {
 }
 
 fn build_plugins() -> Result<PathBuf, String> {
-    let target_dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let target_dir = target_dir();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(root())
@@ -100,7 +129,7 @@ pub fn hostile_v2(features: &str) -> PathBuf {
 }
 
 fn build_hostile_v2(features: &str) -> Result<PathBuf, String> {
-    let target_root = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let target_root = target_dir();
     let variant = if features.is_empty() { "default" } else { features };
     // One target directory for every feature set (the builds are serialised by the lock in
     // `hostile_v2`); each build is made into its own component file at once.
@@ -122,4 +151,18 @@ fn build_hostile_v2(features: &str) -> Result<PathBuf, String> {
     let out = target_dir.join(format!("hostile-v2-{variant}.component.wasm"));
     componentize(&core, &out)?;
     Ok(out)
+}
+
+/// Polls `f` (every 10 ms) until it gives a value, at most `timeout`.
+pub fn wait_until<T>(timeout: std::time::Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let until = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if std::time::Instant::now() > until {
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }

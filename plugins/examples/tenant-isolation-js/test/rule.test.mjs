@@ -51,7 +51,12 @@ for (const c of CASES) {
     assert.deepEqual(reply(caseInput(c)), c.expect);
     const reject = c.expect.ok?.reject;
     const who = reject?.match(/ for tenant (.*)$/)?.[1];
-    assert.deepEqual(lines, reject ? [['info', `no GPU free of other tenants for ${who}`]] : []);
+    // GPUs without other tenants, none of whose devices can take it, are named.
+    const gpus = reject?.match(/^the GPUs without other tenants \(([^)]*)\)/)?.[1];
+    const line = gpus
+      ? `no device of ${gpus} can take ${caseInput(c).request.profile} for ${who}`
+      : `no GPU free of other tenants for ${who}`;
+    assert.deepEqual(lines, reject ? [['info', line]] : []);
   });
 }
 

@@ -152,7 +152,13 @@ class SharedCases(unittest.TestCase):
                 reject = case["expect"].get("ok", {}).get("reject")
                 if reject:
                     who = reject.rsplit(" for tenant ", 1)[1]
-                    self.assertEqual(LOGGED, [(log.Level.INFO, f"no GPU free of other tenants for {who}")])
+                    if reject.startswith("no GPU without other tenants"):
+                        line = f"no GPU free of other tenants for {who}"
+                    else:
+                        # GPUs without other tenants, none of whose devices can take it.
+                        gpus = reject.split("(", 1)[1].split(")", 1)[0]
+                        line = f"no device of {gpus} can take {case_input(case).request.profile} for {who}"
+                    self.assertEqual(LOGGED, [(log.Level.INFO, line)])
                 else:
                     self.assertEqual(LOGGED, [])
 

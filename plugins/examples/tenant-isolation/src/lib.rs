@@ -75,10 +75,20 @@ pub fn place(input: &PlacementInput) -> Result<PlacementAnswer, String> {
     let ranked: Vec<String> = usable.iter().flat_map(|(_, gpu)| candidates(gpu, &input.request.profile)).collect();
     if ranked.is_empty() {
         let who = tenant.unwrap_or("no tenant");
-        log(LogLevel::Info, &format!("no GPU free of other tenants for {who}"));
+        let profile = &input.request.profile;
+        if usable.is_empty() {
+            log(LogLevel::Info, &format!("no GPU free of other tenants for {who}"));
+            return Ok(PlacementAnswer::Reject(format!(
+                "no GPU without other tenants can take profile {profile} for tenant {who}"
+            )));
+        }
+        // GPUs without other tenants exist, but none of their devices can take the profile.
+        let gpus: Vec<&str> = usable.iter().map(|(_, gpu)| gpu.address.as_str()).collect();
+        let gpus = gpus.join(", ");
+        log(LogLevel::Info, &format!("no device of {gpus} can take {profile} for {who}"));
         return Ok(PlacementAnswer::Reject(format!(
-            "no GPU without other tenants can take profile {} for tenant {who}",
-            input.request.profile
+            "the GPUs without other tenants ({gpus}) have no device that can take profile {profile} now \
+             (in use, or running vGPUs of another size: a GPU runs one vGPU size at a time) for tenant {who}"
         )));
     }
     Ok(PlacementAnswer::Ranked(ranked))
