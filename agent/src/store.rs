@@ -816,7 +816,7 @@ impl Store {
                 _ => {}
             }
         }
-        for sub in ["", "claims", "health", "mdevs", "names"] {
+        for sub in ["", "claims", "health", "mdevs", "names", "vmm-ids"] {
             out.extend(temp_files(&self.root.join(sub))?.into_iter().map(Leftover::TempFile));
         }
         let images = self.images_dir();

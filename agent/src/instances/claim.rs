@@ -141,8 +141,15 @@ impl Manager {
             .map(|c| c.device.clone())
             .collect();
         let ranked_count = ranked.len();
-        for d in &unranked {
+        // Bounded as the dropped entries are: a host has hundreds of free VFs.
+        for d in unranked.iter().take(super::policy_calls::NOTED_ENTRIES) {
             notes.push(format!("{d}: free, but the placement plugin {plugin} did not rank it"));
+        }
+        if unranked.len() > super::policy_calls::NOTED_ENTRIES {
+            notes.push(format!(
+                "and {} more free devices the placement plugin {plugin} did not rank",
+                unranked.len() - super::policy_calls::NOTED_ENTRIES
+            ));
         }
         let mut failures = 0;
         let mut faulty_gpus = BTreeSet::new();

@@ -205,8 +205,15 @@ fn a_plugin_cannot_flood_or_forge_the_log_or_a_terminal_and_says_what_it_dropped
     assert!(e.message.contains("ranked by the placement plugin, but it is a GPU"), "{e}");
     assert!(printable(&e.message), "{e}");
     let notes = e.data["notes"].as_array().unwrap();
-    assert_eq!(notes.len(), 9, "8 entries named, then a count: {notes:?}");
+    // 8 dropped entries named, then a count; then the free devices it did not rank (8
+    // named, then a count).
+    assert_eq!(notes.len(), 18, "8 entries named, then a count, twice: {notes:?}");
     assert_eq!(notes[8], "and 2 more entries ranked by the placement plugin were dropped");
+    assert!(
+        notes[9].as_str().unwrap().ends_with("free, but the placement plugin hostile-py did not rank it"),
+        "{notes:?}"
+    );
+    assert!(notes[17].as_str().unwrap().starts_with("and 24 more free devices"), "{notes:?}");
     assert!(notes.iter().any(|n| n.as_str().unwrap().contains(r#""\u{1b}[31mgarbage\n2026-"#)), "{notes:?}");
 
     // A 900 KB reject reason with escape codes: cut and escaped, in the answer and the CLI.

@@ -49,7 +49,7 @@ fn stuck_instance() -> (Agent, QemuWrapper, String, i32) {
     assert_eq!(a.claim(VF0).map(|c| c["instance_id"].clone()), Some(Value::from(id.clone())), "its claim is kept");
     // The gate opens: QEMU comes up and listens on its control socket.
     std::fs::write(&gate, "").unwrap();
-    let qmp = a.data_dir.join(format!("instances/{id}/qmp.sock"));
+    let qmp = a.data_dir.join(format!("instances/{id}/vmm/qmp.sock"));
     let pid = wait_for(Duration::from_secs(60), || {
         let q = qemu_of(&id);
         (qmp.exists() && q.len() == 1).then(|| q[0])
