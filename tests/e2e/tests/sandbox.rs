@@ -105,7 +105,8 @@ fn a_plugin_that_sleeps_blocks_no_one_a_call_past_its_deadline_returns_in_time_a
 #[test]
 fn a_slot_full_of_slow_calls_leaves_the_others_their_share_and_says_busy() {
     let a = Agent::start_with(AgentOptions { hypervisor: Some(hostile_py()), ..Default::default() }).unwrap();
-    a.set_slot("hypervisor", &hostile_py(), "deadline_ms = 3000\nfuel = 100000000000\nmemory_mib = 256");
+    // 10 s: long enough for every create to reach the slot on a busy machine.
+    a.set_slot("hypervisor", &hostile_py(), "deadline_ms = 10000\nfuel = 100000000000\nmemory_mib = 256");
     a.ok("plugin.reload", json!({}));
     // 40 creates whose hypervisor call spins until its deadline (before: they took the whole
     // pool all slots share, and the placement plugin failed with "maximum concurrent limit
