@@ -10,6 +10,8 @@
 //! | [`qemu`], [`qmp`] | QEMU: the command line, QMP readiness, `system_powerdown`, `quit` |
 //! | [`cloud_hypervisor`], [`ch_api`] | Cloud Hypervisor: `--api-socket`, its REST API (`vm.create`, `vm.boot`, `vm.info`, `vm.power-button`, `vmm.shutdown`) |
 //! | [`stop`] | the graceful steps of the driver, then the shared SIGTERM-first kill path |
+//! | [`confine`] | what a VMM process may do and see: its cgroup, its own view, its own uid/gid, `no_new_privs` |
+//! | `vmm_tests`, `ch_tests` | the drivers against the real QEMU and Cloud Hypervisor binaries |
 //!
 //! Invariants kept here:
 //! - a VMM runs in its own process group and is never left a zombie by the agent (a reaper

@@ -15,8 +15,12 @@
 //! | [`vmm_ids`] | the uid/gid of its own every instance's VMM runs under |
 //! | [`create`], [`start`], [`stop`], [`delete`], [`fork`] | one operation each |
 //! | [`rollback`] | rollback and retention after a failed create or start |
+//! | [`supervise`] | the restart policy and autostart: a VMM that died without a stop started again through start |
 //! | [`layout`] | the instance directory (the agent's) and its VMM directory (the VMM's), and the move from the old layout |
 //! | [`disk`] | boot modes, the disk overlay and UEFI variable store, image import and delete |
+//! | [`seed`] | the cloud-init NoCloud seed (`seed.iso`) of an instance |
+//! | [`nics`] | an instance's NICs on the host: bridges checked, taps opened right before the spawn |
+//! | [`console_logs`] | the console logs' cap: `serial.log` rotation |
 //! | [`view`] | the typed views the core returns (serialised only by `rpc`) |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
 //!
