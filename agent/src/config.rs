@@ -195,7 +195,7 @@ macro_rules! config_keys {
             serve_flag: $flag:literal $(,)?
         }
     ),* $(,)?) => {
-        /// The agent's configuration. Defaults are production defaults (ARCHITECTURE.md
+        /// The agent's configuration. Defaults are production defaults (docs/design/architecture.md
         /// "Configuration"); each key's description, default and unit are in [`KEYS`].
         #[derive(Debug, Clone, Deserialize, Serialize)]
         #[serde(deny_unknown_fields, default)]

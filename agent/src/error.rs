@@ -2,7 +2,7 @@
 //!
 //! Every failed operation ends as an [`ApiError`]: a stable string [`ErrorCode`] (what
 //! clients match on), one clear sentence, and structured details. The numeric class
-//! (400/404/409/500/503) follows LIFECYCLE.md "Errors"; the rpc layer is the one place
+//! (400/404/409/500/503) follows docs/design/lifecycle.md "Errors"; the rpc layer is the one place
 //! that turns it into a JSON-RPC error object.
 //!
 //! **One constructor per code.** An `ApiError` is only built by the constructor of its
@@ -11,7 +11,7 @@
 
 use serde_json::{json, Map, Value};
 
-/// The stable `data.code` strings of LIFECYCLE.md "Errors".
+/// The stable `data.code` strings of docs/design/lifecycle.md "Errors".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
     InvalidRequest,
@@ -39,7 +39,7 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    /// Every code, in the order of LIFECYCLE.md's table.
+    /// Every code, in the order of docs/design/lifecycle.md's table.
     pub const ALL: [ErrorCode; 22] = {
         use ErrorCode::*;
         [
@@ -144,7 +144,7 @@ pub struct ReleaseFailure {
     pub message: String,
 }
 
-/// What a `vgpu_cleanup_pending` answer says (LIFECYCLE.md Create step 6, Delete step 4).
+/// What a `vgpu_cleanup_pending` answer says (docs/design/lifecycle.md Create step 6, Delete step 4).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CleanupPending {
     pub instance_id: uuid::Uuid,

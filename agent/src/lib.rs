@@ -5,7 +5,7 @@
 //! calls up): `rpc`/`cli` → `instances` → `policy glue` → `devices` / `hypervisor` →
 //! `store` / `host`. Only [`host`] spells `/sys`, `/dev` and `/proc`.
 
-// No unwrap() outside tests (STYLE.md): a panic is a crash.
+// No unwrap() outside tests (docs/design/style.md): a panic is a crash.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod cli;

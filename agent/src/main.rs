@@ -100,7 +100,7 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
     let store = Store::open(&cfg.data_dir)?;
     // One agent per data directory: refuse before touching anything else.
     let _lock = store.lock_exclusive()?;
-    // One agent per GPU, whatever its data directory (INVARIANTS.md I17).
+    // One agent per GPU, whatever its data directory (docs/design/invariants.md I17).
     let _gpu_locks = lock_gpus(&cfg)?;
     if let Some(dir) = &cfg.record_policy_inputs {
         check_writable_dir(dir)

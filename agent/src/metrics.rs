@@ -5,7 +5,7 @@
 //! Gauges are computed at scrape time from the store and the last observation
 //! ([`Gauges`]). Every known label set is exported at 0 until it happens, so dashboards see
 //! the series. [`Metrics::render`] is the only encoder; the names are those of
-//! LIFECYCLE.md "Metrics" and PLUGINS.md.
+//! docs/design/lifecycle.md "Metrics" and docs/plugins.md.
 //!
 //! The exposition is the Prometheus text format 0.0.4 (the `prometheus` crate's
 //! `TextEncoder`), served with [`CONTENT_TYPE`]; `promtool check metrics` accepts it.

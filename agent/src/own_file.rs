@@ -3,7 +3,7 @@
 //! A VMM may create names in its instance's VMM directory (its sockets live there): a
 //! symbolic link, a FIFO, a directory, a hard link or a file of its own where the agent
 //! expects one of *its* files. Nothing found under such a name is trusted
-//! (ARCHITECTURE.md "Isolation between VMs", INVARIANTS.md I16):
+//! (docs/design/architecture.md "Isolation between VMs", docs/design/invariants.md I16):
 //!
 //! - [`inspect`] looks without following a link (`fstatat(AT_SYMLINK_NOFOLLOW)` relative to
 //!   the directory's fd) and says [`Entry::Own`] only for a regular file owned by the

@@ -75,7 +75,7 @@ pub fn limits_for(cfg: &Config, kind: PolicyKind) -> Limits {
 impl Policies {
     /// Loads every slot with its params (the grace slot's `claim_grace_s` defaults to the
     /// agent's `claim_grace_s`). Errors name the plugin path and the problem; the agent
-    /// refuses to start on any of them (PLUGINS.md "Load-time checks"). The plugin host
+    /// refuses to start on any of them (docs/plugins.md "Load-time checks"). The plugin host
     /// logs each load once.
     pub fn load(cfg: &Config, claim_grace_s: u64) -> anyhow::Result<Policies> {
         let load = |kind: PolicyKind| -> anyhow::Result<Slot> {

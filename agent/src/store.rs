@@ -1,6 +1,6 @@
 //! # store — durable JSON records under the data directory
 //!
-//! Layout (ARCHITECTURE.md "Files on a host"):
+//! Layout (docs/design/architecture.md "Files on a host"):
 //! ```text
 //! <data-dir>/lock                          flock: one agent per data directory
 //! <data-dir>/instances/<id>/instance.json  the instance record (the directory is the agent's alone)
@@ -24,7 +24,7 @@
 //! - listings are **tolerant and honest**: a record that cannot be read or decoded is
 //!   returned as [`Unreadable`] (its path, the key its file name gives, the error) beside the
 //!   records that could be read; only a directory that cannot be listed fails the listing.
-//!   Callers fail closed for what an unreadable record may own (LIFECYCLE.md, INVARIANTS.md
+//!   Callers fail closed for what an unreadable record may own (docs/design/lifecycle.md, docs/design/invariants.md
 //!   I6), and nothing else;
 //! - an instance's state changes only through [`InstanceRecord::transition`], which checks
 //!   the one transition table ([`InstanceState::can_move_to`]);
@@ -146,7 +146,7 @@ impl InstanceState {
         }
     }
 
-    /// **The transition table** (LIFECYCLE.md "Operations"). Staying in a state is always
+    /// **The transition table** (docs/design/lifecycle.md "Operations"). Staying in a state is always
     /// allowed (it is not a transition). Every other pair not listed is illegal.
     ///
     /// | from | to | by |
@@ -418,7 +418,7 @@ impl ClaimState {
     }
 }
 
-/// `claims/<device>.json` — the only record of who owns a device (LIFECYCLE.md, Words).
+/// `claims/<device>.json` — the only record of who owns a device (docs/design/lifecycle.md, Words).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Claim {
     /// The thing that can have one owner: the VF address (vendor VFIO, and mdev on a VF).
@@ -455,7 +455,7 @@ pub struct Claim {
     pub release_attempts: u32,
     pub last_error: Option<String>,
     /// Passthrough: the IOMMU group and each function's original driver, recorded before
-    /// any driver changes (NVIDIA-HOST.md §7 Bind step 3).
+    /// any driver changes (docs/design/host.md §7 Bind step 3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub passthrough: Option<PassthroughClaim>,
 }
@@ -504,7 +504,7 @@ pub struct MdevRecord {
     pub created_boottime_ms: u64,
 }
 
-/// `health/<device>.json` — a health mark (LIFECYCLE.md, Device health). `device` is a VF
+/// `health/<device>.json` — a health mark (docs/design/lifecycle.md, Device health). `device` is a VF
 /// or mdev parent, or a GPU (PF) for a GPU-level mark.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthRecord {
@@ -787,7 +787,7 @@ impl Store {
 
     // ----- leftovers of interrupted operations
 
-    /// What an operation killed midway left that no record owns (INVARIANTS.md I10):
+    /// What an operation killed midway left that no record owns (docs/design/invariants.md I10):
     /// an instance directory without `instance.json` (a create killed before its first
     /// record was written, a delete killed after removing it), a name index entry whose
     /// instance has no record, a temp file of an atomic write (`.<file>.<pid>.<n>.tmp`) in

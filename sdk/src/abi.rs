@@ -21,7 +21,7 @@
 //! `placement:`, `hypervisor:` and `grace:` **in that order**, each the path of a function
 //! `fn(&XInput) -> R` where `R` is the answer type (`PlacementAnswer`, `HypervisorAnswer`,
 //! `GraceAnswer`) or `Result<answer, E>` with `E: Display` (an `Err` becomes the reply
-//! `{"error": "<E>"}`; the agent then fails closed, see PLUGINS.md "Failure semantics").
+//! `{"error": "<E>"}`; the agent then fails closed, see docs/plugins.md "Failure semantics").
 //!
 //! The exports are generated only under `cfg(target_arch = "wasm32")`, so several plugin
 //! crates can link into one native test binary; natively, test the functions directly or

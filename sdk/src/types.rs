@@ -359,7 +359,7 @@ pub enum GraceAction {
 // profile names
 
 /// The canonical profile name: the last whitespace-separated token of a sysfs name
-/// (`NVIDIA L40S-2Q` → `L40S-2Q`; `GRID P40-2Q` → `P40-2Q`). Source: NVIDIA-HOST.md §3.5.
+/// (`NVIDIA L40S-2Q` → `L40S-2Q`; `GRID P40-2Q` → `P40-2Q`). Source: docs/design/host.md §3.5.
 pub fn canonical_profile(name: &str) -> &str {
     name.split_whitespace().last().unwrap_or("")
 }
@@ -367,7 +367,7 @@ pub fn canonical_profile(name: &str) -> &str {
 /// Framebuffer size in MiB parsed from a vendor-VFIO profile name of the form
 /// `<board>-[<slices>-]<GiB><series>` with series A, B, C or Q; `0` GiB means 512 MiB.
 /// Returns `None` when the name does not parse ("unknown", never 0).
-/// Source: NVIDIA-HOST.md §3.5 and NVIDIA's vGPU type tables.
+/// Source: docs/design/host.md §3.5 and NVIDIA's vGPU type tables.
 pub fn profile_framebuffer_mib(name: &str) -> Option<u64> {
     let canon = canonical_profile(name);
     let last = canon.rsplit('-').next()?;

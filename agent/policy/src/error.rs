@@ -1,6 +1,6 @@
 //! The plugin host's errors: [`LoadError`] (the plugin is refused; the agent does not start,
 //! or `plugin.reload` keeps the old plugin) and [`CallError`] (one call failed; the agent
-//! fails closed as PLUGINS.md "Failure semantics" says). Every message is one sentence that
+//! fails closed as docs/plugins.md "Failure semantics" says). Every message is one sentence that
 //! names the plugin.
 
 use gpuvisor_sdk::PolicyKind;
@@ -95,7 +95,7 @@ pub enum CallError {
     #[error("policy plugin {plugin} ({}): no sandbox instance could be created: {reason}", kind.as_str())]
     Instantiate { plugin: String, kind: PolicyKind, reason: String },
     /// Every place of the slot's share of the sandbox pool stayed taken by other calls of
-    /// the slot for the call's whole deadline: the call was not run (see PLUGINS.md and
+    /// the slot for the call's whole deadline: the call was not run (see docs/plugins.md and
     /// docs/plugins.md "The sandbox and its limits").
     #[error("policy plugin {plugin} ({}): not run: the {share} slot already had {calls} calls running (its share of the sandbox) for {waited_ms} ms, the call's deadline", kind.as_str())]
     Busy { plugin: String, kind: PolicyKind, share: &'static str, calls: u32, waited_ms: u128 },

@@ -1,7 +1,7 @@
 //! # gpuvisor plugin host
 //!
 //! Loads policy plugins into wasmtime and calls them under limits: WebAssembly core
-//! modules speaking ABI v1 (JSON; PLUGINS.md, the SDK's `abi` module) and components of
+//! modules speaking ABI v1 (JSON; docs/plugins.md, the SDK's `abi` module) and components of
 //! the WIT package `gpuvisor:policy@2.0.0` (ABI v2, `sdk/wit/policy.wit`; `component.rs`),
 //! side by side behind one [`Plugin`]. This is the only crate of the agent that touches
 //! wasmtime.
@@ -19,7 +19,7 @@
 //! - every call is bounded by [`Limits`]: fuel, memory, a wall-clock deadline (epoch
 //!   interruption driven by one shared ticker thread), input and reply size;
 //! - every failure is a [`CallError`] naming the plugin; the caller fails closed
-//!   (PLUGINS.md "Failure semantics"). Answers are only *decoded* here; validating them
+//!   (docs/plugins.md "Failure semantics"). Answers are only *decoded* here; validating them
 //!   against the inventory is the agent's job.
 //!
 //! ```ignore
@@ -29,7 +29,7 @@
 //! let stats = plugin.stats();                           // for the metrics
 //! ```
 
-// No unwrap() outside tests (STYLE.md): a panic is a crash.
+// No unwrap() outside tests (docs/design/style.md): a panic is a crash.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod cache;

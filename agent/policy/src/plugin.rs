@@ -40,7 +40,7 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// 10 million fuel, 64 MiB, 100 ms, 4 MiB in, 1 MiB out (PLUGINS.md "The sandbox").
+    /// 10 million fuel, 64 MiB, 100 ms, 4 MiB in, 1 MiB out (docs/plugins.md "The sandbox").
     fn default() -> Self {
         Limits {
             fuel: 10_000_000,
@@ -395,7 +395,7 @@ impl Plugin {
     }
 
     /// Asks for the ranked devices. Errors: any [`CallError`]; the caller fails the
-    /// create/start with `policy_failed` (PLUGINS.md).
+    /// create/start with `policy_failed` (docs/plugins.md).
     pub fn call_placement(&self, input: &PlacementInput) -> Result<PlacementAnswer, CallError> {
         self.call_typed(PolicyKind::Placement, input)
     }

@@ -1,4 +1,4 @@
-//! Parser of `nvidia/creatable_vgpu_types` (NVIDIA-HOST.md §3.1).
+//! Parser of `nvidia/creatable_vgpu_types` (docs/design/host.md §3.1).
 //!
 //! The driver prints a header (`ID    : vGPU Name`) then one line per type: the decimal id
 //! left-aligned in 5 columns, ` : `, the full name. The parser is tolerant and no single

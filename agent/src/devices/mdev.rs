@@ -1,7 +1,7 @@
 //! mdev vGPUs (older hosts): a mediated device is created by writing a fresh UUID to
 //! `mdev_supported_types/<type>/create` of a parent (on SR-IOV GPUs every VF is a parent)
 //! and removed by writing `1` to `sys/bus/mdev/devices/<uuid>/remove`
-//! (Linux `Documentation/driver-api/vfio-mediated-device.rst`, NVIDIA-HOST.md §6).
+//! (Linux `Documentation/driver-api/vfio-mediated-device.rst`, docs/design/host.md §6).
 //! gpuvisor creates only transient mdevs and never removes one it did not create.
 //!
 //! The one primitive that removes an mdev is [`remove`], and only the release path
@@ -55,7 +55,7 @@ pub struct MdevDevice {
     pub iommu_group: Option<u32>,
 }
 
-/// True when at least one parent has a non-empty `mdev_supported_types` (NVIDIA-HOST.md §1
+/// True when at least one parent has a non-empty `mdev_supported_types` (docs/design/host.md §1
 /// step 1; an unreadable one counts, so that it is reported rather than hidden).
 pub fn probe(parents: &[MdevParent]) -> bool {
     parents.iter().any(|p| p.types.as_ref().map(|t| !t.is_empty()).unwrap_or(true))

@@ -2,7 +2,7 @@
 //!
 //! One backend per framework: [`vendor_vfio`] (type ids written to SR-IOV VFs),
 //! [`mdev`] (mediated devices) and [`passthrough`] (whole GPUs bound to `vfio-pci`). [`scan`] reads the whole host once — framework detection
-//! (NVIDIA-HOST.md §1), every VF and its catalog, every mdev parent and mdev — reading each
+//! (docs/design/host.md §1), every VF and its catalog, every mdev parent and mdev — reading each
 //! sysfs file once; nothing here is cached (catalogs shrink as GPUs fill).
 //!
 //! The functions here are primitives. The two that clear a device
@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 /// NVIDIA's PCI vendor id as sysfs prints it.
 pub const NVIDIA_VENDOR: &str = "0x10de";
 
-/// What the host's driver offers (NVIDIA-HOST.md §1).
+/// What the host's driver offers (docs/design/host.md §1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HostMode {
@@ -61,7 +61,7 @@ pub enum DeviceError {
     /// A sysfs directory exists but cannot be listed: a probe error, never "no devices".
     #[error("cannot list {}: {errno}", path.display())]
     List { path: PathBuf, errno: String },
-    /// Vendor-VFIO VFs exist but none of their types can be read (NVIDIA-HOST.md §1: fail
+    /// Vendor-VFIO VFs exist but none of their types can be read (docs/design/host.md §1: fail
     /// only if no VF at all is readable).
     #[error("no VF's current_vgpu_type can be read ({count} VFs)")]
     NoReadableVf { count: usize },
@@ -100,13 +100,13 @@ pub struct HostScan {
 
 impl HostScan {
     /// True when every listing succeeded and the framework probe decided (the observation
-    /// a reconcile pass needs before it may release or sweep anything, INVARIANTS.md I13).
+    /// a reconcile pass needs before it may release or sweep anything, docs/design/invariants.md I13).
     pub fn complete(&self) -> bool {
         self.mode.is_ok()
     }
 }
 
-/// Reads the host once (NVIDIA-HOST.md §1: mdev probe, vendor-VFIO probe, decide; then the
+/// Reads the host once (docs/design/host.md §1: mdev probe, vendor-VFIO probe, decide; then the
 /// inventory of the detected framework). Never fails: a probe error is in `mode`. The
 /// passthrough GPUs (`whole`) and their VFs are not vGPU devices: skipped.
 pub fn scan(host: &HostRoot, whole: &[String]) -> HostScan {
@@ -306,8 +306,8 @@ pub(crate) fn write_attr(path: &Path, value: &str) -> io::Result<()> {
 }
 
 /// A sysfs write that did not take effect: the message for people, and the errno the
-/// kernel answered, if the write itself failed. LIFECYCLE.md "Device health" counts EIO
-/// strikes; NVIDIA-HOST.md §4: on a type write, EIO is the resource manager refusing a type
+/// kernel answered, if the write itself failed. docs/design/lifecycle.md "Device health" counts EIO
+/// strikes; docs/design/host.md §4: on a type write, EIO is the resource manager refusing a type
 /// the VF's catalog listed (`NVRM: Failed to add vgpu create request`), not the transient
 /// EBUSY of a teardown.
 /// What a clear (a VF's type `0`, an mdev `remove`) found and did.

@@ -1,4 +1,4 @@
-//! Whole-GPU passthrough (NVIDIA-HOST.md §7): a physical GPU and the endpoint functions of
+//! Whole-GPU passthrough (docs/design/host.md §7): a physical GPU and the endpoint functions of
 //! its IOMMU group bound to `vfio-pci`.
 //!
 //! [`read_gpu`] observes one configured passthrough GPU: its group, the group's members
@@ -241,7 +241,7 @@ fn read_driver(host: &HostRoot, bdf: &str) -> Result<Option<String>, WriteError>
         .map_err(|e| WriteError::other(format!("the driver link of {bdf} cannot be read: {}", errno_name(&e))))
 }
 
-/// Moves one function to `vfio-pci` (NVIDIA-HOST.md §7 Bind step 4): `driver_override`,
+/// Moves one function to `vfio-pci` (docs/design/host.md §7 Bind step 4): `driver_override`,
 /// unbind from its driver when bound, `drivers_probe`, and require `vfio-pci` read back.
 pub fn move_to_vfio(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
     write("driver_override", &host.pci_device(bdf).join("driver_override"), VFIO_PCI, bdf)?;
@@ -263,7 +263,7 @@ pub fn move_to_vfio(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
     }
 }
 
-/// Gives one function back to the driver it had (NVIDIA-HOST.md §7 Give back step 2):
+/// Gives one function back to the driver it had (docs/design/host.md §7 Give back step 2):
 /// clears `driver_override`, unbinds it when bound to another driver, probes, and
 /// requires `original` read back (`None`: it had no driver, and stays unbound).
 pub fn give_back(host: &HostRoot, bdf: &str, original: Option<&str>) -> Result<(), WriteError> {
@@ -320,7 +320,7 @@ pub enum ResetOutcome {
     Failed(WriteError),
 }
 
-/// The optional reset of the GPU function before it is given back (NVIDIA-HOST.md §7 Give
+/// The optional reset of the GPU function before it is given back (docs/design/host.md §7 Give
 /// back step 1): writes `1` to `reset` when the file exists.
 pub fn reset(host: &HostRoot, bdf: &str) -> ResetOutcome {
     let p = host.pci_device(bdf).join("reset");

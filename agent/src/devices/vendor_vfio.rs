@@ -1,6 +1,6 @@
 //! Vendor-specific VFIO (Linux >= 6.8, vGPU 17+/R580): a vGPU is created by writing a type
 //! id into an SR-IOV VF's `nvidia/current_vgpu_type`, and destroyed by writing `0`
-//! (NVIDIA-HOST.md §§2–3). gpuvisor never binds/unbinds VFs, never writes a PF and never
+//! (docs/design/host.md §§2–3). gpuvisor never binds/unbinds VFs, never writes a PF and never
 //! writes `sriov_numvfs`.
 //!
 //! [`set_type`] only ever writes a non-zero id; the one primitive that writes `0` is
@@ -125,7 +125,7 @@ fn vfio_paths(host: &HostRoot, bdf: &str) -> (Option<u32>, Vec<String>, Option<S
 }
 
 /// The device nodes whose holders use the PCI function `bdf`: `dev/vfio/<group>` and its
-/// `dev/vfio/devices/<vfio-dev entry>`s (NVIDIA-HOST.md §5). Errors as [`vf_targets`].
+/// `dev/vfio/devices/<vfio-dev entry>`s (docs/design/host.md §5). Errors as [`vf_targets`].
 pub fn function_targets(host: &HostRoot, bdf: &str) -> Result<Vec<PathBuf>, String> {
     let (iommu_group, cdevs, error) = vfio_paths(host, bdf);
     if let Some(e) = error {
@@ -153,7 +153,7 @@ pub(crate) fn errno_or_msg(e: &io::Error) -> String {
 }
 
 /// The device nodes that identify a VF's holders: `dev/vfio/<group>` and every
-/// `dev/vfio/devices/<vfio-dev entry>` (NVIDIA-HOST.md §5). A missing `iommu_group` link or
+/// `dev/vfio/devices/<vfio-dev entry>` (docs/design/host.md §5). A missing `iommu_group` link or
 /// `vfio-dev/` directory means fewer targets; any other read error is `Err` (the scan's
 /// result is then unknown).
 pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Result<Vec<PathBuf>, String> {
@@ -177,7 +177,7 @@ pub enum ConfigureError {
     /// since the observation): nothing was written.
     NotListed(String),
     /// The driver refused the type here now (EINVAL/EIO/not in the fresh catalog): try the
-    /// next candidate. Never branch on which errno came back for placement (NVIDIA-HOST.md
+    /// next candidate. Never branch on which errno came back for placement (docs/design/host.md
     /// §4); the errno only feeds the device's health accounting.
     NotCreatable(WriteError),
     /// The read-back shows a value gpuvisor did not write: another writer is on the VF.
@@ -205,7 +205,7 @@ pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, Configu
     let Some(entry) = catalog.find(profile) else {
         return Err(ConfigureError::NotListed(format!("{profile} is not in the catalog of {vf}")));
     };
-    // The parser never yields id 0 (NVIDIA-HOST.md §3.1: 0 is "no vGPU").
+    // The parser never yields id 0 (docs/design/host.md §3.1: 0 is "no vGPU").
     let Some(id) = NonZeroU32::new(entry.id) else {
         return Err(ConfigureError::Io(format!("the catalog of {vf} lists {profile} as id 0")));
     };
@@ -242,7 +242,7 @@ impl std::fmt::Display for ClearError {
 
 /// Clears a VF: a missing file (VF gone) or `0` is already done; otherwise write `0` and
 /// read back — `0` is success whatever the write returned (EPERM on an already-clear VF is
-/// the normal "already clear", NVIDIA-HOST.md §3.2). [`Cleared::Wrote`](super::Cleared)
+/// the normal "already clear", docs/design/host.md §3.2). [`Cleared::Wrote`](super::Cleared)
 /// only when this write took effect; a VF found clear, or cleared by another writer
 /// meanwhile, is [`Cleared::FoundClear`](super::Cleared).
 /// `expected`: the type gpuvisor believes is set (None: any).

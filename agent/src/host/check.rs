@@ -9,7 +9,7 @@
 //! The hypervisor probes are the agent's own ([`crate::hypervisor::Driver::probe`]; the
 //! Cloud Hypervisor probe runs a throw-away VMM on a temporary socket).
 //!
-//! Sources: NVIDIA-HOST.md §§1–7 (what the frameworks look like in sysfs);
+//! Sources: docs/design/host.md §§1–7 (what the frameworks look like in sysfs);
 //! `Documentation/ABI/testing/sysfs-bus-pci` (`sriov_totalvfs`, `sriov_numvfs`,
 //! `virtfn<N>`); `Documentation/virt/kvm/api.rst` (`KVM_GET_API_VERSION` answers 12);
 //! `Documentation/admin-guide/cgroup-v2.rst` (`cgroup.controllers`).
@@ -174,11 +174,13 @@ fn framework(mode: &Result<HostMode, devices::DeviceError>, nvidia: &[NvidiaFn],
         Ok(HostMode::VendorVfio) => check(
             name,
             Verdict::Ok,
-            "vendor-specific VFIO: VFs bound to nvidia with nvidia/current_vgpu_type (NVIDIA-HOST.md §3)",
+            "vendor-specific VFIO: VFs bound to nvidia with nvidia/current_vgpu_type (docs/design/host.md §3)",
         ),
-        Ok(HostMode::Mdev) => {
-            check(name, Verdict::Ok, "mdev: sys/class/mdev_bus parents with mdev_supported_types (NVIDIA-HOST.md §6)")
-        }
+        Ok(HostMode::Mdev) => check(
+            name,
+            Verdict::Ok,
+            "mdev: sys/class/mdev_bus parents with mdev_supported_types (docs/design/host.md §6)",
+        ),
         Ok(HostMode::Mixed) => check(
             name,
             Verdict::Fail,

@@ -1,4 +1,4 @@
-//! # host::lock — one agent per GPU (INVARIANTS.md I17)
+//! # host::lock — one agent per GPU (docs/design/invariants.md I17)
 //!
 //! The data directory's lock (`<data-dir>/lock`) keeps two agents off one store; it cannot
 //! keep two agents with different data directories off one GPU. So each GPU an agent

@@ -23,7 +23,7 @@ pub const KVM_DEVICE: &str = "/dev/kvm";
 /// Root of the host's sysfs/devfs tree (`/` in production, the simulator's mount in tests).
 ///
 /// Every path gpuvisor reads or writes on the host is built here. Paths follow the Linux
-/// sysfs ABI (`Documentation/ABI/testing/sysfs-bus-pci`) and NVIDIA-HOST.md §§2–6.
+/// sysfs ABI (`Documentation/ABI/testing/sysfs-bus-pci`) and docs/design/host.md §§2–6.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostRoot {
     root: PathBuf,
@@ -57,7 +57,7 @@ impl HostRoot {
         self.pci_devices_dir().join(bdf)
     }
 
-    /// `sys/class/mdev_bus` — one link per mdev parent (NVIDIA-HOST.md §6).
+    /// `sys/class/mdev_bus` — one link per mdev parent (docs/design/host.md §6).
     pub fn mdev_bus_dir(&self) -> PathBuf {
         self.join("sys/class/mdev_bus")
     }

@@ -2,13 +2,13 @@
 //!
 //! Process identity, VMM liveness, open-handle scans and control-socket ownership.
 //! Processes are always inspected through the real `/proc` (never under a host root): a
-//! simulated host still runs real processes (NVIDIA-HOST.md conventions).
+//! simulated host still runs real processes (docs/design/host.md conventions).
 //!
 //! Invariant kept here: **every answer fails closed.** A read error that is not "the process
 //! or fd has gone" (ENOENT/ESRCH) never turns into "dead" or "clean"; it becomes
 //! [`Liveness::MaybeAlive`], [`HandleScan::Unknown`] or an `Err`. A pid is only ever
 //! signalled through a [`PidFd`] whose process was confirmed after the pidfd was opened, so
-//! a recycled pid can never be hit (LIFECYCLE.md "Stop", kill path).
+//! a recycled pid can never be hit (docs/design/lifecycle.md "Stop", kill path).
 //!
 //! Sources: `proc(5)` (`/proc/<pid>/stat` field 22 `starttime`, `/proc/<pid>/fd`,
 //! `/proc/net/unix`), `pidfd_open(2)`, `pidfd_send_signal(2)`, `clock_gettime(2)`.
@@ -70,7 +70,7 @@ pub fn own_pid_namespace() -> Option<u64> {
 
 /// Why `identity` cannot be judged from this agent's PID namespace, if it cannot: it was
 /// recorded in another namespace (or in an unknown one). Such a VMM is *maybe alive*: never
-/// signalled, never released on its behalf (LIFECYCLE.md "provably dead").
+/// signalled, never released on its behalf (docs/design/lifecycle.md "provably dead").
 pub fn foreign_namespace(identity: &ProcessIdentity) -> Option<String> {
     foreign_namespace_from(identity, own_pid_namespace())
 }
@@ -133,7 +133,7 @@ pub enum ProcError {
     },
 }
 
-/// Liveness of a VMM, per LIFECYCLE.md "provably dead".
+/// Liveness of a VMM, per docs/design/lifecycle.md "provably dead".
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Liveness {
     /// The recorded process (or the owner of the control socket listener) is alive.
@@ -162,7 +162,7 @@ impl std::fmt::Display for Liveness {
     }
 }
 
-/// Result of an open-handle scan (NVIDIA-HOST.md §5).
+/// Result of an open-handle scan (docs/design/host.md §5).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandleScan {
     /// No process holds any target open.
@@ -218,7 +218,7 @@ pub fn identity_of(pid: i32, boot_id: &str) -> Result<Option<ProcessIdentity>, P
 /// scan of `/proc`), used by views and to tell which process a live control socket belongs to.
 pub fn identity_liveness(rec: &ProcessIdentity, current_boot_id: &str) -> Liveness {
     if rec.boot_id != current_boot_id {
-        // A VMM of an earlier boot is dead (NVIDIA-HOST.md §9, reboot).
+        // A VMM of an earlier boot is dead (docs/design/host.md §9, reboot).
         return Liveness::Dead;
     }
     if let Some(reason) = foreign_namespace(rec) {
@@ -288,7 +288,7 @@ fn thread_group_has_live_task(pid: i32) -> Result<bool, ProcError> {
     Ok(false)
 }
 
-/// Decides whether a VMM is alive, per LIFECYCLE.md "provably dead".
+/// Decides whether a VMM is alive, per docs/design/lifecycle.md "provably dead".
 ///
 /// `recorded` is the stored VMM identity (if any), `control_socket` the VMM's control socket
 /// (QEMU's QMP socket), `current_boot_id` the host root's boot id now.
@@ -454,7 +454,7 @@ fn canonical_forms(target: &Path) -> Vec<PathBuf> {
     forms
 }
 
-/// Scans every process's fds for any of `targets` (NVIDIA-HOST.md §5).
+/// Scans every process's fds for any of `targets` (docs/design/host.md §5).
 ///
 /// For each numeric `/proc` entry, reads `/proc/<pid>/fd` and `readlink`s each entry, strips
 /// ` (deleted)`, and compares with the targets (canonicalised first: the kernel prints
@@ -632,7 +632,7 @@ fn owners_of(inodes: &BTreeSet<u64>) -> Result<Vec<i32>, ProcError> {
 
 /// Milliseconds of `CLOCK_BOOTTIME` (monotonic, counts suspend; resets at boot).
 ///
-/// Used for claim ages (`claimed_boottime_ms`, LIFECYCLE.md). Returns 0 only if the clock
+/// Used for claim ages (`claimed_boottime_ms`, docs/design/lifecycle.md). Returns 0 only if the clock
 /// cannot be read, which Linux >= 2.6.39 never does.
 pub fn boottime_ms() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -783,7 +783,7 @@ pub fn confirm_listener_owners(path: &Path, exclude: &[i32]) -> Result<Vec<PidFd
 ///
 /// The open-handle scan fails closed on any unreadable `/proc/<pid>/fd`, so on a machine
 /// where some process is unreadable (a sandbox's init, another user's process without
-/// CAP_SYS_PTRACE) every scan is `Unknown`. NVIDIA-HOST.md §5: tests run as root or in their
+/// CAP_SYS_PTRACE) every scan is `Unknown`. docs/design/host.md §5: tests run as root or in their
 /// own PID namespace with a private `/proc`. This re-runs the calling test under
 /// `unshare --pid --fork --mount-proc`.
 #[cfg(test)]

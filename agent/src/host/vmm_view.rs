@@ -1,7 +1,7 @@
 //! # host::vmm_view — the VMM's view of the filesystem (its own mount namespace)
 //!
 //! Every VMM sees only what it needs, Firecracker's jailer being the model
-//! (ARCHITECTURE.md "Isolation between VMs"): [`VmmView::plan`] turns a [`ViewSpec`] into
+//! (docs/design/architecture.md "Isolation between VMs"): [`VmmView::plan`] turns a [`ViewSpec`] into
 //! prepared steps (every path a `CString`, every directory to make listed) **before the
 //! fork**; [`VmmView::enter`] runs them in the child between fork and exec using only
 //! async-signal-safe system calls:

@@ -1,6 +1,6 @@
 //! # hypervisor::ch_api — a blocking client for Cloud Hypervisor's REST API
 //!
-//! HTTP/1.1 over the VMM's Unix API socket, base path `/api/v1` (CLOUD-HYPERVISOR.md
+//! HTTP/1.1 over the VMM's Unix API socket, base path `/api/v1` (docs/design/cloud-hypervisor.md
 //! "REST API"), with `hyper`. Each request opens one connection and runs on its own
 //! current-thread tokio runtime, bounded by one timeout for connect, send and the whole
 //! answer, so a hung VMM cannot block the caller and a hang never holds up another request.

@@ -1,6 +1,6 @@
 //! # hypervisor::cloud_hypervisor — the Cloud Hypervisor driver
 //!
-//! CLOUD-HYPERVISOR.md holds the facts. The process is started with only
+//! docs/design/cloud-hypervisor.md holds the facts. The process is started with only
 //! `--api-socket path=<instance dir>/ch.sock` (it then waits for requests, with no VM);
 //! everything else goes through its REST API ([`super::ch_api`]):
 //!
@@ -33,7 +33,7 @@ use super::{Driver, HypervisorError, HypervisorKind, StartFailure, VfioAttach, V
 #[derive(Debug, Clone, Copy)]
 pub struct CloudHypervisor;
 
-/// The `VmConfig` gpuvisor sends to `vm.create` (the subset of CLOUD-HYPERVISOR.md).
+/// The `VmConfig` gpuvisor sends to `vm.create` (the subset of docs/design/cloud-hypervisor.md).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VmConfig {
     /// What to boot.

@@ -18,10 +18,10 @@
 //!   thread waits for it);
 //! - a signal is only ever sent to a process confirmed, just before the signal, to be the
 //!   recorded VMM identity or the owner of its control socket listener — a recycled pid is
-//!   never signalled (LIFECYCLE.md "Stop");
+//!   never signalled (docs/design/lifecycle.md "Stop");
 //! - the kill path is SIGTERM → grace → SIGKILL → 2 s → SIGKILL to the process group → 2 s,
 //!   and a VMM still alive after that is an error ([`HypervisorError::KillFailed`]), never
-//!   "dead" (NVIDIA-HOST.md §9);
+//!   "dead" (docs/design/host.md §9);
 //! - a start that fails after the process exists stops it through the kill path before it
 //!   answers, or says that it could not ([`HypervisorError::KillFailed`]).
 //!
@@ -89,7 +89,7 @@ impl HypervisorKind {
         }
     }
 
-    /// What this hypervisor can carry (NVIDIA-HOST.md §8).
+    /// What this hypervisor can carry (docs/design/host.md §8).
     ///
     /// Cloud Hypervisor never carries vGPUs (vendor VFIO or mdev): VFIO region reads fail
     /// and the guest driver never initialises (cloud-hypervisor#7572), and it has no
@@ -109,7 +109,7 @@ impl HypervisorKind {
 
     /// Why this kind cannot be handed a device the way this agent attaches VFIO devices
     /// (`vfio_attach`), or `None` when it can: Cloud Hypervisor takes a device by its sysfs
-    /// path only (`vm.create` `devices[].path`, CLOUD-HYPERVISOR.md), never the VFIO group fd
+    /// path only (`vm.create` `devices[].path`, docs/design/cloud-hypervisor.md), never the VFIO group fd
     /// that `hold-fd` hands a VMM. Checked before anything is allocated, so such a create
     /// changes no driver binding.
     pub fn cannot_attach(self, framework: Option<Framework>, attach: crate::config::VfioAttach) -> Option<String> {
@@ -237,7 +237,7 @@ pub enum VfioAttach {
     /// Production: the device's sysfs directories. For a VF:
     /// `<host_root>/sys/bus/pci/devices/<VF>`; for an mdev:
     /// `<host_root>/sys/bus/mdev/devices/<uuid>`; for a passthrough GPU, every function of
-    /// its IOMMU group, the GPU first (NVIDIA-HOST.md §8).
+    /// its IOMMU group, the GPU first (docs/design/host.md §8).
     Device {
         /// The sysfs directories, one per VFIO device.
         sysfsdevs: Vec<PathBuf>,
@@ -255,7 +255,7 @@ pub enum VfioAttach {
 pub struct VmSpec {
     /// Which hypervisor runs it.
     pub hypervisor: HypervisorKind,
-    /// Instance id: QEMU's `-uuid` (the NVIDIA vGPU manager reads it, NVIDIA-HOST.md §8),
+    /// Instance id: QEMU's `-uuid` (the NVIDIA vGPU manager reads it, docs/design/host.md §8),
     /// Cloud Hypervisor's `platform.system_uuid`.
     pub id: uuid::Uuid,
     /// Instance name (QEMU `-name`).
@@ -453,7 +453,7 @@ pub enum HypervisorError {
         /// The live process.
         pid: i32,
     },
-    /// Whether the VMM is alive could not be decided (LIFECYCLE.md "provably dead").
+    /// Whether the VMM is alive could not be decided (docs/design/lifecycle.md "provably dead").
     #[error("VMM liveness cannot be decided: {reason}")]
     LivenessUnknown {
         /// Why.

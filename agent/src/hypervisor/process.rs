@@ -9,7 +9,7 @@
 //!
 //! **Hold-fd (simulated host).** The VFIO group node is opened in the child between fork
 //! and exec, so the handle belongs to the VMM's own pid from the start and the VMM is the
-//! only holder for its whole life (NVIDIA-HOST.md §8 "Under the simulator"). The node is
+//! only holder for its whole life (docs/design/host.md §8 "Under the simulator"). The node is
 //! placed on fd [`HOLD_FD_FDSET`] (QEMU: `-add-fd fd=3,set=1`) **and** on
 //! [`HOLD_FD_KEEP`], which the VMM never touches (see [`super::qemu`] for why QEMU needs
 //! the second copy).
@@ -28,7 +28,7 @@ use super::{HypervisorError, NicBackend, StartFailure, VfioAttach, VmSpec};
 use crate::host::proc::{self as hostproc, ProcessIdentity};
 
 /// `oom_score_adj` given to every VMM (best effort): a kill from the OOM killer during vGPU
-/// initialisation wedges the VF (NVIDIA-HOST.md §9).
+/// initialisation wedges the VF (docs/design/host.md §9).
 pub const VMM_OOM_SCORE_ADJ: i32 = -900;
 
 /// The fd the VFIO node is passed on (QEMU's fdset: `-add-fd fd=3`).

@@ -1,6 +1,6 @@
 //! # hypervisor::stop — graceful stop and the kill path
 //!
-//! LIFECYCLE.md "Stop" and NVIDIA-HOST.md §9: the driver's graceful steps — the guest's
+//! docs/design/lifecycle.md "Stop" and docs/design/host.md §9: the driver's graceful steps — the guest's
 //! power button (QMP `system_powerdown`; Cloud Hypervisor `vm.power-button`), then asking
 //! the VMM to exit (QMP `quit`; `vmm.shutdown`) — then the one kill path for every driver:
 //! SIGTERM → term grace (default 5 s) → SIGKILL → 2 s → SIGKILL to the
@@ -20,11 +20,11 @@ use nix::unistd::Pid;
 use super::{Driver, HypervisorError};
 use crate::host::proc::{self as hostproc, vmm_liveness, Liveness, ProcessIdentity};
 
-/// Default wait between SIGTERM and SIGKILL for a VMM holding VFIO devices (NVIDIA-HOST.md §9:
+/// Default wait between SIGTERM and SIGKILL for a VMM holding VFIO devices (docs/design/host.md §9:
 /// at least 5 s).
 pub const DEFAULT_TERM_GRACE: Duration = Duration::from_secs(5);
 
-/// Wait after SIGKILL, and after SIGKILL to the process group (NVIDIA-HOST.md §9).
+/// Wait after SIGKILL, and after SIGKILL to the process group (docs/design/host.md §9).
 pub const KILL_WAIT: Duration = Duration::from_secs(2);
 
 /// Wait for the VMM to exit after it was asked to (QMP `quit`, `vmm.shutdown`).
@@ -54,7 +54,7 @@ impl Default for StopOptions {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StopReport {
     /// Escalations past SIGTERM, in order: `"SIGKILL"`, `"SIGKILL_GROUP"`. Each marks the
-    /// device `suspect` (LIFECYCLE.md "Device health") and counts in
+    /// device `suspect` (docs/design/lifecycle.md "Device health") and counts in
     /// `gpuvisor_vmm_kill_escalations_total{signal}`.
     pub escalations: Vec<&'static str>,
     /// The VMM exited without any signal (guest power-off, or it was asked to exit).

@@ -1,4 +1,4 @@
-//! Claim and configure (LIFECYCLE.md Create steps 3–4): observe the host under the
+//! Claim and configure (docs/design/lifecycle.md Create steps 3–4): observe the host under the
 //! allocation lock, ask the placement plugin, create the claim file of the first candidate
 //! still free, then configure the device (repairing a dirty VF first through the release
 //! path) under the configure and device locks.
@@ -344,7 +344,7 @@ impl Manager {
         }
     }
 
-    /// Moves a claimed passthrough GPU's group to `vfio-pci` (NVIDIA-HOST.md §7 Bind), under
+    /// Moves a claimed passthrough GPU's group to `vfio-pci` (docs/design/host.md §7 Bind), under
     /// the configure and device locks: the group must read as the claim recorded it (no
     /// foreign member, the same drivers), no host process may hold the GPU through the host
     /// driver (services are stopped only when configured, and started again afterwards),

@@ -1,4 +1,4 @@
-//! `instance.create` (LIFECYCLE.md Create): validate, choose the hypervisor, write the
+//! `instance.create` (docs/design/lifecycle.md Create): validate, choose the hypervisor, write the
 //! record, claim, configure, spawn; roll back on failure. [`Manager::boot`] is the claim →
 //! configure → spawn sequence that `start` shares.
 

@@ -1,4 +1,4 @@
-//! `instance.delete` (LIFECYCLE.md Delete): decide liveness first, mark `deleting`, the kill
+//! `instance.delete` (docs/design/lifecycle.md Delete): decide liveness first, mark `deleting`, the kill
 //! path, release the device **before** any other teardown; a failed release (or a claim
 //! that cannot be read) turns the instance into `cleanup_pending` with its claim retained;
 //! success removes the record, its directory and its name.

@@ -1,4 +1,4 @@
-//! Device health (LIFECYCLE.md "Device health"): suspect and quarantine marks, strike
+//! Device health (docs/design/lifecycle.md "Device health"): suspect and quarantine marks, strike
 //! accounting, and unquarantine. Every sysfs write outcome of the release path and of
 //! configure is reported here, once, through [`Manager::write_outcome`].
 //!

@@ -324,7 +324,7 @@ type TypeNames = (Option<String>, HashMap<(String, u32), String>);
 pub struct ProfileBook {
     path: PathBuf,
     /// Canonical profile name (upper case) → (the catalog's spelling, framebuffer MiB), for
-    /// every name seen in a catalog or a claim (NVIDIA-HOST.md §3.5: tells `unknown_profile`
+    /// every name seen in a catalog or a claim (docs/design/host.md §3.5: tells `unknown_profile`
     /// from `no_capacity`).
     known: Mutex<BTreeMap<String, (String, Option<u64>)>>,
     /// The driver version the names were learned under, and (PF, type id) → profile name:
@@ -978,7 +978,7 @@ impl Manager {
     }
 
     /// Makes sure the profile names are learned, then tells an unknown profile from a known
-    /// one (NVIDIA-HOST.md §3.5); returns the catalog's spelling. Observes only when the
+    /// one (docs/design/host.md §3.5); returns the catalog's spelling. Observes only when the
     /// profile is not known yet.
     pub(crate) fn known_profile(&self, profile: &str) -> Result<String, ApiError> {
         let canon = gpuvisor_sdk::canonical_profile(profile);

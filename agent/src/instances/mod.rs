@@ -1,4 +1,4 @@
-//! # instances — the lifecycle (LIFECYCLE.md is the contract)
+//! # instances — the lifecycle (docs/design/lifecycle.md is the contract)
 //!
 //! Create, start, stop and delete are ordered lists of steps, each durable before the next
 //! side effect. One file per concern:
@@ -29,7 +29,7 @@
 //! reconciler never acts on an instance mid-operation); the **allocation lock** (claim
 //! selection + claim creation, the release path's claim re-read + removal; never held across
 //! a sysfs write or a VM boot); the **configure lock** (the host-wide catalog read → type
-//! write → read-back of NVIDIA-HOST.md §9, so two creates cannot both take the last slot);
+//! write → read-back of docs/design/host.md §9, so two creates cannot both take the last slot);
 //! one lock **per device** (the open-handle scan and the hardware write under the same
 //! lock).
 //!
@@ -105,7 +105,7 @@ pub struct Manager {
     book: inventory::ProfileBook,
     health: health::HealthState,
     reconciler: reconcile::ReconcileState,
-    /// The startup reconcile pass had a complete observation (INVARIANTS.md I13): until
+    /// The startup reconcile pass had a complete observation (docs/design/invariants.md I13): until
     /// then new claims answer `not_ready` and nothing is released.
     ready: AtomicBool,
     metrics: Metrics,
@@ -278,7 +278,7 @@ impl Manager {
         }
     }
 
-    /// Refuses new claims until the startup pass is done (INVARIANTS.md I13).
+    /// Refuses new claims until the startup pass is done (docs/design/invariants.md I13).
     fn require_ready(&self) -> Result<(), ApiError> {
         if self.is_ready() {
             Ok(())
@@ -302,7 +302,7 @@ impl Manager {
 
     /// Logs a failed operation once, at WARN (or ERROR for server-side failures), with the
     /// instance's id and name when known, and passes the result on. Every public operation
-    /// ends here (LIFECYCLE.md "Logs are part of the interface").
+    /// ends here (docs/design/lifecycle.md "Logs are part of the interface").
     fn logged<T>(&self, op: &str, who: Who<'_>, r: Result<T, ApiError>) -> Result<T, ApiError> {
         if let Err(e) = &r {
             let id = who.id.map(|i| i.to_string()).unwrap_or_else(|| "-".into());

@@ -1,7 +1,7 @@
 //! Every plugin call goes through [`Manager::call_policy`]: time the call, record the input
 //! and the answer (when `record_policy_inputs` is set), count it by plugin, kind and result, log
 //! a failure once. The kind-specific callers then validate the answer natively
-//! (PLUGINS.md "The rule that makes this safe"): a plugin advises, the agent decides.
+//! (docs/plugins.md "The rule that makes this safe"): a plugin advises, the agent decides.
 
 use super::inventory::{Candidate, Observation};
 use super::Manager;

@@ -1,4 +1,4 @@
-//! # The reconciler (LIFECYCLE.md "Reconciler")
+//! # The reconciler (docs/design/lifecycle.md "Reconciler")
 //!
 //! One pass: observe → plan → act.
 //! 1. **Observe**: every instance, claim and health record (tolerantly: an unreadable
@@ -8,7 +8,7 @@
 //!    vendor-VFIO sweep, and still runs the mdev sweep limited to gpuvisor's own old, idle
 //!    mdevs. A host that cannot be observed completely (a probe error) makes the pass
 //!    release and sweep nothing (`stage="host"`). Nothing is released until a pass had a
-//!    complete observation (INVARIANTS.md I13).
+//!    complete observation (docs/design/invariants.md I13).
 //! 2. **Records**: an instance recorded `starting`/`running`/`stopping` whose VMM is provably
 //!    dead and which no operation holds moves to `stopped` (`last_error` says why; logged at
 //!    WARN); a live control-socket owner that is not the recorded identity is recorded as
@@ -53,7 +53,7 @@ pub struct ReconcileState {
     orphan_seen: Mutex<HashMap<String, u64>>,
     orphans_path: PathBuf,
     /// Devices an eligible item of which the grace plugin has kept longer than
-    /// `claim_grace_s` + one reconcile interval, with the plugin's reason (PLUGINS.md
+    /// `claim_grace_s` + one reconcile interval, with the plugin's reason (docs/plugins.md
     /// "grace": reported as `held_by_policy`). Rebuilt by every pass.
     held_by_policy: Mutex<BTreeMap<String, String>>,
     /// A pass had a complete observation: releases are allowed from now on.

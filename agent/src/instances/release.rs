@@ -3,7 +3,7 @@
 //! Every clear of every device kind comes here: a claimed VF or mdev (stop, delete,
 //! rollback, start's earlier claim, the reconciler's stale claims), an orphan VF or mdev
 //! (the sweep), and the repair of a dirty VF before configure. One sequence for all of them
-//! (LIFECYCLE.md "The release guard"):
+//! (docs/design/lifecycle.md "The release guard"):
 //!
 //! 1. the owner is provably dead — a [`Dead`] proof for claims; "no claim" for orphans;
 //! 2. under the allocation lock, the device is still ours to clear: the claim is still
@@ -18,7 +18,7 @@
 //! 5. the write's outcome goes to the health accounting;
 //! 6. the claim is removed (re-read under the allocation lock first).
 //!
-//! Nothing is released until the startup pass had a complete observation (INVARIANTS.md
+//! Nothing is released until the startup pass had a complete observation (docs/design/invariants.md
 //! I13). A failed release of a claim keeps the claim, `release_pending`, with the attempt
 //! count and the last error. Nothing else in the tree calls [`vendor_vfio::clear`],
 //! [`mdev::remove`], [`passthrough::reset`] or [`passthrough::give_back`] (a test checks
@@ -36,7 +36,7 @@ use crate::sync::lock;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// The health reason of a passthrough GPU whose reset failed (NVIDIA-HOST.md §7): it is
+/// The health reason of a passthrough GPU whose reset failed (docs/design/host.md §7): it is
 /// never reset again until an operator clears the mark.
 pub const RESET_FAILED: &str = "reset_failed";
 
@@ -142,7 +142,7 @@ impl ReleaseError {
 }
 
 /// A fresh open-handle scan of a device's nodes; targets that could not be read make the
-/// result unknown (fail closed, NVIDIA-HOST.md §5).
+/// result unknown (fail closed, docs/design/host.md §5).
 pub(crate) fn scan(targets: Result<Vec<PathBuf>, String>) -> HandleScan {
     match targets {
         Ok(t) => proc::scan_open_handles(&t),
@@ -336,7 +336,7 @@ impl Manager {
         }
     }
 
-    /// Passthrough (NVIDIA-HOST.md §7 Give back): the optional reset of the GPU while it is
+    /// Passthrough (docs/design/host.md §7 Give back): the optional reset of the GPU while it is
     /// still on `vfio-pci` (a wedged GPU is quarantined — `reset_failed` — and never reset
     /// again; its functions are still given back), then every function back to the driver
     /// the claim recorded, companions first. A failure names the binding observed.

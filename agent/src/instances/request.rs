@@ -14,7 +14,7 @@ use uuid::Uuid;
 /// Instance names: the pattern, as JSON Schema states it.
 pub const NAME_PATTERN: &str = "^[a-z0-9][a-z0-9-]{0,62}$";
 /// At most this many labels per instance: every policy input carries them, and plugins run
-/// under a fuel budget (PLUGINS.md), so an unbounded map would surface as `policy_failed`.
+/// under a fuel budget (docs/plugins.md), so an unbounded map would surface as `policy_failed`.
 pub const MAX_LABELS: usize = 64;
 /// Label keys: 1–63 bytes of `[A-Za-z0-9._/-]`, starting with a letter or digit.
 pub const LABEL_KEY_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$";

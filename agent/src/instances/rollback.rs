@@ -1,4 +1,4 @@
-//! Rollback and retention after a failed create or start (LIFECYCLE.md Create step 6): stop
+//! Rollback and retention after a failed create or start (docs/design/lifecycle.md Create step 6): stop
 //! the VMM if one was spawned and prove it dead, release the claim through the release
 //! path; when that fails, keep the claim and turn the instance into a delete-only
 //! `cleanup_pending` record (one attempt at that write).

@@ -1,4 +1,4 @@
-//! `instance.start` (LIFECYCLE.md Start): release a claim left from an earlier failed
+//! `instance.start` (docs/design/lifecycle.md Start): release a claim left from an earlier failed
 //! release first (persisted), clear the previous VMM identity (persisted) before the new
 //! claim is written, then claim, configure and spawn as create does.
 

@@ -1,4 +1,4 @@
-//! `instance.stop` (LIFECYCLE.md Stop): decide liveness first (unknown → change nothing),
+//! `instance.stop` (docs/design/lifecycle.md Stop): decide liveness first (unknown → change nothing),
 //! mark `stopping`, guest power-off or the kill path until the VMM is provably dead, release
 //! the device (a failed release keeps the claim `release_pending`; the stop still
 //! succeeds and says so), then `stopped`. Stopping a stopped instance retries a pending

@@ -714,7 +714,7 @@ impl Manager {
         let (liveness, reason) = match self.identity_liveness(v) {
             Liveness::Alive { .. } => ("alive", None),
             // Only a recorded identity that matches a live process now is shown: a recycled
-            // pid is never reported as the VMM (INVARIANTS.md I7).
+            // pid is never reported as the VMM (docs/design/invariants.md I7).
             Liveness::Dead => return None,
             Liveness::MaybeAlive { reason } => ("unknown", Some(reason)),
         };

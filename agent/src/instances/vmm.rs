@@ -2,7 +2,7 @@
 //! stop through the kill path with its accounting (escalations are counted and mark the
 //! device `suspect`).
 //!
-//! "Provably dead" (LIFECYCLE.md Words) is decided here and nowhere else: a [`Dead`] can
+//! "Provably dead" (docs/design/lifecycle.md Words) is decided here and nowhere else: a [`Dead`] can
 //! only be made by this module, and the release path takes one for every claim it clears.
 //! An identity recorded in another PID namespace is *maybe alive*: never signalled, never
 //! released on its behalf.
@@ -300,7 +300,7 @@ impl Manager {
                     for sig in &report.escalations {
                         self.metrics.kill_escalation(sig);
                     }
-                    // A SIGKILL during vGPU setup can wedge the VF (NVIDIA-HOST.md §9): name
+                    // A SIGKILL during vGPU setup can wedge the VF (docs/design/host.md §9): name
                     // the device and mark it suspect.
                     let claim = self.claim_of(rec).ok().and_then(|o| o.claim().cloned());
                     tracing::warn!(instance.id = %rec.id, instance.name = %rec.name,

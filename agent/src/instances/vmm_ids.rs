@@ -1,7 +1,7 @@
 //! # instances::vmm_ids — a uid/gid of its own for every instance's VMM
 //!
 //! Every instance's VMM runs under an id of `vmm_ids` that no other instance has
-//! (ARCHITECTURE.md "Isolation between VMs"): uid = gid = the id. The id is recorded
+//! (docs/design/architecture.md "Isolation between VMs"): uid = gid = the id. The id is recorded
 //! **before** the first spawn, durably and in this order — `vmm-ids/<uid>.json` created
 //! exclusively (`renameat2(RENAME_NOREPLACE)`, like a claim), then the instance record's
 //! `vmm_id` — and kept for the instance's whole life, so its files and sockets keep one

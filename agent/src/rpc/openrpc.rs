@@ -1,7 +1,7 @@
 //! The OpenRPC document `rpc.discover` returns: every method with its parameter and result
 //! schemas — generated (`schemars`) from the very types the agent decodes and returns, so
 //! every limit the agent enforces is stated — and the stable error codes it can answer
-//! (LIFECYCLE.md "Errors"), with their classes from [`ErrorCode::class`].
+//! (docs/design/lifecycle.md "Errors"), with their classes from [`ErrorCode::class`].
 
 use crate::error::ErrorCode;
 use crate::instances::request::*;

@@ -1,4 +1,4 @@
-//! `grace-default`, the default `grace` plugin (PLUGINS.md, LIFECYCLE.md "Reconciler"):
+//! `grace-default`, the default `grace` plugin (docs/plugins.md, docs/design/lifecycle.md "Reconciler"):
 //! the bounded startup protection.
 //!
 //! Every item reaching the plugin is already *eligible* (owner provably dead or absent).
@@ -20,7 +20,7 @@
 
 use gpuvisor_sdk::{GraceAction, GraceAnswer, GraceDecision, GraceInput, GraceItem, GraceItemKind};
 
-/// The default `claim_grace`, in seconds (LIFECYCLE.md).
+/// The default `claim_grace`, in seconds (docs/design/lifecycle.md).
 pub const DEFAULT_CLAIM_GRACE_S: u64 = 300;
 
 /// Owner states whose VMM was proven dead before (or that have no instance at all).

@@ -1,4 +1,4 @@
-//! `hypervisor-default`, the default `hypervisor` plugin (PLUGINS.md).
+//! `hypervisor-default`, the default `hypervisor` plugin (docs/plugins.md).
 //!
 //! The instance needs the capability of its GPU `framework` (`vendor_vfio`, `mdev`,
 //! `passthrough`), or `passthrough` when it lists passthrough `devices` without a

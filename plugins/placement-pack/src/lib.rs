@@ -1,7 +1,7 @@
-//! `placement-pack`, the shipped alternative `placement` plugin (PLUGINS.md): fill GPUs
+//! `placement-pack`, the shipped alternative `placement` plugin (docs/plugins.md): fill GPUs
 //! one after the other, keeping empty GPUs free for other vGPU sizes and for passthrough.
 //!
-//! Under the equal-size rule (NVIDIA-HOST.md §3.4) a GPU that holds vGPUs of size S can
+//! Under the equal-size rule (docs/design/host.md §3.4) a GPU that holds vGPUs of size S can
 //! only take more of size S, so the order of GPUs is:
 //! 1. GPUs already running vGPUs of the requested framebuffer size (a claimed device whose
 //!    owner's profile has that size);

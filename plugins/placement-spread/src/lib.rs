@@ -1,10 +1,10 @@
-//! `placement-spread`, the default `placement` plugin (PLUGINS.md): spread instances over
+//! `placement-spread`, the default `placement` plugin (docs/plugins.md): spread instances over
 //! the GPUs so each gets as much headroom as possible.
 //!
 //! Order:
 //! 1. GPUs whose load is known (`load_known`) before those whose load is only a lower
 //!    bound (a claim of a profile without a size in its name): an unknown load puts a GPU
-//!    last but does not exclude it (SCENARIOS.md S005). Then by least
+//!    last but does not exclude it (docs/design/scenarios.md S005). Then by least
 //!    `claimed_framebuffer_mib`, then by PF address.
 //! 2. Within a GPU: `free` devices before `dirty` ones (a dirty VF needs a repair first),
 //!    then by address.

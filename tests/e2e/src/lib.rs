@@ -220,9 +220,9 @@ fn dechunk(s: &str) -> String {
 /// "holder" processes run in.
 ///
 /// Why: the agent's open-handle scan reads every `/proc/<pid>/fd` and fails closed on any
-/// unreadable one (NVIDIA-HOST.md §5). Sandboxed machines (CI here) hide some processes'
+/// unreadable one (docs/design/host.md §5). Sandboxed machines (CI here) hide some processes'
 /// fds even from root, so tests run the agent "in their own PID namespace with a private
-/// `/proc`" as NVIDIA-HOST.md §5 says. Pid 1 of the namespace is `sleep infinity` (it does
+/// `/proc`" as docs/design/host.md §5 says. Pid 1 of the namespace is `sleep infinity` (it does
 /// not reap: a VMM orphaned by a killed agent stays a zombie, which the agent's liveness
 /// check counts as dead); dropping the namespace kills every process in it.
 pub struct PidNs {
@@ -720,7 +720,7 @@ impl Agent {
 // (used by tests/reconcile.rs and tests/crash_matrix.rs; another block above/below belongs to
 // other suites — keep this one self-contained)
 
-/// Host V (SCENARIOS.md conventions): one L40S `0000:41:00.0` with 4 VFs `.4`–`.7`
+/// Host V (docs/design/scenarios.md conventions): one L40S `0000:41:00.0` with 4 VFs `.4`–`.7`
 /// (groups 41–44), teardown lag 300 ms.
 pub const HOST_V: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
 /// Host V2: V plus `0001:81:00.0` with VFs `0001:81:00.4`–`.7` (groups 61–64).
@@ -901,7 +901,7 @@ impl World {
         self.qemus.iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect()
     }
 
-    /// Safety (INVARIANTS.md I1, I3, I4), which must hold at every observation.
+    /// Safety (docs/design/invariants.md I1, I3, I4), which must hold at every observation.
     /// `dirty_before`: VFs that carried a type gpuvisor did not claim before the test acted.
     pub fn safety_violations(&self, dirty_before: &[String]) -> Vec<String> {
         let mut v = Vec::new();

@@ -1,5 +1,5 @@
 //! End to end: the JSON-RPC surface — discovery, standard JSON-RPC errors, the lifecycle's
-//! error classes and `data.code`s (LIFECYCLE.md "Errors"), the socket's mode and metrics.
+//! error classes and `data.code`s (docs/design/lifecycle.md "Errors"), the socket's mode and metrics.
 //! Every refused request must leave nothing behind: no claim, no sysfs write, no instance.
 
 use gpuvisor_e2e::*;
@@ -57,7 +57,7 @@ fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered()
             assert_ne!(e.code, 0, "{m}: transport failure: {e}");
         }
     }
-    // Every documented error carries its LIFECYCLE.md class and data.code.
+    // Every documented error carries its docs/design/lifecycle.md class and data.code.
     for m in doc["methods"].as_array().unwrap() {
         for err in m["errors"].as_array().unwrap() {
             let code = err["data"]["code"].as_str().unwrap();
@@ -73,7 +73,7 @@ fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered()
                 | "device_unhealthy"
                 | "iommu_group_conflict"
                 | "gpu_busy"
-                // Beyond LIFECYCLE.md's table (docs/api.md "Errors"): image.delete of an image
+                // Beyond docs/design/lifecycle.md's table (docs/api.md "Errors"): image.delete of an image
                 // that instances use.
                 | "image_in_use" => 409,
                 "vgpu_cleanup_pending"
@@ -83,7 +83,7 @@ fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered()
                 | "policy_failed"
                 | "internal" => 500,
                 "not_ready" | "vmm_liveness_unknown" => 503,
-                other => panic!("{} documents an error code not in LIFECYCLE.md: {other}", m["name"]),
+                other => panic!("{} documents an error code not in docs/design/lifecycle.md: {other}", m["name"]),
             };
             assert_eq!(err["code"], class, "{}: {err}", m["name"]);
         }
@@ -94,7 +94,7 @@ fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered()
 
 #[test]
 fn reconcile_run_is_served_and_returns_a_pass_report() {
-    // LIFECYCLE.md Reconciler: "`reconcile.run` and `gpuvisor reconcile` run one pass now and
+    // docs/design/lifecycle.md Reconciler: "`reconcile.run` and `gpuvisor reconcile` run one pass now and
     // return its report."
     let a = Agent::start(ONE_GPU).unwrap();
     let report = a.call("reconcile.run", json!({}));

@@ -1,4 +1,4 @@
-//! SCENARIOS.md §2 "Claim & configure" (S011–S015) and the failing type write, against the
+//! docs/design/scenarios.md §2 "Claim & configure" (S011–S015) and the failing type write, against the
 //! real agent, gpuvisor-sim and QEMU.
 
 use gpuvisor_e2e::*;

@@ -452,7 +452,7 @@ fn stop_whose_release_fails_exits_4_and_says_release_pending() {
     assert_eq!(a.vf_type(VF0), 1148);
 }
 
-/// Create-time EIO is weaker evidence (LIFECYCLE.md "Device health"): a first EIO on a VF's
+/// Create-time EIO is weaker evidence (docs/design/lifecycle.md "Device health"): a first EIO on a VF's
 /// type write leaves no mark; a second in a row on the same VF makes it `suspect`
 /// (`create_eio`), and further ones never quarantine it. Each create moves on to the next VF.
 #[test]

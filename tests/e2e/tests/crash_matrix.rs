@@ -1,4 +1,4 @@
-//! The crash matrix (INVARIANTS.md "How they are tested", 1): for a failpoint and an
+//! The crash matrix (docs/design/invariants.md "How they are tested", 1): for a failpoint and an
 //! operation on a vGPU instance of host V, arm the failpoint, run the operation (the agent
 //! aborts, like `kill -9`), check the **safety** invariants at once (I1, I3, I4 — from the
 //! store files, the simulator's state dump and the process table), crash the agent a second

@@ -5,11 +5,11 @@
 //!
 //! - I13/I6: nothing is released or swept while the host's PCI devices cannot be listed
 //!   (at startup, in a periodic pass, and after a stop).
-//! - NVIDIA-HOST §3.1: a catalog row with type id 0 is never a type.
-//! - NVIDIA-HOST §1: a host where no VF's type can be read is a probe error, never a host
+//! - docs/design/host.md §3.1: a catalog row with type id 0 is never a type.
+//! - docs/design/host.md §1: a host where no VF's type can be read is a probe error, never a host
 //!   without GPUs.
 //! - I6: an undecodable instance or claim record blocks only what it may own.
-//! - LIFECYCLE Reconciler 2: a live control-socket owner is recorded as the VMM when the
+//! - docs/design/lifecycle.md Reconciler 2: a live control-socket owner is recorded as the VMM when the
 //!   recorded pid belongs to another process.
 //! - A pass counts a device as released only when it wrote something.
 //! - Devices skipped for unreadable state are named (once) and counted.
@@ -296,7 +296,7 @@ fn periodic_passes_release_nothing_while_the_pci_devices_cannot_be_listed() {
     assert_eq!(health(&a)["ready"], true);
 }
 
-// ====================================================================== 2. NVIDIA-HOST §3.1: id 0
+// ====================================================================== 2. docs/design/host.md §3.1: id 0
 
 const ZERO_ROW: &str = "0    : NVIDIA L40S-2Q";
 const GARBAGE_ROW: &str = "this is not a catalog row";
@@ -305,7 +305,7 @@ fn catalog_path(vf: &str) -> String {
     format!("sys/bus/pci/devices/{vf}/nvidia/creatable_vgpu_types")
 }
 
-/// NVIDIA-HOST §3.1: a catalog row whose id is `0` is never a type. With only that row, a
+/// docs/design/host.md §3.1: a catalog row whose id is `0` is never a type. With only that row, a
 /// create of its profile writes nothing (`no_capacity`); with the real row after it, the
 /// create writes the real id — never `0` "as a create". The skipped rows are listed per
 /// device in `gpu.list`, counted in `resources.get` and the gauge, and warned once per VF
@@ -353,7 +353,7 @@ fn a_catalog_row_with_type_id_0_is_skipped_counted_and_warned_once_never_written
     }
 }
 
-// ====================================================================== 3. NVIDIA-HOST §1: no readable VF
+// ====================================================================== 3. docs/design/host.md §1: no readable VF
 
 fn assert_probe_error(a: &Agent, gpus_expected: usize) {
     let gpus = a.ok("gpu.list", json!({}));
@@ -379,7 +379,7 @@ fn assert_probe_error(a: &Agent, gpus_expected: usize) {
     assert_eq!((e.code, e.data_code.as_str()), (503, "not_ready"), "{e}");
 }
 
-/// NVIDIA-HOST §1, I13: when no VF's `current_vgpu_type` can be read the host is a probe
+/// docs/design/host.md §1, I13: when no VF's `current_vgpu_type` can be read the host is a probe
 /// error — not ready, every GPU shown with its probe error — never "no GPUs and ready";
 /// the same after a restart; ready again once the types can be read.
 #[test]
@@ -566,7 +566,7 @@ fn bystander(a: &Agent, dir: &std::path::Path) -> (std::process::Child, i32, i32
     (child, nspid, root, siglog)
 }
 
-/// LIFECYCLE Reconciler 2: a VM whose record names a pid that now belongs to another live
+/// docs/design/lifecycle.md Reconciler 2: a VM whose record names a pid that now belongs to another live
 /// process, and whose control socket is owned by the real QEMU: the pass records QEMU as
 /// the instance's VMM (reported in `records`), `instance.get` shows QEMU's pid, and a later
 /// stop stops QEMU and never signals the other process.
@@ -903,7 +903,7 @@ fn a_rollback_whose_own_stop_cannot_kill_the_vmm_has_release_error_vmm_kill_fail
     let claim = a.claim(VF0).expect("the claim is kept");
     assert_eq!(claim["instance_id"], d["instance_id"], "{claim}");
     assert_eq!(a.vf_type(VF0), 1147, "the VF is not cleared under the live VMM");
-    // The retention (one attempt, LIFECYCLE.md Create step 6): the space is free again by
+    // The retention (one attempt, docs/design/lifecycle.md Create step 6): the space is free again by
     // now (the stand-in freed it on SIGTERM), so the instance becomes delete-only.
     let got = a.ok("instance.get", json!({"ref": "k"}));
     assert!(

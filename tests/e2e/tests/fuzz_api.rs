@@ -1,4 +1,4 @@
-//! Bad input on the JSON-RPC surface (INVARIANTS.md "How they are tested", 8): every method
+//! Bad input on the JSON-RPC surface (docs/design/invariants.md "How they are tested", 8): every method
 //! and parameter of the agent's own OpenRPC document (`rpc.discover`) is called with wrong
 //! types, huge values, hostile strings (paths, NUL, empty, non-ASCII), unknown fields,
 //! missing required parameters and non-object params. Every call must get an answer (the

@@ -1,5 +1,5 @@
-//! SCENARIOS.md §9 "Fail-closed inventory" (S043–S045), S010 (concurrent creates) and the
-//! single-writer rule (INVARIANTS.md I11).
+//! docs/design/scenarios.md §9 "Fail-closed inventory" (S043–S045), S010 (concurrent creates) and the
+//! single-writer rule (docs/design/invariants.md I11).
 
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};

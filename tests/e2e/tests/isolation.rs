@@ -1,4 +1,4 @@
-//! Each VMM in its own box (ARCHITECTURE.md "Isolation between VMs", INVARIANTS.md I16),
+//! Each VMM in its own box (docs/design/architecture.md "Isolation between VMs", docs/design/invariants.md I16),
 //! shown rather than asserted, against the real agent, gpuvisor-sim and QEMU: a process
 //! that *is* one instance's VMM as far as the kernel can tell — in its QEMU's mount
 //! namespace (`nsenter`), with its uid, gid and groups and `no_new_privs` (`setpriv`) — tries

@@ -1,4 +1,4 @@
-//! SCENARIOS.md §7 "Liveness & kill path": S032(a), S034, S035(a)(b), S037, against the real
+//! docs/design/scenarios.md §7 "Liveness & kill path": S032(a), S034, S035(a)(b), S037, against the real
 //! agent, gpuvisor-sim and QEMU (guests paused through a `qemu_binary` wrapper; the kill
 //! path does not need a booted guest). Pids written into records are pids of the agent's
 //! PID namespace (the agent sees only that namespace's /proc).

@@ -194,7 +194,7 @@ fn a_foreign_mdev_parent_is_listed_as_unavailable_not_free() {
     assert_eq!(before["devices"]["allocatable"], 32, "{before}");
     a.sim.ctl(&["create-mdev", "0000:41:00.4", "1148", FOREIGN]).unwrap();
 
-    // SCENARIOS.md S061: a foreign mdev's parent "is shown as foreign and unavailable, not free".
+    // docs/design/scenarios.md S061: a foreign mdev's parent "is shown as foreign and unavailable, not free".
     let gpus = a.ok("gpu.list", json!({}));
     let dev = gpus["gpus"]
         .as_array()

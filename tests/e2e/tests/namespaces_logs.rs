@@ -4,7 +4,7 @@
 //! A pid, a start time and a boot id mean nothing in another PID namespace, and an
 //! open-handle scan from inside a namespace cannot see the host's processes: an identity
 //! recorded in another namespace is *maybe alive* — never signalled, never released on its
-//! behalf — and the agent says so (LIFECYCLE.md "provably dead"; docs/gpu.md).
+//! behalf — and the agent says so (docs/design/lifecycle.md "provably dead"; docs/gpu.md).
 
 use gpuvisor_e2e::*;
 use serde_json::json;

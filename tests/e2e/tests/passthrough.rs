@@ -1,4 +1,4 @@
-//! End to end: whole-GPU passthrough (NVIDIA-HOST.md §7; SCENARIOS.md S054–S058) against
+//! End to end: whole-GPU passthrough (docs/design/host.md §7; docs/design/scenarios.md S054–S058) against
 //! the real agent, gpuvisor-sim's `pt-2` host and real QEMU (hold-fd on the group node).
 //!
 //! `pt-2`: p0 `0000:82:00.0` (group 40: p0, its audio `.1`, a bridge `0000:80:01.0`), p1

@@ -1,14 +1,14 @@
-//! INVARIANTS.md "How they are tested", item 2, for whole-GPU passthrough: the sysfs fault
+//! docs/design/invariants.md "How they are tested", item 2, for whole-GPU passthrough: the sysfs fault
 //! matrix of the passthrough write sites — `driver_override`, a driver's `unbind`,
 //! `drivers_probe` (the bind), vfio-pci's `unbind` and `reset` (the give-back) — × errno
 //! (EBUSY, EINVAL, EIO, ENODEV, EPERM) × (once, forever), against the real agent,
 //! gpuvisor-sim's `pt-2` and (paused) QEMU.
 //!
 //! For each cell: arm the fault, run the operation that reaches the site (create for the
-//! bind sites, stop for the give-back sites), check the answer (a code of LIFECYCLE.md's
+//! bind sites, stop for the give-back sites), check the answer (a code of docs/design/lifecycle.md's
 //! table, never `internal`, never a dead agent), check the invariant after every step — a
 //! GPU with no claim has every function on its boot driver: never a half-bound group that
-//! looks free —, then `clear-faults`, recover as LIFECYCLE.md says (delete the instance, or
+//! looks free —, then `clear-faults`, recover as docs/design/lifecycle.md says (delete the instance, or
 //! one reconcile pass) and check the baseline: no claim, group 40 on its boot drivers, and a
 //! create that succeeds.
 //!

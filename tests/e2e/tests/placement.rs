@@ -1,4 +1,4 @@
-//! SCENARIOS.md §1 "Placement & capacity" (S002–S009), with the default placement-spread.
+//! docs/design/scenarios.md §1 "Placement & capacity" (S002–S009), with the default placement-spread.
 
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};

@@ -1,4 +1,4 @@
-//! SCENARIOS.md S030 ("An unreadable /proc entry blocks the release") and S033 ("Zombies and
+//! docs/design/scenarios.md S030 ("An unreadable /proc entry blocks the release") and S033 ("Zombies and
 //! unreadable status files"), against the real agent, gpuvisor-sim and QEMU (guests paused
 //! through a `qemu_binary` wrapper). Pids the agent reports or stores are pids of the agent's
 //! PID namespace (it sees only that namespace's /proc).

@@ -1,5 +1,5 @@
-//! End to end: the reconciler (LIFECYCLE.md "Reconciler", "The release guard";
-//! SCENARIOS.md §8, §9, §12 — S038–S042, S052, S053) against the real agent, gpuvisor-sim and
+//! End to end: the reconciler (docs/design/lifecycle.md "Reconciler", "The release guard";
+//! docs/design/scenarios.md §8, §9, §12 — S038–S042, S052, S053) against the real agent, gpuvisor-sim and
 //! QEMU. Crashes use the agent's failpoints (`FAILPOINTS=<name>=return` aborts it), so the
 //! agent binary must be built with `--features gpuvisor/failpoints`.
 //!

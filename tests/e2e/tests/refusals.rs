@@ -1,4 +1,4 @@
-//! SCENARIOS.md §10–11: S046 (standby/snapshot refused with a vGPU), S047 (a fork never
+//! docs/design/scenarios.md §10–11: S046 (standby/snapshot refused with a vGPU), S047 (a fork never
 //! takes the source's assignment), S049 (no capacity vs unknown profile), S051 (a vGPU
 //! needs a hypervisor that can carry it, and a stable UUID), against the real agent,
 //! gpuvisor-sim and QEMU (guests paused through a `qemu_binary` wrapper).
@@ -137,7 +137,7 @@ fn s049_no_capacity_and_unknown_profile_are_told_apart() {
 
 #[test]
 fn s051_a_vgpu_needs_a_hypervisor_that_can_carry_it_and_a_stable_uuid() {
-    // PLUGINS.md: `hypervisor-default` answers QEMU for a GPU instance whose requested
+    // docs/plugins.md: `hypervisor-default` answers QEMU for a GPU instance whose requested
     // hypervisor cannot carry it (so under it FF would run on QEMU). The native capability
     // gate S051 is about is exercised with a hypervisor plugin that does choose the incapable
     // hypervisor (fixture `hv-cloud.wat`).

@@ -1,4 +1,4 @@
-//! SCENARIOS.md §6 "Release guards" (S027–S029): releasing retained claims through the
+//! docs/design/scenarios.md §6 "Release guards" (S027–S029): releasing retained claims through the
 //! guard — idle VFs, VFs with nothing to write, open handles, VFs without VFIO paths —
 //! against the real agent, gpuvisor-sim and QEMU (guests paused through a wrapper).
 

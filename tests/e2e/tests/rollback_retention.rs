@@ -1,4 +1,4 @@
-//! SCENARIOS.md §3 "Create/start rollback & retention" (S016–S019) and S050 (the shape of
+//! docs/design/scenarios.md §3 "Create/start rollback & retention" (S016–S019) and S050 (the shape of
 //! `vgpu_cleanup_pending`), against the real agent, gpuvisor-sim and QEMU.
 //!
 //! "QEMU exits with status 1 right after it is spawned" is a `qemu_binary` wrapper whose
@@ -269,7 +269,7 @@ fn check_cleanup_pending(a: &Agent, e: &RpcError, name: &str, retained: bool) ->
 fn s050_the_shape_of_vgpu_cleanup_pending() {
     let w = QemuWrapper::new();
     // claim_grace_s = 2: in case (b) the record stays `starting` without a VMM identity, and
-    // LIFECYCLE.md lets the reconciler release such a claim only "after the claim grace".
+    // docs/design/lifecycle.md lets the reconciler release such a claim only "after the claim grace".
     let mut a = agent(HOST_V, &w, &[("release_retry_s", "1"), ("claim_grace_s", "2")]);
     let fault = format!("{}\nexit 1\n", sim_ctl_sh(&a.sim, &["fail-write", ALL_TYPES, "EBUSY", "--always"]));
     let pass_releases = |a: &Agent, vf: &str| {

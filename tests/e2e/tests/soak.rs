@@ -1,4 +1,4 @@
-//! Soak (INVARIANTS.md "How they are tested", 7): random sequences of API calls mixed with
+//! Soak (docs/design/invariants.md "How they are tested", 7): random sequences of API calls mixed with
 //! agent kills (plain `kill -9` and aborts at a random failpoint), QEMUs killed behind the
 //! agent's back, injected sysfs write faults and reconcile passes, on a host with two managed
 //! GPUs and one unmanaged GPU. Every observation is checked:
@@ -8,7 +8,7 @@
 //! - I5: what the API acknowledged survives every kill — an acknowledged create is found
 //!   after restarts, an acknowledged delete never comes back;
 //! - I9: a dirty VF on the unmanaged GPU keeps its type and is never written;
-//! - the answer of every call is a success or an error of LIFECYCLE.md's table (never
+//! - the answer of every call is a success or an error of docs/design/lifecycle.md's table (never
 //!   `internal`, never a dropped connection unless a crash was armed).
 //!
 //! At the end the faults are cleared, the agent restarts cleanly and passes run for the
@@ -37,7 +37,7 @@ const GRACE_S: u64 = 2;
 const NAMES: [&str; 6] = ["s0", "s1", "s2", "s3", "s4", "s5"];
 const PROFILES: [&str; 3] = ["L40S-1Q", "L40S-2Q", "L40S-4Q"];
 const ERRNOS: [&str; 5] = ["EBUSY", "EINVAL", "EIO", "ENODEV", "EPERM"];
-/// Error codes of LIFECYCLE.md's Errors table a well-formed random call may meet.
+/// Error codes of docs/design/lifecycle.md's Errors table a well-formed random call may meet.
 const CLEAR_ERRORS: &[&str] = &[
     "unknown_profile",
     "not_found",

@@ -1,4 +1,4 @@
-//! SCENARIOS.md §4 "Stop" (S020–S022) and §5 "Delete" (S023–S026), against the real agent,
+//! docs/design/scenarios.md §4 "Stop" (S020–S022) and §5 "Delete" (S023–S026), against the real agent,
 //! gpuvisor-sim and QEMU (through a `qemu_binary` wrapper that starts the guest paused: the
 //! tests need a real VMM holding its VF and QMP socket, not a booted guest).
 
@@ -379,7 +379,7 @@ fn s026_deleting_a_plain_instance_works_on_a_full_disk() {
 
 /// Regression: a full disk between configure and persisting the claim's `configured` state
 /// left the VF configured and its claim behind with the instance record gone, and answered
-/// without any release attempt. Create rollback (LIFECYCLE.md Create step 6) now releases
+/// without any release attempt. Create rollback (docs/design/lifecycle.md Create step 6) now releases
 /// through the guard: the VF reads 0, no claim and no record are left, and the caller gets
 /// the original error.
 #[test]

@@ -1,4 +1,4 @@
-//! INVARIANTS.md "How they are tested", item 2: the **sysfs fault matrix**, against the real
+//! docs/design/invariants.md "How they are tested", item 2: the **sysfs fault matrix**, against the real
 //! agent, gpuvisor-sim and (paused) QEMU.
 //!
 //! Every write site × errno (EBUSY, EINVAL, EIO, ENODEV, EPERM) × (once, N times, forever),
@@ -8,9 +8,9 @@
 //! remove: 4 × 5 × 3 = 60 cells, one `#[test]` (and one agent) per site.
 //!
 //! For each cell: arm the fault, run the operation that reaches the site, check the precise
-//! answer (success, or a JSON-RPC error whose `data.code` is in LIFECYCLE.md's Errors table —
+//! answer (success, or a JSON-RPC error whose `data.code` is in docs/design/lifecycle.md's Errors table —
 //! never `internal`, never a dead agent), run the invariant checker after every step, then
-//! `clear-faults`, retry as LIFECYCLE.md says and check recovery (the operation succeeds, the
+//! `clear-faults`, retry as docs/design/lifecycle.md says and check recovery (the operation succeeds, the
 //! device is back at baseline, no claim left). Between cells the host goes back to a clean
 //! baseline, checked (safety and liveness) before the next cell.
 //!
@@ -20,17 +20,17 @@
 //! Why the expectations do not depend on the errno (except for EIO, the one errno with health
 //! accounting): the agent never branches on which errno a type write or an mdev create
 //! returned — "treats it as 'not creatable here': re-reads, tries the next candidate, never
-//! branches on which errno came back" (NVIDIA-HOST.md §4; LIFECYCLE.md Create step 4 "release
+//! branches on which errno came back" (docs/design/host.md §4; docs/design/lifecycle.md Create step 4 "release
 //! that claim through the guard, and try the next ranked candidate; when none is left, answer
 //! `no_capacity`"); and a failed clear/remove is a failed release whatever the errno
-//! (LIFECYCLE.md Stop step 3 "Failure keeps the claim as `release_pending`; stop still
+//! (docs/design/lifecycle.md Stop step 3 "Failure keeps the claim as `release_pending`; stop still
 //! succeeds"; Delete step 4), which the guard retries inline for `release_retry_s`
 //! (docs/configuration.md, docs/gpu.md "The release guard"). An EINVAL on a clear is retried
-//! like any other failed clear: NVIDIA-HOST.md §4's "treats it as a bug; does not retry" is
+//! like any other failed clear: docs/design/host.md §4's "treats it as a bug; does not retry" is
 //! about the kernel parser refusing text, and `0` always parses; the release guard
-//! (LIFECYCLE.md step 4) does not distinguish errnos.
+//! (docs/design/lifecycle.md step 4) does not distinguish errnos.
 //!
-//! The errno-specific rules are LIFECYCLE.md "Device health" (implemented in
+//! The errno-specific rules are docs/design/lifecycle.md "Device health" (implemented in
 //! agent/src/instances/health.rs and claim.rs). A health record is `health/<device>.json`
 //! (`reason`, `quarantined` — `false` is `suspect` —, `eio_in_a_row`):
 //! - only EIO is a strike; every other errno leaves no health record;
@@ -93,7 +93,7 @@ const N: usize = 3;
 /// 0, 0.25, 0.75 and 1.75 s, so 4 attempts (N + 1), with over a second of slack for the 4th.
 const RELEASE_RETRY_S: &str = "3";
 
-/// Every `data.code` of LIFECYCLE.md's Errors table — except `internal`, which no sysfs
+/// Every `data.code` of docs/design/lifecycle.md's Errors table — except `internal`, which no sysfs
 /// fault may produce (the brief: "never a panic or `internal` error").
 const ERROR_TABLE: &[&str] = &[
     "invalid_request",
@@ -191,7 +191,7 @@ impl Mode {
     }
 }
 
-/// How a retained release is retried once the fault stops (LIFECYCLE.md: "Stopping a stopped
+/// How a retained release is retried once the fault stops (docs/design/lifecycle.md: "Stopping a stopped
 /// instance retries a pending release"; Delete step 4 "A later `instance.delete` retries; the
 /// reconciler retries too"), rotated over the errnos so each path is exercised.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -459,7 +459,7 @@ enum CreateEnd {
     NoCapacity { gpu_level: bool },
 }
 
-/// The writes a create makes and how it ends (LIFECYCLE.md Create step 4, claim.rs): each
+/// The writes a create makes and how it ends (docs/design/lifecycle.md Create step 4, claim.rs): each
 /// candidate in turn takes the fault while it has counts left; a GPU-level verdict skips the
 /// rest of the GPU (here: every other candidate); `MAX_CONFIGURE_FAILURES` failed writes end
 /// it. `observed` gives the times the window is judged with.
@@ -759,7 +759,10 @@ impl<'a> Cell<'a> {
             Err(e) => {
                 self.got.push(format!("{step}={}:{}", e.code, e.data_code));
                 if !ERROR_TABLE.contains(&e.data_code.as_str()) {
-                    self.fail(format!("{step}: {e} is not an error of LIFECYCLE.md's Errors table (data: {})", e.data));
+                    self.fail(format!(
+                        "{step}: {e} is not an error of docs/design/lifecycle.md's Errors table (data: {})",
+                        e.data
+                    ));
                 }
             }
         }
@@ -793,7 +796,7 @@ impl<'a> Cell<'a> {
         w.iter().filter(|(_, r)| r == self.errno).map(|(d, _)| d.clone()).collect()
     }
 
-    /// LIFECYCLE.md "Device health" (module docs): after a step, the health records are
+    /// docs/design/lifecycle.md "Device health" (module docs): after a step, the health records are
     /// exactly the model's, fed with every write logged so far; and once a write on the GPU
     /// succeeded after the step's last EIO, no `gpu_fault` mark is left.
     fn health_check(&mut self, step: &str) {
@@ -910,7 +913,7 @@ fn create_cell(c: &mut Cell) {
         let mut m = before.clone();
         log_after(&st, seq).iter().filter_map(|e| m.parse(e)).collect()
     };
-    // LIFECYCLE.md Create step 4: a refused write releases that claim and tries the next
+    // docs/design/lifecycle.md Create step 4: a refused write releases that claim and tries the next
     // ranked candidate (placement order) — unless the failure was judged GPU-level, which
     // skips the rest of the GPU; a write that succeeds ends it.
     let (want, end) = expect_create(&before, &cands, c.site, errno, c.mode.count(), &observed);
@@ -1029,7 +1032,7 @@ fn release_cell(c: &mut Cell) {
     c.checked("stop under the fault");
     let w = c.site_writes(seq, &parents);
     let injected = c.injected(&w);
-    // LIFECYCLE.md Stop step 3: the VMM is gone, so stop succeeds either way.
+    // docs/design/lifecycle.md Stop step 3: the VMM is gone, so stop succeeds either way.
     let stopped = match r {
         Ok(v) => v,
         Err(e) => return c.fail(format!("stop must succeed (the VMM is gone) but answered {e}")),
@@ -1140,7 +1143,7 @@ fn forever_release(
 
     let retry = retry_for(errno);
     if retry == Retry::StopAgain {
-        // LIFECYCLE.md Stop step 4: "Stopping a stopped instance retries a pending release".
+        // docs/design/lifecycle.md Stop step 4: "Stopping a stopped instance retries a pending release".
         c.clear_faults();
         match c.call("stop-again", "instance.stop", json!({"ref": name})) {
             Ok(v) => {

@@ -27,7 +27,7 @@ pub struct CtlRequest {
     no_binary_name = true,
     disable_help_flag = true,
     disable_help_subcommand = true,
-    about = "Control commands of a running gpuvisor-sim mount (NVIDIA-HOST.md §10.5).",
+    about = "Control commands of a running gpuvisor-sim mount (docs/design/host.md §10.5).",
     override_usage = "gpuvisor-sim ctl DIR <COMMAND> [ARGS]...",
     after_help = "`gpuvisor-sim ctl DIR help COMMAND` shows one command's arguments."
 )]

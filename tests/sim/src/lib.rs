@@ -1,5 +1,5 @@
 //! `gpuvisor-sim`: a FUSE filesystem that simulates an NVIDIA GPU host's sysfs/devfs tree
-//! (NVIDIA-HOST.md §10) for gpuvisor's end-to-end tests.
+//! (docs/design/host.md §10) for gpuvisor's end-to-end tests.
 //!
 //! - [`model`]: host models (TOML of §10.2) and presets (§10.7).
 //! - [`state`]: the host state and the driver rules (§10.3), handle tracking (§10.4) and the

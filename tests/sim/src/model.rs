@@ -1,4 +1,4 @@
-//! Host models: the TOML format of NVIDIA-HOST.md §10.2 and the built-in presets of §10.7.
+//! Host models: the TOML format of docs/design/host.md §10.2 and the built-in presets of §10.7.
 //!
 //! A model is either a preset name (see [`PRESETS`]) or TOML text.
 //! Type tables named `l40s` and `h200` are built in, so a small test model may omit

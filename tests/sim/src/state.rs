@@ -1,4 +1,4 @@
-//! The simulated host's state and the driver rules of NVIDIA-HOST.md §10.3–§10.6.
+//! The simulated host's state and the driver rules of docs/design/host.md §10.3–§10.6.
 //!
 //! All methods run under the one mutex that wraps [`State`], which serialises every rule
 //! evaluation like the driver's lock. Time is milliseconds since the simulator started and
@@ -445,7 +445,7 @@ impl State {
         t.text("proc/sys/kernel/random/boot_id", format!("{}\n", self.boot_id));
         t.text("sys/module/nvidia/version", format!("{}\n", self.driver_version));
         // What `gpuvisor host check` reads besides: the driver's banner, and the vGPU
-        // manager's module on a vGPU host (NVIDIA-HOST.md §10.1 extra files).
+        // manager's module on a vGPU host (docs/design/host.md §10.1 extra files).
         t.text(
             "proc/driver/nvidia/version",
             format!(

@@ -1,4 +1,4 @@
-//! Control channel commands (NVIDIA-HOST.md §10.5) and the state dump (§10.6).
+//! Control channel commands (docs/design/host.md §10.5) and the state dump (§10.6).
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! mdev framework rules (NVIDIA-HOST.md §10.3 rules 6–8) and the `create-mdev` command.
+//! mdev framework rules (docs/design/host.md §10.3 rules 6–8) and the `create-mdev` command.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! Whole-GPU passthrough (NVIDIA-HOST.md §7, §10.3 rules 9–11): bindings, `driver_override`,
+//! Whole-GPU passthrough (docs/design/host.md §7, §10.3 rules 9–11): bindings, `driver_override`,
 //! `drivers_probe`, the group node, `dev/nvidia<N>`, reset and wedge, faults, reboot, the mixed
 //! preset and the dump, on real FUSE mounts.
 

@@ -1,4 +1,4 @@
-//! Vendor-VFIO driver rules (NVIDIA-HOST.md §10.3 rules 1–5, 11) and handle tracking (§10.4),
+//! Vendor-VFIO driver rules (docs/design/host.md §10.3 rules 1–5, 11) and handle tracking (§10.4),
 //! on real FUSE mounts.
 
 mod common;

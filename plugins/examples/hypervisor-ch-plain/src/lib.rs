@@ -1,4 +1,4 @@
-//! `hypervisor-ch-plain`, an example site `hypervisor` plugin (PLUGINS.md): Cloud
+//! `hypervisor-ch-plain`, an example site `hypervisor` plugin (docs/plugins.md): Cloud
 //! Hypervisor for plain instances, QEMU for anything with a GPU.
 //!
 //! The instance is a *GPU instance* when it has a GPU `framework` (`vendor_vfio`, `mdev`,

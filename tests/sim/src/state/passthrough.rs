@@ -1,4 +1,4 @@
-//! Whole-GPU passthrough (NVIDIA-HOST.md §7, §10.3 rules 9–10): the PCI functions of
+//! Whole-GPU passthrough (docs/design/host.md §7, §10.3 rules 9–10): the PCI functions of
 //! passthrough GPUs and of their IOMMU groups, their drivers, `driver_override`, `reset`,
 //! `power_state`, `config`, the group node `dev/vfio/<G>` and `dev/nvidia<N>`.
 //!

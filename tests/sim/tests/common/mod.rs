@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 pub use gpuvisor_sim::SimMount;
 use serde_json::Value;
 
-/// A model with one L40S and 4 VFs (the "V" host of SCENARIOS.md).
+/// A model with one L40S and 4 VFs (the "V" host of docs/design/scenarios.md).
 pub const V: &str = r#"
 name = "v"
 release_delay_ms = 600
