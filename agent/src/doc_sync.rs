@@ -5,6 +5,12 @@
 //! from the very types the agent returns and decodes), the metric families registered in
 //! `metrics.rs` and rendered, and the clap definition of the CLI (every argument described
 //! in `--help`, every documented `gpuvisor <command> --flag` accepted).
+//!
+//! And the code's own references stay true: every `*.md` file cited in `agent/`, `sdk/`,
+//! `plugins/` or `tests/` exists in the repository (the design the code cites is
+//! `docs/design/`), every `mod.rs` file table (`//! | file | what |`, e.g.
+//! `instances/mod.rs`'s) lists exactly the files of its directory, and README.md's
+//! "Layout" has a row for every directory and names every file of each module it lists.
 
 use crate::rpc::openrpc;
 use serde_json::Value;
@@ -253,6 +259,11 @@ fn every_documented_cli_flag_is_accepted() {
         "docs/disks.md",
         "docs/plugins.md",
         "docs/simulator.md",
+        "docs/design/architecture.md",
+        "docs/design/lifecycle.md",
+        "docs/design/host.md",
+        "docs/design/invariants.md",
+        "docs/design/cloud-hypervisor.md",
     ];
     let mut unknown = BTreeSet::new();
     let mut seen = 0;
@@ -305,4 +316,213 @@ fn every_man_page_has_an_exit_status_section() {
         pages += 1;
     }
     assert!(pages > 10, "{pages} pages");
+}
+
+/// The repository's root.
+fn repo() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Every regular file under `dir` (repository-relative), skipping hidden entries, build
+/// output (`target`, `node_modules`) and caches (`__pycache__`).
+fn files_under(dir: &str) -> Vec<std::path::PathBuf> {
+    fn walk(p: &Path, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(rd) = std::fs::read_dir(p) else { return };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || matches!(name.as_str(), "target" | "node_modules" | "__pycache__") {
+                continue;
+            }
+            match e.file_type() {
+                Ok(t) if t.is_dir() => walk(&e.path(), out),
+                Ok(t) if t.is_file() => out.push(e.path()),
+                _ => {}
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo().join(dir), &mut out);
+    out
+}
+
+/// The `*.md` files `text` cites: every run of path characters ending in `.md` that is not
+/// followed by another identifier character (so `self.mdev` is no citation). URLs
+/// (`https://…/X.md`) and globs (`docs/*.md`) are not citations of a repository file.
+fn md_citations(text: &str) -> Vec<String> {
+    let is_path = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/');
+    let mut out = Vec::new();
+    for (at, _) in text.match_indices(".md") {
+        let after = text[at + 3..].chars().next();
+        if after.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+            continue;
+        }
+        let start =
+            text[..at].char_indices().rev().find(|(_, c)| !is_path(*c)).map(|(i, c)| i + c.len_utf8()).unwrap_or(0);
+        let token = &text[start..at + 3];
+        let name = token.rsplit('/').next().unwrap_or("");
+        if name == ".md" || token.starts_with("//") {
+            continue;
+        }
+        out.push(token.to_string());
+    }
+    out
+}
+
+/// Whether `cited` (found in `file`) names a file of the repository: relative to the
+/// citing file's directory or any of its ancestors up to the repository root; a bare name,
+/// or a name under the installed documentation (`/usr/share/doc/gpuvisor/`), also in
+/// `docs/` or `docs/design/`. Names are matched exactly (case too).
+fn resolves(file: &Path, cited: &str) -> bool {
+    let root = repo().canonicalize().unwrap();
+    let cited = cited.trim_start_matches('/');
+    let (cited, bare) = match cited.strip_prefix("usr/share/doc/gpuvisor/") {
+        Some(rest) => (rest, true),
+        None => (cited, !cited.contains('/')),
+    };
+    let exists = |p: std::path::PathBuf| {
+        // Exact case: the name must be one the directory lists.
+        let (Some(dir), Some(name)) = (p.parent(), p.file_name()) else { return false };
+        p.is_file() && std::fs::read_dir(dir).is_ok_and(|rd| rd.flatten().any(|e| e.file_name() == name))
+    };
+    let mut dir = file.parent().map(|d| d.canonicalize().unwrap());
+    while let Some(d) = dir {
+        if exists(d.join(cited)) {
+            return true;
+        }
+        if d == root {
+            break;
+        }
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    bare && (exists(root.join("docs").join(cited)) || exists(root.join("docs/design").join(cited)))
+}
+
+#[test]
+fn every_md_file_the_code_cites_exists_in_the_repository() {
+    let mut missing = BTreeMap::<String, Vec<String>>::new();
+    let mut cited = 0;
+    for dir in ["agent", "sdk", "plugins", "tests"] {
+        // This file's own tests spell citations that must not resolve.
+        for f in files_under(dir).into_iter().filter(|f| !f.ends_with("agent/src/doc_sync.rs")) {
+            let Ok(text) = std::fs::read_to_string(&f) else { continue };
+            for c in md_citations(&text) {
+                cited += 1;
+                if !resolves(&f, &c) {
+                    let rel = f.strip_prefix(repo()).unwrap_or(&f).display().to_string();
+                    missing.entry(c).or_default().push(rel);
+                }
+            }
+        }
+    }
+    assert!(cited > 100, "the citations are read ({cited})");
+    let report: Vec<String> =
+        missing.iter().map(|(c, files)| format!("{c} ({} times, e.g. in {})", files.len(), files[0])).collect();
+    assert!(missing.is_empty(), "cited documents that are not in the repository: {report:#?}");
+}
+
+#[test]
+fn md_citations_are_what_a_reader_follows() {
+    let text = "see LIFECYCLE.md \"Stop\", docs/design/host.md §9 and (../docs/api.md); not self.mdev, \
+                https://example.org/x/README.md, docs/*.md or a bare .md";
+    assert_eq!(md_citations(text), ["LIFECYCLE.md", "docs/design/host.md", "../docs/api.md"]);
+    let here = repo().join("agent/src/config.rs");
+    assert!(resolves(&here, "../docs/configuration.md"));
+    assert!(resolves(&here, "docs/design/lifecycle.md"));
+    assert!(resolves(&here, "/usr/share/doc/gpuvisor/configuration.md"));
+    assert!(!resolves(&here, "LIFECYCLE.md"));
+    assert!(!resolves(&here, "docs/design/LIFECYCLE.md"));
+}
+
+/// The names a file table uses for the entries of `dir` (repository-relative): a file
+/// without its `.rs` / `.md` extension, a directory by its name; `mod.rs`, hidden entries,
+/// `target` and caches left out.
+fn entries(dir: &str) -> BTreeSet<String> {
+    let rd = std::fs::read_dir(repo().join(dir)).unwrap_or_else(|e| panic!("{dir}: {e}"));
+    rd.flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.') && !n.starts_with('_') && !matches!(n.as_str(), "target" | "mod.rs"))
+        .map(|n| n.strip_suffix(".rs").or(n.strip_suffix(".md")).map(str::to_string).unwrap_or(n))
+        .collect()
+}
+
+/// `(what is missing from the table, what the table names that does not exist)`.
+fn table_vs_dir(named: &BTreeSet<String>, dir: &str) -> (Vec<String>, Vec<String>) {
+    let have = entries(dir);
+    (have.difference(named).cloned().collect(), named.difference(&have).cloned().collect())
+}
+
+/// The file table of a `mod.rs` module doc (`//! | file | what |`): the backticked names
+/// of its first column, or `None` when the module doc has no such table.
+fn mod_file_table(src: &str) -> Option<BTreeSet<String>> {
+    let doc: Vec<&str> = src.lines().map_while(|l| l.strip_prefix("//!")).map(str::trim).collect();
+    let at = doc.iter().position(|l| l.starts_with("| file | what |"))?;
+    let rows = doc[at + 2..].iter().take_while(|l| l.starts_with('|'));
+    Some(rows.flat_map(|r| backticked(r.trim_start_matches('|').split('|').next().unwrap_or(""))).collect())
+}
+
+#[test]
+fn every_mod_rs_file_table_lists_exactly_the_files_of_its_directory() {
+    let mut tables = Vec::new();
+    let mut wrong = Vec::new();
+    for f in files_under("agent/src") {
+        if f.file_name().is_none_or(|n| n != "mod.rs") {
+            continue;
+        }
+        let Some(named) = mod_file_table(&std::fs::read_to_string(&f).unwrap()) else { continue };
+        let dir = f.parent().unwrap().strip_prefix(repo()).unwrap().display().to_string();
+        let (missing, extra) = table_vs_dir(&named, &dir);
+        if !missing.is_empty() || !extra.is_empty() {
+            wrong.push(format!("{dir}/mod.rs: no row for {missing:?}; rows for files that do not exist {extra:?}"));
+        }
+        tables.push(dir);
+    }
+    assert!(tables.iter().any(|d| d.ends_with("agent/src/instances")), "instances/mod.rs's table is read: {tables:?}");
+    assert!(wrong.is_empty(), "file tables out of step with their directories: {wrong:#?}");
+}
+
+/// README.md's "Layout" table: `(path, the backticked names of its description)` per row.
+fn readme_layout() -> Vec<(String, BTreeSet<String>)> {
+    let readme = read("README.md");
+    let section = readme.split("\n## Layout\n").nth(1).expect("README.md has a Layout section");
+    let section = section.split("\n## ").next().unwrap_or("");
+    section
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .map(|l| {
+            let mut cells = l.trim_start_matches('|').split('|');
+            let path = backticked(cells.next().unwrap_or("")).concat();
+            (path, backticked(cells.next().unwrap_or("")).into_iter().collect())
+        })
+        .collect()
+}
+
+#[test]
+fn the_readme_layout_lists_every_directory_and_the_files_of_each_module() {
+    let rows = readme_layout();
+    assert!(rows.len() > 10, "the layout table is read: {rows:?}");
+    let mut wrong = Vec::new();
+    for (path, named) in &rows {
+        if !repo().join(path).exists() {
+            wrong.push(format!("{path}: a row for a path that does not exist"));
+        } else if !named.is_empty() {
+            let (missing, extra) = table_vs_dir(named, path);
+            if !missing.is_empty() || !extra.is_empty() {
+                wrong.push(format!("{path}: does not name {missing:?}; names what does not exist {extra:?}"));
+            }
+        }
+    }
+    // Every top-level directory, and every directory of `agent/src` and `tests`, has a row.
+    let listed: BTreeSet<&str> = rows.iter().map(|(p, _)| p.trim_end_matches('/')).collect();
+    for (parent, prefix) in [("", ""), ("agent/src", "agent/src/"), ("tests", "tests/")] {
+        for e in std::fs::read_dir(repo().join(parent)).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.path().is_dir() && !name.starts_with('.') && name != "target" {
+                let p = format!("{prefix}{name}");
+                if !listed.contains(p.as_str()) {
+                    wrong.push(format!("{p}/: a directory without a row"));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "README.md's Layout is out of step with the repository: {wrong:#?}");
 }
