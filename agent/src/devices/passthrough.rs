@@ -6,7 +6,7 @@
 //! manage), their drivers, SR-IOV state and the `dev/nvidia<N>` node of the host driver.
 //! The primitives [`move_to_vfio`] (configure) and [`give_back`] / [`reset`] (release)
 //! write sysfs; the two that undo a binding are called only by the release path
-//! (`instances::release`) and by the configure step's own undo of what it just moved.
+//! (`instances::release`), which also undoes a bind that failed halfway.
 //!
 //! Every write goes through [`write_bounded`]: unbinding a vfio-pci device whose group is
 //! open **blocks** in the kernel until the user lets go, so a write that has not returned
