@@ -46,8 +46,8 @@ pub use engine::SLOT_CALLS;
 pub use engine::{MAX_MEMORY_BYTES, POOL_INSTANCES, TICK};
 pub use error::{CallError, LoadError, RunError};
 pub use plugin::{
-    CallReport, Limits, LogLine, Plugin, PluginStats, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND, LOG_LINE_MAX_BYTES,
-    MAX_NAME_BYTES, RESERVED_NAMES,
+    CallReport, Limits, LogLine, Plugin, PluginStats, LOAD_DEADLINE, LOG_LINES_PER_CALL, LOG_LINES_PER_SECOND,
+    LOG_LINE_MAX_BYTES, MAX_NAME_BYTES, RESERVED_NAMES,
 };
 pub use text::{printable, shown, MAX_TEXT_BYTES};
 pub use wasi::STDIO_CAPTURE_BYTES;

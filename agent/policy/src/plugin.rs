@@ -132,6 +132,10 @@ pub const LOG_LINES_PER_SECOND: u32 = 100;
 pub const LOG_LINE_MAX_BYTES: usize = 1024;
 /// Longest manifest accepted, bytes.
 const MAX_MANIFEST_BYTES: usize = 64 << 10;
+/// The shortest deadline of a load's calls (`gpuvisor_abi_version`, `gpuvisor_manifest`):
+/// the slot's deadline when longer. A plugin that never answers them is still refused.
+pub const LOAD_DEADLINE: Duration = Duration::from_secs(5);
+
 /// Longest manifest name, bytes.
 pub const MAX_NAME_BYTES: usize = 64;
 
@@ -948,12 +952,18 @@ impl Sandbox {
         let label: &str = &self.label;
         let shared =
             engine::shared().map_err(|reason| CallError::Instantiate { plugin: label.to_string(), kind, reason })?;
-        // The deadline covers the whole call: waiting for a place, then running.
+        // The deadline covers the whole call: waiting for a place, then running. A load's
+        // calls (ABI version, manifest) are off every request's path and include the first
+        // instantiation of a large guest (a JavaScript engine): at least LOAD_DEADLINE.
+        let allowed = match share {
+            Share::Load => self.limits.deadline.max(LOAD_DEADLINE),
+            _ => self.limits.deadline,
+        };
         let asked = Instant::now();
-        let deadline = asked + self.limits.deadline;
+        let deadline = asked + allowed;
         let place = {
             let _waiting = Count::up(&self.activity.waiting);
-            share.enter(self.limits.deadline)
+            share.enter(allowed)
         };
         report.waited = asked.elapsed();
         let (Some(_place), false) = (place, Instant::now() >= deadline) else {

@@ -255,3 +255,14 @@ fn a_component_in_the_wrong_slot_is_refused() {
     let e = Plugin::load(&hostile_v2(""), PolicyKind::Grace, Limits::default()).unwrap_err();
     assert!(matches!(e, LoadError::WrongSlot { slot: PolicyKind::Grace, .. }), "{e}");
 }
+
+/// A load's calls (ABI version, manifest) have at least `LOAD_DEADLINE`, whatever the
+/// slot's deadline: a component whose first instance takes longer than a short per-call
+/// deadline to start (a JavaScript engine on a busy host failed `plugin test` at load with
+/// a 50 ms deadline) still loads. With a deadline of 1 µs every load failed before.
+#[test]
+fn a_load_is_not_held_to_a_short_per_call_deadline() {
+    let p = load_with(Limits { deadline: Duration::from_micros(1), ..Limits::default() });
+    assert_eq!(p.manifest().name, "hostile-v2");
+    assert!(gpuvisor_policy::LOAD_DEADLINE >= Duration::from_secs(1));
+}
