@@ -278,7 +278,7 @@ impl Manager {
             let Ok(_i) = ilock.try_lock() else { continue };
             let Ok(Some(rec)) = self.store().read_instance(rec.id) else { continue };
             if rec.state() != InstanceState::Deleting
-                || claims.records.iter().any(|c| c.instance_id == rec.id)
+                || claims.records.iter().any(|c| c.owned_by(rec.id))
                 || !matches!(self.liveness_at(&rec, boot_id), Liveness::Dead)
             {
                 continue;
@@ -499,7 +499,7 @@ impl Manager {
     fn young_claim(&self, id: Uuid, claims: &[Claim], boot_id: &str) -> bool {
         let now = proc::boottime_ms();
         claims.iter().any(|c| {
-            c.instance_id == id
+            c.owned_by(id)
                 && c.claim_boot_id == boot_id
                 && now.saturating_sub(c.claimed_boottime_ms) < self.config().claim_grace_s.saturating_mul(1000)
         })
@@ -510,8 +510,7 @@ impl Manager {
     fn check_claimed_types(&self, obs: &super::inventory::Observation, boot_id: &str, report: &mut PassReport) {
         for (_, d) in obs.devices() {
             let (Some(m), Some(c)) = (&d.type_mismatch, &d.claim) else { continue };
-            let owner = self.store().read_instance(c.instance_id).ok().flatten();
-            if self.prove_dead(c.instance_id, owner.as_ref(), boot_id).is_ok() {
+            if self.prove_owner_done(c, boot_id).is_ok() {
                 continue; // the release path handles a dead owner's foreign type
             }
             if !d.health.as_ref().is_some_and(|h| h.quarantined) {
@@ -526,12 +525,35 @@ impl Manager {
         let mut out = Vec::new();
         let now = proc::boottime_ms();
         for claim in claims {
-            let ilock = self.instance_lock(claim.instance_id);
+            // An external owner: eligible when provably done (absent from a fresh,
+            // complete live list); no instance lock or record is involved.
+            let Some(owner_id) = claim.owner.instance() else {
+                let Some(e) = claim.owner.external() else { continue };
+                if let Err(l) = self.prove_external_done(e) {
+                    report.keep_device(&claim.device, format!("owner {}: {l}", claim.owner));
+                    continue;
+                }
+                let same_boot = claim.claim_boot_id == boot_id;
+                let item = GraceItem {
+                    kind: GraceItemKind::StaleClaim,
+                    device: claim.device.clone(),
+                    framework: claim.framework.into(),
+                    owner: None,
+                    claimed_age_ms: same_boot.then(|| now.saturating_sub(claim.claimed_boottime_ms)),
+                    dirty_age_ms: None,
+                    same_boot,
+                    release_attempts: claim.release_attempts,
+                    last_error: claim.last_error.clone(),
+                };
+                out.push((Eligible::Claim(claim.clone()), item));
+                continue;
+            };
+            let ilock = self.instance_lock(owner_id);
             let Ok(_i) = ilock.try_lock() else {
                 report.keep_device(&claim.device, "owner operation in progress");
                 continue;
             };
-            let owner = match self.store().read_instance(claim.instance_id) {
+            let owner = match self.store().read_instance(owner_id) {
                 Ok(o) => o,
                 Err(e) => {
                     report.keep_device(&claim.device, format!("owner record unreadable: {e}"));
@@ -539,7 +561,7 @@ impl Manager {
                 }
             };
             let same_boot = claim.claim_boot_id == boot_id;
-            match self.prove_dead(claim.instance_id, owner.as_ref(), boot_id) {
+            match self.prove_dead(owner_id, owner.as_ref(), boot_id) {
                 Ok(_) => {}
                 Err(Liveness::Alive { pid }) => {
                     report.keep_device(&claim.device, format!("owner VMM {pid} is alive"));
@@ -791,19 +813,31 @@ impl Manager {
     /// Releases a stale claim with its owner's instance lock held again (an operation
     /// started since the observation makes the pass skip it) and its death proven again.
     fn release_stale(&self, c: &Claim, boot_id: &str, report: &mut PassReport) {
-        let ilock = self.instance_lock(c.instance_id);
+        let Some(owner_id) = c.owner.instance() else {
+            // An external owner: its death proven again now (a list may have come since).
+            match self.prove_owner_done(c, boot_id) {
+                Ok(dead) => {
+                    let r = self.release(Release::Claim(c, dead), Duration::ZERO);
+                    self.count_stale(&r);
+                    record_release(report, &c.device, "stale_claim", None, r);
+                }
+                Err(l) => report.keep_device(&c.device, format!("owner {}: {l}", c.owner)),
+            }
+            return;
+        };
+        let ilock = self.instance_lock(owner_id);
         let Ok(_i) = ilock.try_lock() else {
             report.keep_device(&c.device, "owner operation in progress");
             return;
         };
-        let owner = match self.store().read_instance(c.instance_id) {
+        let owner = match self.store().read_instance(owner_id) {
             Ok(o) => o,
             Err(e) => {
                 report.keep_device(&c.device, format!("owner record unreadable: {e}"));
                 return;
             }
         };
-        let dead: Dead = match self.prove_dead(c.instance_id, owner.as_ref(), boot_id) {
+        let dead: Dead = match self.prove_dead(owner_id, owner.as_ref(), boot_id) {
             Ok(d) => d,
             Err(l) => {
                 report.keep_device(&c.device, format!("owner {l}"));
@@ -811,12 +845,18 @@ impl Manager {
             }
         };
         let r = self.release(Release::Claim(c, dead), Duration::ZERO);
-        match &r {
-            Ok(Released::Cleared) => {
-                self.metrics().stale_release(StaleResult::Released);
-                crate::crash_point!("reconcile_after_release");
-                self.clear_release_pending_note(c.instance_id);
-            }
+        self.count_stale(&r);
+        if matches!(r, Ok(Released::Cleared)) {
+            crate::crash_point!("reconcile_after_release");
+            self.clear_release_pending_note(owner_id);
+        }
+        record_release(report, &c.device, "stale_claim", Some(owner_id), r);
+    }
+
+    /// Counts a stale claim's release by its outcome.
+    fn count_stale(&self, r: &Result<Released, super::release::ReleaseError>) {
+        match r {
+            Ok(Released::Cleared) => self.metrics().stale_release(StaleResult::Released),
             Ok(Released::NotOurs | Released::FoundClear) => {}
             Err(super::release::ReleaseError::InUse(_)) => self.metrics().stale_release(StaleResult::InUse),
             Err(super::release::ReleaseError::ScanIncomplete(_)) => {
@@ -824,7 +864,6 @@ impl Manager {
             }
             Err(_) => self.metrics().stale_release(StaleResult::Failed),
         }
-        record_release(report, &c.device, "stale_claim", Some(c.instance_id), r);
     }
 }
 
