@@ -41,7 +41,7 @@ fn claim(device: &str, id: Uuid, n: u64) -> Claim {
     Claim {
         device: device.into(),
         framework: Framework::VendorVfio,
-        instance_id: id,
+        owner: gpuvisor::store::Owner::Instance(id),
         owner_name: None,
         owner_labels: None,
         gpu: "0000:41:00.0".into(),

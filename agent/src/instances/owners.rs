@@ -326,14 +326,22 @@ impl Manager {
         Ok(self.prepared_view(&claim))
     }
 
-    /// Releases `c` for its external owner `asker` through the release path (one attempt:
-    /// the caller retries). Errors: `in_use` while held or unverifiable, `not_ready`, else
+    /// Releases `c` for its external owner `asker` through the release path. A holder is
+    /// answered at once (`in_use`: the caller retries); a failed write (EBUSY while the
+    /// kernel tears the last user down) is retried within `release_retry_s`, as an
+    /// instance's release is. Errors: `in_use` while held or unverifiable, `not_ready`, else
     /// `internal` with the release error; the claim stays (`release_pending`).
     pub(crate) fn release_for(&self, c: &Claim, asker: &Owner) -> Result<bool, ApiError> {
         let Some(done) = self.external_asked(c, asker) else {
             return Err(ApiError::device_taken(&c.device, &c.owner));
         };
-        match self.release(Release::Claim(c, done), Duration::ZERO) {
+        let r = match self.release(Release::Claim(c, done), Duration::ZERO) {
+            Err(ReleaseError::Failed(_)) => {
+                self.release(Release::Claim(c, done), Duration::from_secs(self.cfg.release_retry_s))
+            }
+            r => r,
+        };
+        match r {
             Ok(Released::Cleared) => Ok(true),
             Ok(Released::NotOurs | Released::FoundClear) => match self.store.read_claim(&c.device)? {
                 Some(cur) if cur.owner != *asker => Err(ApiError::device_taken(&c.device, &cur.owner)),
