@@ -85,7 +85,7 @@ impl ReconcileState {
 
 /// An eligible item with what its release needs.
 enum Eligible {
-    Claim(Claim),
+    Claim(Box<Claim>),
     OrphanVf { vf: String, gpu: String, type_id: u32 },
     OrphanMdev(MdevRecord),
 }
@@ -545,7 +545,7 @@ impl Manager {
                     release_attempts: claim.release_attempts,
                     last_error: claim.last_error.clone(),
                 };
-                out.push((Eligible::Claim(claim.clone()), item));
+                out.push((Eligible::Claim(Box::new(claim.clone())), item));
                 continue;
             };
             let ilock = self.instance_lock(owner_id);
@@ -594,7 +594,7 @@ impl Manager {
                 release_attempts: claim.release_attempts,
                 last_error: claim.last_error.clone(),
             };
-            out.push((Eligible::Claim(claim.clone()), item));
+            out.push((Eligible::Claim(Box::new(claim.clone())), item));
         }
         out
     }
