@@ -225,6 +225,10 @@ pub struct InstanceDefinition {
     /// A whole GPU (passthrough), if asked for: any free passthrough GPU, or the one named.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_passthrough: Option<PassthroughWant>,
+    /// The device prepared for a Kubernetes ResourceClaim (`claim.prepare`), if the VM uses
+    /// one: the claim stays the ResourceClaim's; stop and delete never release it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_resource_claim: Option<ResourceClaimRef>,
     /// What happens when the VMM dies without a stop.
     #[serde(default)]
     pub restart: RestartPolicy,
@@ -334,6 +338,28 @@ impl RestartState {
 pub struct PassthroughWant {
     /// The GPU's address, when the request named one (kept across restarts); `None`: any.
     pub address: Option<String>,
+}
+
+/// A Kubernetes ResourceClaim by namespace and name (`instance.create`'s
+/// `gpu.resource_claim`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ResourceClaimRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ResourceClaimRef {
+    /// True when `owner` is this ResourceClaim (any UID).
+    pub fn is(&self, owner: &Owner) -> bool {
+        matches!(owner, Owner::External(External::ResourceClaim { namespace, name, .. })
+            if *namespace == self.namespace && *name == self.name)
+    }
+}
+
+impl std::fmt::Display for ResourceClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
 }
 
 /// `instances/<id>/instance.json`: the definition (flattened: the file is one JSON object)
@@ -1592,6 +1618,7 @@ mod tests {
                 gpu_profile: None,
                 gpu_framework: None,
                 gpu_passthrough: None,
+                gpu_resource_claim: None,
                 restart: RestartPolicy::No,
                 autostart: false,
                 created_at: "2026-01-01T00:00:00Z".into(),

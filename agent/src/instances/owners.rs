@@ -434,6 +434,50 @@ impl Manager {
             lease_s,
         })
     }
+
+    /// The configured claim of ResourceClaim `rc` (`instance.create`'s
+    /// `gpu.resource_claim`). Errors: `invalid_request` when it has none, or several.
+    pub(crate) fn prepared_claim_of(&self, rc: &crate::store::ResourceClaimRef) -> Result<Claim, ApiError> {
+        let mut mine: Vec<Claim> = self
+            .store
+            .scan_claims()?
+            .records
+            .into_iter()
+            .filter(|c| rc.is(&c.owner) && c.state == ClaimState::Configured)
+            .collect();
+        match mine.len() {
+            1 => Ok(mine.remove(0)),
+            0 => Err(ApiError::invalid_request(format!(
+                "resource claim {rc} has no device prepared on this host (claim.prepare first)"
+            ))),
+            n => Err(ApiError::invalid_request(format!(
+                "resource claim {rc} has {n} devices prepared on this host; a VM takes a claim with one"
+            ))),
+        }
+    }
+
+    /// The device an instance on ResourceClaim `rc` uses now: its configured claim, refused
+    /// (`invalid_state`) while another instance on the same claim is starting or running.
+    pub(crate) fn borrowed_claim(
+        &self,
+        rec: &crate::store::InstanceRecord,
+        rc: &crate::store::ResourceClaimRef,
+    ) -> Result<Claim, ApiError> {
+        use crate::store::InstanceState;
+        let claim = self.prepared_claim_of(rc)?;
+        for other in self.store.scan_instances()?.records {
+            if other.id != rec.id
+                && other.gpu_resource_claim.as_ref() == Some(rc)
+                && matches!(other.state(), InstanceState::Starting | InstanceState::Running | InstanceState::Stopping)
+            {
+                return Err(ApiError::invalid_state(
+                    format!("the device of resource claim {rc} is used by instance {}", other.name),
+                    other.state().as_str(),
+                ));
+            }
+        }
+        Ok(claim)
+    }
 }
 
 #[cfg(test)]

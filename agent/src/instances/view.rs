@@ -738,7 +738,10 @@ impl Manager {
     /// The API view of an instance: the record plus `gpu` derived from its claim (and the
     /// VF's type now).
     pub(crate) fn view(&self, rec: &InstanceRecord, claims: &Listing<Claim>) -> InstanceView {
-        let claim = claims.records.iter().find(|c| c.owned_by(rec.id));
+        let claim = claims
+            .records
+            .iter()
+            .find(|c| c.owned_by(rec.id) || rec.gpu_resource_claim.as_ref().is_some_and(|rc| rc.is(&c.owner)));
         let unreadable = claims
             .unreadable
             .iter()
@@ -1158,13 +1161,20 @@ impl Manager {
             super::request::check_instance_name(n)?;
         }
         super::request::check_labels(&p.labels)?;
-        let spec =
-            super::request::GpuSpec { profile: p.profile.clone(), passthrough: p.passthrough, address: p.address };
+        let spec = super::request::GpuSpec {
+            profile: p.profile.clone(),
+            passthrough: p.passthrough,
+            address: p.address,
+            resource_claim: None,
+        };
         let (profile, whole) = match super::request::GpuRequest::Spec(spec).want()? {
             super::request::GpuWant::Profile(x) => (self.known_profile(&x)?, None),
             super::request::GpuWant::Passthrough { address } => {
                 self.check_passthrough_address(address.as_deref())?;
                 (super::inventory::PASSTHROUGH.to_string(), Some(crate::store::PassthroughWant { address }))
+            }
+            super::request::GpuWant::ResourceClaim(_) => {
+                return Err(ApiError::invalid_request("a resource claim's device is prepared, not placed"))
             }
         };
         let name = p.name.unwrap_or_else(|| "dry-run".into());

@@ -214,3 +214,47 @@ fn a_crash_between_claim_and_configure_leaves_a_claim_the_restarted_agent_resolv
     assert_eq!(a.vf_type(VF0), p["type_id"].as_u64().unwrap());
     assert_eq!(a.claim_file(VF0).unwrap()["state"], "configured");
 }
+
+#[test]
+fn a_vm_on_a_resource_claim_uses_its_device_and_never_releases_it() {
+    let a = agent(&[]);
+    let owner = resource_claim("gpu-a", "uid-a");
+    let p = prepare(&a, &owner, VF0, "L40S-2Q").unwrap();
+    let type_id = p["type_id"].as_u64().unwrap();
+    let e =
+        a.err("instance.create", json!({"name": "nope", "image": "demo", "gpu": {"resource_claim": "default/other"}}));
+    assert_eq!(e.data_code, "invalid_request", "{e}");
+    let vm =
+        a.ok("instance.create", json!({"name": "vm", "image": "demo", "gpu": {"resource_claim": "default/gpu-a"}}));
+    assert_eq!(vm["state"], "running", "{vm}");
+    assert_eq!(vm["gpu"]["device"], VF0, "{vm}");
+    // The claim stays the ResourceClaim's; the VM's QEMU holds the VF.
+    assert_eq!(a.claim_file(VF0).unwrap()["owner"], owner);
+    let qemu = a.qemu_pids();
+    assert_eq!(qemu.len(), 1, "{qemu:?}");
+    // One VM per prepared device.
+    let e =
+        a.err("instance.create", json!({"name": "vm2", "image": "demo", "gpu": {"resource_claim": "default/gpu-a"}}));
+    assert_eq!(e.data_code, "invalid_state", "{e}");
+
+    // The guard refuses the release while the VM runs, and so does the reconciler for an
+    // owner that is gone.
+    let seq = last_seq(&a.state());
+    let e = a.err("claim.release", json!({"owner": owner, "device": VF0}));
+    assert_eq!(e.data_code, "in_use", "{e}");
+    a.ok("claim.owners", json!({"kind": "resource_claim", "live": [], "complete": true}));
+    let r = a.pass();
+    assert!(!released(&r, VF0), "{r}");
+    assert!(type_writes(&a, VF0, seq).is_empty());
+    assert_eq!(a.vf_type(VF0), type_id);
+
+    // Deleting the VM leaves the device configured and claimed for the ResourceClaim.
+    a.ok("claim.owners", json!({"kind": "resource_claim", "live": ["uid-a"], "complete": true}));
+    a.ok("instance.delete", json!({"ref": "vm"}));
+    assert!(type_writes(&a, VF0, seq).is_empty(), "the VM's delete cleared nothing");
+    assert_eq!(a.vf_type(VF0), type_id);
+    assert_eq!(a.claim_file(VF0).unwrap()["owner"], owner);
+    let r = a.ok("claim.release", json!({"owner": owner, "device": VF0}));
+    assert_eq!(r["released"], true, "{r}");
+    assert_eq!(writes_of(&a, VF0, seq, false), ["0"]);
+}
