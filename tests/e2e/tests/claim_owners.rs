@@ -258,3 +258,61 @@ fn a_vm_on_a_resource_claim_uses_its_device_and_never_releases_it() {
     assert_eq!(r["released"], true, "{r}");
     assert_eq!(writes_of(&a, VF0, seq, false), ["0"]);
 }
+
+#[test]
+fn an_mdev_is_prepared_and_removed_through_the_same_paths() {
+    let a = Agent::start_tuned(
+        AgentOptions { model: "l40s-mdev", ..Default::default() },
+        None,
+        &[("reconcile_interval_s", "3600")],
+    )
+    .unwrap();
+    let owner = resource_claim("gpu-m", "uid-m");
+    let e = prepare(&a, &owner, VF0, "L40S-2Q").unwrap_err();
+    assert_eq!(e.data_code, "invalid_request", "vendor_vfio on an mdev host: {e}");
+    let p = a.ok("claim.prepare", json!({"owner": owner, "device": VF0, "kind": "mdev", "profile": "L40S-2Q"}));
+    let uuid = p["mdev_uuid"].as_str().expect("an mdev uuid").to_string();
+    assert_eq!((p["kind"].clone(), p["pci_address"].clone()), (json!("mdev"), Value::Null), "{p}");
+    let mdevs = sim_mdevs(&a.state());
+    assert!(mdevs.iter().any(|m| m["uuid"] == uuid.as_str()), "{mdevs:?}");
+    let group = p["vfio_group"].as_u64().expect("the mdev's group");
+    assert_eq!(p["device_nodes"], json!([format!("/dev/vfio/{group}"), "/dev/vfio/vfio"]));
+    assert_eq!(a.ok("claim.prepare", json!({"owner": owner, "device": VF0, "kind": "mdev", "profile": "L40S-2Q"})), p);
+    let r = a.ok("claim.release", json!({"owner": owner, "device": VF0}));
+    assert_eq!(r["released"], true);
+    assert!(!sim_mdevs(&a.state()).iter().any(|m| m["uuid"] == uuid.as_str()), "the mdev is removed");
+    assert!(a.claim_file(VF0).is_none());
+}
+
+#[test]
+fn a_whole_gpu_is_bound_for_an_external_owner_and_given_back_on_release() {
+    const P1: &str = "0000:83:00.0";
+    const P1A: &str = "0000:83:00.1";
+    let a = Agent::start_tuned(
+        AgentOptions {
+            model: "pt-2",
+            extra: "passthrough_gpus = [\"0000:82:00.0\", \"0000:83:00.0\", \"0000:84:00.0\"]\n",
+            ..Default::default()
+        },
+        None,
+        &[("reconcile_interval_s", "3600")],
+    )
+    .unwrap();
+    let owner = resource_claim("gpu-w", "uid-w");
+    let before = bindings(&[(P1, "nvidia"), (P1A, "snd_hda_intel")]);
+    assert_eq!(a.pt_drivers(P1), before);
+    let p = a.ok("claim.prepare", json!({"owner": owner, "device": P1, "kind": "passthrough"}));
+    assert_eq!(
+        (p["kind"].clone(), p["profile"].clone(), p["pci_address"].clone()),
+        (json!("passthrough"), json!("passthrough"), json!(P1)),
+        "{p}"
+    );
+    let group = p["vfio_group"].as_u64().unwrap();
+    assert_eq!(p["device_nodes"], json!([format!("/dev/vfio/{group}"), "/dev/vfio/vfio"]));
+    assert_eq!(a.pt_drivers(P1), bindings(&[(P1, "vfio-pci"), (P1A, "vfio-pci")]));
+    let e = a.err("claim.prepare", json!({"owner": owner, "device": P1, "kind": "passthrough", "profile": "L40S-2Q"}));
+    assert_eq!(e.data_code, "invalid_request", "{e}");
+    let r = a.ok("claim.release", json!({"owner": owner, "device": P1}));
+    assert_eq!(r["released"], true);
+    assert_eq!(a.pt_drivers(P1), before, "given back to the recorded drivers");
+}
