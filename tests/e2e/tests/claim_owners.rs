@@ -316,3 +316,45 @@ fn a_whole_gpu_is_bound_for_an_external_owner_and_given_back_on_release() {
     assert_eq!(r["released"], true);
     assert_eq!(a.pt_drivers(P1), before, "given back to the recorded drivers");
 }
+
+#[test]
+fn claimed_and_released_events_name_the_external_owner() {
+    use std::io::BufRead;
+    let a = agent(&[]);
+    let mut child = std::process::Command::new(agent_binary())
+        .arg("--socket")
+        .arg(&a.socket)
+        .args(["events", "--output", "json", "--type", "claimed", "--type", "released", "--type", "reconcile_pass"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<Value>();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(serde_json::from_str(&l).unwrap_or(Value::Null)).is_err() {
+                break;
+            }
+        }
+    });
+    // Subscribed once a pass run after the subscription shows up.
+    let subscribed = wait_for(Duration::from_secs(60), || {
+        a.pass();
+        rx.recv_timeout(Duration::from_millis(500)).ok().filter(|e| e["type"] == "reconcile_pass")
+    });
+    assert!(subscribed.is_some(), "the subscriber never saw a pass");
+    let owner = resource_claim("gpu-e", "uid-e");
+    prepare(&a, &owner, VF0, "L40S-2Q").unwrap();
+    a.ok("claim.release", json!({"owner": owner, "device": VF0}));
+    let mut seen = Vec::new();
+    while !seen.iter().any(|e: &Value| e["type"] == "released") {
+        seen.push(rx.recv_timeout(Duration::from_secs(60)).expect("an event"));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let claimed = seen.iter().find(|e| e["type"] == "claimed").expect("claimed");
+    assert_eq!((claimed["device"].clone(), claimed["owner"].clone()), (json!(VF0), owner.clone()), "{claimed}");
+    assert!(claimed["instance_id"].is_null(), "{claimed}");
+    let released = seen.iter().find(|e| e["type"] == "released").unwrap();
+    assert_eq!((released["device"].clone(), released["owner"].clone()), (json!(VF0), owner), "{released}");
+}
