@@ -41,6 +41,37 @@ pub const MAX_LIVE: usize = 100_000;
 #[derive(Debug, Default)]
 pub struct OwnersState {
     lists: Mutex<BTreeMap<String, LiveList>>,
+    /// Devices a `claim.prepare` or `claim.release` is working on (the external owners'
+    /// counterpart of the instance lock: the reconciler and a second call leave them alone).
+    busy: Mutex<BTreeSet<String>>,
+}
+
+/// A device marked busy for the length of one external-owner operation.
+pub(crate) struct Busy<'a> {
+    state: &'a OwnersState,
+    device: String,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        lock(&self.state.busy).remove(&self.device);
+    }
+}
+
+impl OwnersState {
+    /// Marks `device` busy; `None` when another external-owner operation holds it.
+    pub(crate) fn try_busy(&self, device: &str) -> Option<Busy<'_>> {
+        lock(&self.busy).insert(device.to_string()).then(|| Busy { state: self, device: device.to_string() })
+    }
+}
+
+/// The answer while another `claim.prepare`/`claim.release` of the device runs.
+fn busy_error(device: &str) -> ApiError {
+    let f = ReleaseFailure {
+        code: "busy".into(),
+        message: format!("a claim.prepare or claim.release of {device} is in progress; retry"),
+    };
+    ApiError::in_use(device, &[], &f)
 }
 
 /// A complete live list: the identities (ResourceClaim UIDs) and when it was received.
@@ -222,6 +253,12 @@ pub struct OwnersResult {
 }
 
 impl Manager {
+    /// Marks `device` busy for an external-owner operation of the reconciler (`None`: a
+    /// `claim.prepare`/`claim.release` is working on it).
+    pub(crate) fn external_busy(&self, device: &str) -> Option<Busy<'_>> {
+        self.owners.try_busy(device)
+    }
+
     /// The liveness of an external owner now (the rule: [`external_liveness`]).
     pub(crate) fn external_liveness(&self, owner: &External) -> ExternalLiveness {
         let lists = lock(&self.owners.lists);
@@ -298,6 +335,7 @@ impl Manager {
             (k, _) => return Err(ApiError::invalid_request(format!("profile: {} needs a vGPU profile", k.as_str()))),
         };
         self.require_ready()?;
+        let _busy = self.owners.try_busy(&device).ok_or_else(|| busy_error(&device))?;
         // The same owner's claim of this device: the same answer (or, left half-done by a
         // crash or a failed release, released through the guard and claimed again).
         match self.store.read_claim(&device) {
@@ -370,6 +408,7 @@ impl Manager {
         let r = (|| {
             external_owner(&p.owner)?;
             let device = p.device.to_ascii_lowercase();
+            let _busy = self.owners.try_busy(&device).ok_or_else(|| busy_error(&device))?;
             let released = match self.store.read_claim(&device) {
                 Ok(None) => false,
                 Ok(Some(c)) if c.owner != p.owner => return Err(ApiError::device_taken(&device, &c.owner)),

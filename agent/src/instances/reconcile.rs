@@ -814,7 +814,12 @@ impl Manager {
     /// started since the observation makes the pass skip it) and its death proven again.
     fn release_stale(&self, c: &Claim, boot_id: &str, report: &mut PassReport) {
         let Some(owner_id) = c.owner.instance() else {
-            // An external owner: its death proven again now (a list may have come since).
+            // An external owner: not while a claim.prepare/claim.release works on the
+            // device; its death proven again now (a list may have come since).
+            let Some(_busy) = self.external_busy(&c.device) else {
+                report.keep_device(&c.device, "owner operation in progress");
+                return;
+            };
             match self.prove_owner_done(c, boot_id) {
                 Ok(dead) => {
                     let r = self.release(Release::Claim(c, dead), Duration::ZERO);
