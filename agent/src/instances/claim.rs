@@ -170,20 +170,9 @@ impl Manager {
                     Err(e) => return Err(fail(e.into())),
                 }
             }
-            crate::crash_point!("after_claim_commit");
-            let result = match framework {
-                Framework::VendorVfio => self.configure_vf(&mut claim, &cand),
-                Framework::Mdev => self.configure_mdev(&mut claim),
-                Framework::Passthrough => self.configure_passthrough(&claim),
-            };
-            match result {
-                Ok(()) => {
-                    claim.state = ClaimState::Configured;
-                    if let Err(e) = self.store.update_claim(&claim) {
-                        claim.state = ClaimState::Claimed;
-                        return Err(ClaimFailure::Held(Box::new(claim), e.into()));
-                    }
-                    crate::crash_point!("after_configure");
+            match self.configure_claimed(&mut claim, &cand) {
+                Ok(Err(e)) => return Err(ClaimFailure::Held(Box::new(claim), e.into())),
+                Ok(Ok(())) => {
                     self.metrics.claim_duration(started.elapsed().as_secs_f64());
                     tracing::info!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %claim.device,
                         type_id = %claim.type_id.map(|t| t.to_string()).unwrap_or_else(|| "-".into()),
@@ -274,6 +263,31 @@ impl Manager {
         match self.release(Release::Claim(&claim, dead), Duration::ZERO) {
             Ok(_) => Ok(()),
             Err(e) => Err(held(&claim, ApiError::internal(format!("a refused candidate could not be released: {e}")))),
+        }
+    }
+
+    /// The claim is durable: configures the device and records the claim `configured`
+    /// (the same steps for every owner). `Err`: the configure refused; `Ok(Err)`: the
+    /// device is configured but the claim could not be recorded so (it reads `claimed`: the
+    /// caller releases it).
+    fn configure_claimed(&self, claim: &mut Claim, cand: &Candidate) -> Result<Result<(), StoreError>, Refusal> {
+        crate::crash_point!("after_claim_commit");
+        self.configure(claim, cand)?;
+        claim.state = ClaimState::Configured;
+        if let Err(e) = self.store.update_claim(claim) {
+            claim.state = ClaimState::Claimed;
+            return Ok(Err(e));
+        }
+        crate::crash_point!("after_configure");
+        Ok(Ok(()))
+    }
+
+    /// Configures a claimed device by its kind (the same step for every owner).
+    fn configure(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
+        match claim.framework {
+            Framework::VendorVfio => self.configure_vf(claim, cand),
+            Framework::Mdev => self.configure_mdev(claim),
+            Framework::Passthrough => self.configure_passthrough(claim),
         }
     }
 
@@ -577,21 +591,12 @@ impl Manager {
             }
             (claim, cand)
         };
-        crate::crash_point!("after_claim_commit");
-        let result = match kind {
-            Framework::VendorVfio => self.configure_vf(&mut claim, &cand),
-            Framework::Mdev => self.configure_mdev(&mut claim),
-            Framework::Passthrough => self.configure_passthrough(&claim),
-        };
-        match result {
-            Ok(()) => {
-                claim.state = ClaimState::Configured;
-                if let Err(e) = self.store.update_claim(&claim) {
-                    claim.state = ClaimState::Claimed;
-                    let _ = self.release_for(&claim, owner);
-                    return Err(e.into());
-                }
-                crate::crash_point!("after_configure");
+        match self.configure_claimed(&mut claim, &cand) {
+            Ok(Err(e)) => {
+                let _ = self.release_for(&claim, owner);
+                Err(e.into())
+            }
+            Ok(Ok(())) => {
                 self.metrics.claim_duration(started.elapsed().as_secs_f64());
                 Ok(claim)
             }

@@ -533,19 +533,7 @@ impl Manager {
                     report.keep_device(&claim.device, format!("owner {}: {l}", claim.owner));
                     continue;
                 }
-                let same_boot = claim.claim_boot_id == boot_id;
-                let item = GraceItem {
-                    kind: GraceItemKind::StaleClaim,
-                    device: claim.device.clone(),
-                    framework: claim.framework.into(),
-                    owner: None,
-                    claimed_age_ms: same_boot.then(|| now.saturating_sub(claim.claimed_boottime_ms)),
-                    dirty_age_ms: None,
-                    same_boot,
-                    release_attempts: claim.release_attempts,
-                    last_error: claim.last_error.clone(),
-                };
-                out.push((Eligible::Claim(Box::new(claim.clone())), item));
+                out.push((Eligible::Claim(Box::new(claim.clone())), stale_item(claim, None, boot_id, now)));
                 continue;
             };
             let ilock = self.instance_lock(owner_id);
@@ -560,7 +548,6 @@ impl Manager {
                     continue;
                 }
             };
-            let same_boot = claim.claim_boot_id == boot_id;
             match self.prove_dead(owner_id, owner.as_ref(), boot_id) {
                 Ok(_) => {}
                 Err(Liveness::Alive { pid }) => {
@@ -578,22 +565,13 @@ impl Manager {
                 report.keep_device(&claim.device, "owner recorded running");
                 continue;
             }
-            let item = GraceItem {
-                kind: GraceItemKind::StaleClaim,
-                device: claim.device.clone(),
-                framework: claim.framework.into(),
-                owner: owner.as_ref().map(|o| GraceOwner {
-                    instance_id: o.id.to_string(),
-                    state: o.state().as_str().to_string(),
-                    labels: o.labels.clone(),
-                    vmm_identity_recorded: o.vmm.is_some(),
-                }),
-                claimed_age_ms: same_boot.then(|| now.saturating_sub(claim.claimed_boottime_ms)),
-                dirty_age_ms: None,
-                same_boot,
-                release_attempts: claim.release_attempts,
-                last_error: claim.last_error.clone(),
-            };
+            let grace_owner = owner.as_ref().map(|o| GraceOwner {
+                instance_id: o.id.to_string(),
+                state: o.state().as_str().to_string(),
+                labels: o.labels.clone(),
+                vmm_identity_recorded: o.vmm.is_some(),
+            });
+            let item = stale_item(claim, grace_owner, boot_id, now);
             out.push((Eligible::Claim(Box::new(claim.clone())), item));
         }
         out
@@ -869,6 +847,23 @@ impl Manager {
             }
             Err(_) => self.metrics().stale_release(StaleResult::Failed),
         }
+    }
+}
+
+/// The grace plugin's view of a stale claim (`owner`: its instance, `None` when absent or
+/// external).
+fn stale_item(claim: &Claim, owner: Option<GraceOwner>, boot_id: &str, now: u64) -> GraceItem {
+    let same_boot = claim.claim_boot_id == boot_id;
+    GraceItem {
+        kind: GraceItemKind::StaleClaim,
+        device: claim.device.clone(),
+        framework: claim.framework.into(),
+        owner,
+        claimed_age_ms: same_boot.then(|| now.saturating_sub(claim.claimed_boottime_ms)),
+        dirty_age_ms: None,
+        same_boot,
+        release_attempts: claim.release_attempts,
+        last_error: claim.last_error.clone(),
     }
 }
 
