@@ -358,3 +358,37 @@ fn claimed_and_released_events_name_the_external_owner() {
     let released = seen.iter().find(|e| e["type"] == "released").unwrap();
     assert_eq!((released["device"].clone(), released["owner"].clone()), (json!(VF0), owner), "{released}");
 }
+
+#[test]
+fn a_second_call_for_a_device_being_prepared_is_refused_and_the_reconciler_leaves_it_alone() {
+    assert_failpoints_built();
+    let a = agent(&[]);
+    let owner = resource_claim("gpu-a", "uid-a");
+    a.ok("debug.failpoint", json!({"name": "after_claim_commit", "action": "pause"}));
+    let first = a.spawn_call(
+        "claim.prepare",
+        json!({"owner": owner, "device": VF0, "kind": "vendor_vfio", "profile": "L40S-2Q"}),
+    );
+    let waiting = || {
+        let l = a.ok("debug.failpoints", json!({}));
+        l["failpoints"].as_array().unwrap().iter().find(|p| p["name"] == "after_claim_commit").unwrap()["waiting"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    wait_for(Duration::from_secs(30), || (waiting() >= 1).then_some(())).expect("the prepare paused after its claim");
+    assert_eq!(a.claim_file(VF0).unwrap()["state"], "claimed");
+    // The same owner again, and its release: refused while the first call works on it.
+    let e = prepare(&a, &owner, VF0, "L40S-2Q").unwrap_err();
+    assert_eq!((e.data_code.as_str(), e.data["release_error"]["code"].clone()), ("in_use", json!("busy")), "{e}");
+    let e = a.err("claim.release", json!({"owner": owner, "device": VF0}));
+    assert_eq!(e.data_code, "in_use", "{e}");
+    // The owner is gone from a complete list, yet the pass leaves the device alone.
+    a.ok("claim.owners", json!({"kind": "resource_claim", "live": [], "complete": true}));
+    let r = a.pass();
+    assert!(!released(&r, VF0), "{r}");
+    a.ok("debug.failpoint", json!({"name": "after_claim_commit", "action": "release"}));
+    let answer = first.join().unwrap().unwrap();
+    assert_eq!(answer["result"]["state"], "configured", "{answer}");
+    assert_eq!(a.vf_type(VF0), answer["result"]["type_id"].as_u64().unwrap());
+    assert_eq!(a.claim_file(VF0).unwrap()["state"], "configured");
+}
