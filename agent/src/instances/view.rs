@@ -930,6 +930,26 @@ impl Manager {
         })
     }
 
+    /// A readable claim as `gpu.list` shows it (`names`: instance names the claims carry).
+    fn claim_view(&self, c: &Claim, names: &HashMap<uuid::Uuid, String>) -> ClaimView {
+        ClaimView {
+            instance_id: c.owner.instance().map(|i| i.to_string()),
+            instance_name: c.owner.instance().and_then(|id| {
+                c.owner_name
+                    .clone()
+                    .or_else(|| names.get(&id).cloned())
+                    .or_else(|| self.store.read_instance(id).ok().flatten().map(|r| r.name.clone()))
+            }),
+            owner: Some(c.owner.clone()),
+            profile: Some(c.profile.clone()),
+            type_id: c.type_id,
+            mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
+            state: Some(c.state),
+            last_error: c.last_error.clone(),
+            unreadable: None,
+        }
+    }
+
     /// `gpu.list`: every GPU (managed or not) and device with its current type, claim
     /// owner, health mark and what could not be read.
     pub fn gpus(&self) -> Result<GpuList, ApiError> {
@@ -938,88 +958,74 @@ impl Manager {
             obs.claims.records.iter().filter_map(|c| Some((c.owner.instance()?, c.owner_name.clone()?))).collect();
         let held = self.held_by_policy();
         let probe_error = obs.mode.as_ref().err().cloned();
-        let gpus =
-            obs.gpus
-                .iter()
-                .map(|g| GpuEntry {
-                    address: g.address.clone(),
-                    model: g.model.clone(),
-                    framebuffer_mib: g.framebuffer_mib,
-                    claimed_framebuffer_mib: g.claimed_framebuffer_mib,
-                    managed: g.managed,
-                    health: g.health.as_ref().map(HealthMark::from),
-                    probe_error: probe_error.clone(),
-                    devices: g
-                        .devices
-                        .iter()
-                        .map(|d| DeviceEntry {
-                            address: d.address.clone(),
-                            state: d.state.into(),
-                            current_type: TypeValue::of(&d.current_type),
-                            creatable: d.creatable.clone(),
-                            claim: match (&d.claim, &d.claim_unreadable) {
-                                (Some(c), _) => Some(ClaimView {
-                                    instance_id: c.owner.instance().map(|i| i.to_string()),
-                                    instance_name: c.owner.instance().and_then(|id| {
-                                        c.owner_name.clone().or_else(|| names.get(&id).cloned()).or_else(|| {
-                                            self.store.read_instance(id).ok().flatten().map(|r| r.name.clone())
-                                        })
-                                    }),
-                                    owner: Some(c.owner.clone()),
-                                    profile: Some(c.profile.clone()),
-                                    type_id: c.type_id,
-                                    mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
-                                    state: Some(c.state),
-                                    last_error: c.last_error.clone(),
-                                    unreadable: None,
-                                }),
-                                (None, Some(u)) => Some(ClaimView {
-                                    instance_id: None,
-                                    instance_name: None,
-                                    owner: None,
-                                    profile: None,
-                                    type_id: None,
-                                    mdev_uuid: None,
-                                    state: None,
-                                    last_error: None,
-                                    unreadable: Some(u.clone()),
-                                }),
-                                (None, None) => None,
-                            },
-                            quarantine: d.health.as_ref().map(HealthMark::from),
-                            held_by_policy: held.get(&d.address).cloned(),
-                            unreadable: d.unreadable.clone(),
-                            type_mismatch: d.type_mismatch.clone(),
-                            catalog_skipped_lines: d.catalog_skipped.clone(),
-                        })
-                        .collect(),
-                    passthrough: g.passthrough.as_ref().map(|pt| {
-                        let recorded =
-                            g.devices.first().and_then(|d| d.claim.as_ref()).and_then(|c| c.passthrough.as_ref());
-                        let original = |bdf: &str| {
-                            recorded
-                                .and_then(|r| r.functions.iter().find(|f| f.bdf == bdf))
-                                .and_then(|f| f.original_driver.clone())
-                        };
-                        PassthroughGroupView {
-                            group: pt.read.as_ref().map(|r| r.group),
-                            functions: pt
-                                .read
-                                .iter()
-                                .flat_map(|r| &r.functions)
-                                .map(|f| FunctionView {
-                                    bdf: f.bdf.clone(),
-                                    driver: f.driver.clone(),
-                                    original_driver: original(&f.bdf),
-                                })
-                                .collect(),
-                            bridges: pt.read.as_ref().map(|r| r.bridges.clone()).unwrap_or_default(),
-                            foreign: pt.read.as_ref().map(|r| r.foreign.clone()).unwrap_or_default(),
-                            problem: pt.problem.clone(),
-                        }
-                    }),
-                })
-                .collect();
+        let gpus = obs
+            .gpus
+            .iter()
+            .map(|g| GpuEntry {
+                address: g.address.clone(),
+                model: g.model.clone(),
+                framebuffer_mib: g.framebuffer_mib,
+                claimed_framebuffer_mib: g.claimed_framebuffer_mib,
+                managed: g.managed,
+                health: g.health.as_ref().map(HealthMark::from),
+                probe_error: probe_error.clone(),
+                devices: g
+                    .devices
+                    .iter()
+                    .map(|d| DeviceEntry {
+                        address: d.address.clone(),
+                        state: d.state.into(),
+                        current_type: TypeValue::of(&d.current_type),
+                        creatable: d.creatable.clone(),
+                        claim: match (&d.claim, &d.claim_unreadable) {
+                            (Some(c), _) => Some(self.claim_view(c, &names)),
+                            (None, Some(u)) => Some(ClaimView {
+                                instance_id: None,
+                                instance_name: None,
+                                owner: None,
+                                profile: None,
+                                type_id: None,
+                                mdev_uuid: None,
+                                state: None,
+                                last_error: None,
+                                unreadable: Some(u.clone()),
+                            }),
+                            (None, None) => None,
+                        },
+                        quarantine: d.health.as_ref().map(HealthMark::from),
+                        held_by_policy: held.get(&d.address).cloned(),
+                        unreadable: d.unreadable.clone(),
+                        type_mismatch: d.type_mismatch.clone(),
+                        catalog_skipped_lines: d.catalog_skipped.clone(),
+                    })
+                    .collect(),
+                passthrough: g.passthrough.as_ref().map(|pt| {
+                    let recorded =
+                        g.devices.first().and_then(|d| d.claim.as_ref()).and_then(|c| c.passthrough.as_ref());
+                    let original = |bdf: &str| {
+                        recorded
+                            .and_then(|r| r.functions.iter().find(|f| f.bdf == bdf))
+                            .and_then(|f| f.original_driver.clone())
+                    };
+                    PassthroughGroupView {
+                        group: pt.read.as_ref().map(|r| r.group),
+                        functions: pt
+                            .read
+                            .iter()
+                            .flat_map(|r| &r.functions)
+                            .map(|f| FunctionView {
+                                bdf: f.bdf.clone(),
+                                driver: f.driver.clone(),
+                                original_driver: original(&f.bdf),
+                            })
+                            .collect(),
+                        bridges: pt.read.as_ref().map(|r| r.bridges.clone()).unwrap_or_default(),
+                        foreign: pt.read.as_ref().map(|r| r.foreign.clone()).unwrap_or_default(),
+                        problem: pt.problem.clone(),
+                    }
+                }),
+            })
+            .collect();
         let unreadable_records =
             obs.claims.unreadable.iter().chain(&obs.health.unreadable).map(UnreadableRecord::from).collect();
         let unreadable_devices = obs
