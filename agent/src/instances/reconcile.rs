@@ -17,7 +17,10 @@
 //! 3. **Claims vs. hardware**: a claimed VF whose type differs from its claim under a live
 //!    VM is quarantined (`foreign_write`) and reported, never repaired.
 //! 4. **Stale claims**: under the instance lock (instances mid-operation are skipped),
-//!    maybe alive → kept; provably dead or absent owner → *eligible*.
+//!    maybe alive → kept; provably dead or absent owner → *eligible*. An external owner's
+//!    claim (`owners.rs`) is eligible when the owner is provably done (absent from a
+//!    complete, fresh `claim.owners` list) and no `claim.prepare`/`claim.release` works on
+//!    the device.
 //! 5. **Orphan sweep** (managed GPUs only): dirty VFs with no claim, and mdevs gpuvisor
 //!    recorded but no claim names, that are not held open, are eligible.
 //! 6. The `grace` plugin decides which eligible items are released now; each release goes
