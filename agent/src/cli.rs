@@ -939,10 +939,12 @@ pub fn event_line(ev: &crate::events::Event) -> String {
             format!("{name} ({instance_id}) {from} -> {}{why}", to.as_str())
         }
         K::InstanceDeleted { instance_id, name } => format!("{} ({instance_id}) deleted", who(name, &None)),
-        K::Claimed { device, framework, profile, instance_id, name, .. } => {
-            format!("{device} claimed by {} ({framework} {profile})", who(name, &Some(instance_id.clone())))
+        K::Claimed { device, framework, profile, instance_id, owner, name, .. } => {
+            let id = instance_id.clone().or_else(|| Some(owner.to_string()));
+            format!("{device} claimed by {} ({framework} {profile})", who(name, &id))
         }
-        K::Released { device, what, instance_id, name } => {
+        K::Released { device, what, instance_id, owner, name } => {
+            let instance_id = &instance_id.clone().or_else(|| owner.as_ref().map(|o| o.to_string()));
             let by = if instance_id.is_some() || name.is_some() {
                 format!(" from {}", who(name, instance_id))
             } else {
@@ -950,7 +952,8 @@ pub fn event_line(ev: &crate::events::Event) -> String {
             };
             format!("{device} released ({what}){by}")
         }
-        K::ReleaseFailed { device, what, instance_id, name, code, error } => {
+        K::ReleaseFailed { device, what, instance_id, owner, name, code, error } => {
+            let instance_id = &instance_id.clone().or_else(|| owner.as_ref().map(|o| o.to_string()));
             let of = if instance_id.is_some() || name.is_some() {
                 format!(" of {}", who(name, instance_id))
             } else {

@@ -279,6 +279,10 @@ config_keys! {
         help: "Protection of claims without a recorded VMM, and of orphans (the grace plugin's params.claim_grace_s)",
         default: Some("300"), unit: Seconds, serve_flag: false,
     },
+    external_owner_lease_s: u64 {
+        help: "How long the last complete claim.owners list of an external owner kind stays authoritative; older (or none): external owners are maybe alive, their claims never released",
+        default: Some("300"), unit: Seconds, serve_flag: false,
+    },
     vfio_term_grace_s: u64 {
         help: "SIGTERM to SIGKILL wait on the kill path of a VMM holding a VFIO device",
         default: Some("5"), unit: Seconds, serve_flag: true,
@@ -397,6 +401,7 @@ impl Default for Config {
             plugins: Plugins::default(),
             reconcile_interval_s: 60,
             claim_grace_s: 300,
+            external_owner_lease_s: 300,
             vfio_term_grace_s: 5,
             stop_timeout_s: 30,
             release_retry_s: 30,
@@ -511,6 +516,7 @@ impl Config {
         for (key, v) in [
             ("reconcile_interval_s", self.reconcile_interval_s),
             ("claim_grace_s", self.claim_grace_s),
+            ("external_owner_lease_s", self.external_owner_lease_s),
             ("vfio_term_grace_s", self.vfio_term_grace_s),
             ("stop_timeout_s", self.stop_timeout_s),
             ("release_retry_s", self.release_retry_s),

@@ -36,11 +36,13 @@ pub enum ErrorCode {
     NotReady,
     VmmLivenessUnknown,
     ImageInUse,
+    DeviceTaken,
+    InUse,
 }
 
 impl ErrorCode {
     /// Every code, in the order of docs/design/lifecycle.md's table.
-    pub const ALL: [ErrorCode; 22] = {
+    pub const ALL: [ErrorCode; 24] = {
         use ErrorCode::*;
         [
             InvalidRequest,
@@ -65,6 +67,8 @@ impl ErrorCode {
             NotReady,
             VmmLivenessUnknown,
             ImageInUse,
+            DeviceTaken,
+            InUse,
         ]
     };
 
@@ -94,6 +98,8 @@ impl ErrorCode {
             NotReady => "not_ready",
             VmmLivenessUnknown => "vmm_liveness_unknown",
             ImageInUse => "image_in_use",
+            DeviceTaken => "device_taken",
+            InUse => "in_use",
         }
     }
 
@@ -117,7 +123,9 @@ impl ErrorCode {
             | DeviceUnhealthy
             | IommuGroupConflict
             | GpuBusy
-            | ImageInUse => 409,
+            | ImageInUse
+            | DeviceTaken
+            | InUse => 409,
             VgpuCleanupPending | VmmStartFailed | VmmKillFailed | PassthroughBindFailed | PolicyFailed | Internal => {
                 500
             }
@@ -310,6 +318,30 @@ impl ApiError {
         )
         .with("image", image)
         .with("instances", instances.to_vec())
+    }
+
+    /// `device_taken`: `claim.prepare` or `claim.release` of a device another owner holds
+    /// the claim of (`data.device`, `data.owner`: that owner).
+    pub fn device_taken(device: &str, owner: &crate::store::Owner) -> ApiError {
+        ApiError::new(ErrorCode::DeviceTaken, format!("{device} is claimed by {owner}, not by the caller"))
+            .with("device", device)
+            .with("owner", serde_json::to_value(owner).unwrap_or(Value::Null))
+    }
+
+    /// `in_use`: the device cannot be released (or prepared) while a process holds it open,
+    /// or while its holders cannot be verified (`data.device`, `data.pids`,
+    /// `data.release_error: {code, message}`); nothing was written to the device.
+    pub fn in_use(device: &str, pids: &[i32], release: &ReleaseFailure) -> ApiError {
+        let held = if pids.is_empty() { release.message.clone() } else { format!("held open by pid {pids:?}") };
+        ApiError::new(
+            ErrorCode::InUse,
+            format!(
+                "{device} cannot be released while it may be in use ({held}); the claim stays, nothing was written"
+            ),
+        )
+        .with("device", device)
+        .with("pids", pids.to_vec())
+        .with("release_error", json!({"code": release.code, "message": release.message}))
     }
 
     /// `gpu_release_pending`: start waits on an earlier release that still fails.

@@ -16,7 +16,7 @@
 //! bounded broadcast channel: a subscriber too slow to keep up gets a `lagged` event saying
 //! how many it missed, never a silent gap. Counted per type in `gpuvisor_events_total`.
 
-use crate::store::{InstanceState, Labels};
+use crate::store::{InstanceState, Labels, Owner};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, OnceLock};
@@ -53,13 +53,16 @@ pub enum EventKind {
     },
     /// An instance record and its directory are gone.
     InstanceDeleted { instance_id: String, name: Option<String> },
-    /// A device was claimed for an instance (the claim file exists).
+    /// A device was claimed for an instance or an external owner (the claim file exists).
     Claimed {
         device: String,
         gpu: String,
         framework: String,
         profile: String,
-        instance_id: String,
+        /// The owning instance (`null` for an external owner).
+        instance_id: Option<String>,
+        /// The claim's owner.
+        owner: Owner,
         name: Option<String>,
         #[serde(default, skip_serializing_if = "Labels::is_empty")]
         labels: Labels,
@@ -70,6 +73,8 @@ pub enum EventKind {
         /// `claim`, `orphan_vf`, `orphan_mdev` or `dirty_vf_repair`.
         what: String,
         instance_id: Option<String>,
+        /// The claim's owner (`null` for an orphan).
+        owner: Option<Owner>,
         name: Option<String>,
     },
     /// A release did not complete: a claim stays `release_pending`, an orphan stays.
@@ -77,6 +82,8 @@ pub enum EventKind {
         device: String,
         what: String,
         instance_id: Option<String>,
+        /// The claim's owner (`null` for an orphan).
+        owner: Option<Owner>,
         name: Option<String>,
         /// The failure's stable code (`in_use`, `write_failed`, …).
         code: String,

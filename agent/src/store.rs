@@ -225,6 +225,10 @@ pub struct InstanceDefinition {
     /// A whole GPU (passthrough), if asked for: any free passthrough GPU, or the one named.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_passthrough: Option<PassthroughWant>,
+    /// The device prepared for a Kubernetes ResourceClaim (`claim.prepare`), if the VM uses
+    /// one: the claim stays the ResourceClaim's; stop and delete never release it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_resource_claim: Option<ResourceClaimRef>,
     /// What happens when the VMM dies without a stop.
     #[serde(default)]
     pub restart: RestartPolicy,
@@ -336,6 +340,28 @@ pub struct PassthroughWant {
     pub address: Option<String>,
 }
 
+/// A Kubernetes ResourceClaim by namespace and name (`instance.create`'s
+/// `gpu.resource_claim`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ResourceClaimRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ResourceClaimRef {
+    /// True when `owner` is this ResourceClaim (any UID).
+    pub fn is(&self, owner: &Owner) -> bool {
+        matches!(owner, Owner::External(External::ResourceClaim { namespace, name, .. })
+            if *namespace == self.namespace && *name == self.name)
+    }
+}
+
+impl std::fmt::Display for ResourceClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
 /// `instances/<id>/instance.json`: the definition (flattened: the file is one JSON object)
 /// plus the runtime fields. Never stores a device path: GPU ownership lives in claims only.
 /// The state is private: it changes only through [`InstanceRecord::transition`]. The
@@ -418,13 +444,186 @@ impl ClaimState {
     }
 }
 
+/// Who owns a claim: one of gpuvisor's instances, or an external consumer that prepared
+/// the device through `claim.prepare` (a Kubernetes ResourceClaim). Each kind has its
+/// liveness rule (an instance: its VMM provably dead, `vmm.rs`; an external owner: absent
+/// from the last complete, fresh live list, `instances/owners.rs`); the release guard's
+/// sequence is the same for every owner.
+///
+/// On the wire: `{"kind": "instance", "id": "<uuid>"}` or
+/// `{"kind": "resource_claim", "namespace", "name", "uid"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(from = "OwnerWire", into = "OwnerWire")]
+pub enum Owner {
+    /// A gpuvisor instance.
+    Instance(Uuid),
+    /// A consumer outside gpuvisor.
+    External(External),
+}
+
+/// An owner outside gpuvisor.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum External {
+    /// A Kubernetes ResourceClaim (`resource.k8s.io`), named by namespace and name and
+    /// identified by its UID (a claim recreated under the same name is another owner).
+    ResourceClaim {
+        /// The namespace (1–253 characters).
+        namespace: String,
+        /// The name (1–253 characters).
+        name: String,
+        /// The UID (1–128 characters).
+        uid: String,
+    },
+}
+
+/// The wire form of [`Owner`].
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+enum OwnerWire {
+    /// A gpuvisor instance.
+    Instance {
+        /// The instance id.
+        #[schemars(with = "String")]
+        id: Uuid,
+    },
+    /// A Kubernetes ResourceClaim.
+    ResourceClaim {
+        /// The namespace.
+        namespace: String,
+        /// The name.
+        name: String,
+        /// The UID.
+        uid: String,
+    },
+}
+
+impl From<OwnerWire> for Owner {
+    fn from(w: OwnerWire) -> Owner {
+        match w {
+            OwnerWire::Instance { id } => Owner::Instance(id),
+            OwnerWire::ResourceClaim { namespace, name, uid } => {
+                Owner::External(External::ResourceClaim { namespace, name, uid })
+            }
+        }
+    }
+}
+
+impl From<Owner> for OwnerWire {
+    fn from(o: Owner) -> OwnerWire {
+        match o {
+            Owner::Instance(id) => OwnerWire::Instance { id },
+            Owner::External(External::ResourceClaim { namespace, name, uid }) => {
+                OwnerWire::ResourceClaim { namespace, name, uid }
+            }
+        }
+    }
+}
+
+impl Owner {
+    /// The instance, when an instance owns the claim.
+    pub fn instance(&self) -> Option<Uuid> {
+        match self {
+            Owner::Instance(id) => Some(*id),
+            Owner::External(_) => None,
+        }
+    }
+
+    /// The instance id for logs, `-` for an external owner.
+    pub fn instance_label(&self) -> String {
+        self.instance().map(|i| i.to_string()).unwrap_or_else(|| "-".into())
+    }
+
+    /// The external owner, if any.
+    pub fn external(&self) -> Option<&External> {
+        match self {
+            Owner::External(e) => Some(e),
+            Owner::Instance(_) => None,
+        }
+    }
+
+    /// The wire name of the owner's kind (`instance`, `resource_claim`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Owner::Instance(_) => "instance",
+            Owner::External(e) => e.kind(),
+        }
+    }
+}
+
+impl External {
+    /// The wire name of the kind (`resource_claim`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            External::ResourceClaim { .. } => "resource_claim",
+        }
+    }
+
+    /// The identity the owner's live lists name (a ResourceClaim's UID).
+    pub fn live_id(&self) -> &str {
+        match self {
+            External::ResourceClaim { uid, .. } => uid,
+        }
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Owner::Instance(id) => write!(f, "instance {id}"),
+            Owner::External(External::ResourceClaim { namespace, name, uid }) => {
+                write!(f, "resource_claim {namespace}/{name} (uid {uid})")
+            }
+        }
+    }
+}
+
+/// How a claim record stores its owner: an instance as `instance_id` (the format every
+/// version wrote, so records stay readable both ways), an external owner as `owner` (a
+/// version that does not know owners cannot decode it: it reads the claim as unreadable
+/// and blocks the device — fail closed).
+mod claim_owner {
+    use super::{Owner, OwnerWire};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use uuid::Uuid;
+
+    #[derive(Serialize, Deserialize)]
+    struct Fields {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        instance_id: Option<Uuid>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<OwnerWire>,
+    }
+
+    pub fn serialize<S: Serializer>(o: &Owner, s: S) -> Result<S::Ok, S::Error> {
+        match o {
+            Owner::Instance(id) => Fields { instance_id: Some(*id), owner: None },
+            Owner::External(_) => Fields { instance_id: None, owner: Some(o.clone().into()) },
+        }
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Owner, D::Error> {
+        let f = Fields::deserialize(d)?;
+        match (f.instance_id, f.owner) {
+            (Some(id), None) => Ok(Owner::Instance(id)),
+            (None, Some(o)) => Ok(o.into()),
+            (Some(id), Some(o)) if Owner::from(o.clone()) == Owner::Instance(id) => Ok(Owner::Instance(id)),
+            (Some(_), Some(_)) => Err(serde::de::Error::custom("the claim names two different owners")),
+            (None, None) => Err(serde::de::Error::custom("the claim names no owner (instance_id or owner)")),
+        }
+    }
+}
+
 /// `claims/<device>.json` — the only record of who owns a device (docs/design/lifecycle.md, Words).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Claim {
     /// The thing that can have one owner: the VF address (vendor VFIO, and mdev on a VF).
     pub device: String,
     pub framework: Framework,
-    pub instance_id: Uuid,
+    /// The owner (on disk: `instance_id`, or `owner` for an external one).
+    #[serde(flatten, with = "claim_owner")]
+    pub owner: Owner,
     /// The owner's name at claim time (names never change), for views and reports.
     #[serde(default)]
     pub owner_name: Option<String>,
@@ -481,11 +680,24 @@ pub struct FunctionRecord {
 }
 
 impl Claim {
+    /// Who owns it, for messages: `instance <name or id>`, or the external owner.
+    pub fn owner_label(&self) -> String {
+        match &self.owner {
+            Owner::Instance(id) => format!("instance {}", self.owner_name.clone().unwrap_or_else(|| id.to_string())),
+            Owner::External(_) => self.owner.to_string(),
+        }
+    }
+
+    /// True when instance `id` owns it.
+    pub fn owned_by(&self, id: Uuid) -> bool {
+        self.owner == Owner::Instance(id)
+    }
+
     /// True when `other` is this very claim (same device, owner, boot, claim time and
     /// mdev): a claim re-read that differs belongs to someone else.
     pub fn same_claim(&self, other: &Claim) -> bool {
         self.device == other.device
-            && self.instance_id == other.instance_id
+            && self.owner == other.owner
             && self.claim_boot_id == other.claim_boot_id
             && self.claimed_boottime_ms == other.claimed_boottime_ms
             && self.mdev_uuid == other.mdev_uuid
@@ -498,7 +710,9 @@ pub struct MdevRecord {
     pub uuid: Uuid,
     pub parent: String,
     pub mdev_type: String,
-    pub instance_id: Uuid,
+    /// The owning instance (`None`: an external owner).
+    #[serde(default)]
+    pub instance_id: Option<Uuid>,
     pub created_at: String,
     pub boot_id: String,
     pub created_boottime_ms: u64,
@@ -934,7 +1148,8 @@ impl Store {
             gpu: claim.gpu.clone(),
             framework: claim.framework.as_str().to_string(),
             profile: claim.profile.clone(),
-            instance_id: claim.instance_id.to_string(),
+            instance_id: claim.owner.instance().map(|i| i.to_string()),
+            owner: claim.owner.clone(),
             name: claim.owner_name.clone(),
             labels: claim.owner_labels.clone().unwrap_or_default(),
         });
@@ -1254,7 +1469,7 @@ mod tests {
         Claim {
             device: device.into(),
             framework: Framework::VendorVfio,
-            instance_id: Uuid::new_v4(),
+            owner: Owner::Instance(Uuid::new_v4()),
             owner_name: Some("a".into()),
             owner_labels: Some(Labels::new()),
             gpu: "0000:41:00.0".into(),
@@ -1271,6 +1486,68 @@ mod tests {
             last_error: None,
             passthrough: None,
         }
+    }
+
+    /// Claim records as every version before owners wrote them (`instance_id` only), one
+    /// per kind: they read as instance-owned, and are written back in the same form.
+    #[test]
+    fn claims_written_before_owners_read_as_instance_owned() {
+        let id = "6f1c2a8e-3b4d-4e5f-8a9b-0c1d2e3f4a5b";
+        let vf = r#"{"device":"0000:41:00.4","framework":"vendor_vfio","instance_id":"6f1c2a8e-3b4d-4e5f-8a9b-0c1d2e3f4a5b",
+            "owner_name":"a","owner_labels":{},"gpu":"0000:41:00.0","profile":"L40S-2Q","type_id":1148,"mdev_uuid":null,
+            "mdev_type":null,"claimed_at":"2026-01-01T00:00:00Z","claim_boot_id":"b","claimed_boottime_ms":1,
+            "driver_version":"550.90","state":"configured","release_attempts":0,"last_error":null}"#;
+        let mdev = r#"{"device":"0000:41:00.5","framework":"mdev","instance_id":"6f1c2a8e-3b4d-4e5f-8a9b-0c1d2e3f4a5b",
+            "owner_name":"m","gpu":"0000:41:00.0","profile":"L40S-2Q","type_id":null,
+            "mdev_uuid":"11111111-2222-4333-8444-555555555555","mdev_type":"nvidia-1148",
+            "claimed_at":"2026-01-01T00:00:00Z","claim_boot_id":"b","claimed_boottime_ms":1,"driver_version":null,
+            "state":"release_pending","release_attempts":2,"last_error":"in_use: held open by pid [7]"}"#;
+        let pt = r#"{"device":"0000:82:00.0","framework":"passthrough","instance_id":"6f1c2a8e-3b4d-4e5f-8a9b-0c1d2e3f4a5b",
+            "owner_name":"p","owner_labels":{"t":"x"},"gpu":"0000:82:00.0","profile":"passthrough","type_id":null,
+            "mdev_uuid":null,"mdev_type":null,"claimed_at":"2026-01-01T00:00:00Z","claim_boot_id":"b",
+            "claimed_boottime_ms":1,"driver_version":null,"state":"claimed","release_attempts":0,"last_error":null,
+            "passthrough":{"group":42,"functions":[{"bdf":"0000:82:00.0","original_driver":"nvidia"},
+            {"bdf":"0000:82:00.1","original_driver":"snd_hda_intel"}]}}"#;
+        for (json, kind) in [(vf, Framework::VendorVfio), (mdev, Framework::Mdev), (pt, Framework::Passthrough)] {
+            let c: Claim = serde_json::from_str(json).unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+            assert_eq!(c.framework, kind);
+            assert_eq!(c.owner, Owner::Instance(Uuid::parse_str(id).unwrap()));
+            assert!(c.owned_by(Uuid::parse_str(id).unwrap()));
+            let back = serde_json::to_value(&c).unwrap();
+            assert_eq!(back["instance_id"], id, "{kind:?}: written back as before");
+            assert!(back.get("owner").is_none(), "{kind:?}: {back}");
+            assert_eq!(serde_json::from_value::<Claim>(back).unwrap(), c);
+        }
+        let c: Claim = serde_json::from_str(pt).unwrap();
+        assert_eq!(c.passthrough.unwrap().functions.len(), 2);
+    }
+
+    /// An external owner is stored as `owner` (no `instance_id`: a version without owners
+    /// cannot read the record and blocks the device); a record naming no owner, or two
+    /// different ones, does not decode.
+    #[test]
+    fn an_external_owner_round_trips_and_a_claim_needs_exactly_one_owner() {
+        let mut c = claim("0000:41:00.4");
+        c.owner = Owner::External(External::ResourceClaim {
+            namespace: "default".into(),
+            name: "gpu".into(),
+            uid: "0b6c3d1e".into(),
+        });
+        let v = serde_json::to_value(&c).unwrap();
+        assert!(v.get("instance_id").is_none(), "{v}");
+        assert_eq!(
+            v["owner"],
+            serde_json::json!({"kind": "resource_claim", "namespace": "default", "name": "gpu", "uid": "0b6c3d1e"})
+        );
+        assert_eq!(serde_json::from_value::<Claim>(v.clone()).unwrap(), c);
+        let mut none = v.clone();
+        none.as_object_mut().unwrap().remove("owner");
+        assert!(serde_json::from_value::<Claim>(none).is_err());
+        let mut two = v;
+        two["instance_id"] = serde_json::json!(Uuid::new_v4());
+        assert!(serde_json::from_value::<Claim>(two).is_err());
+        let unknown = serde_json::json!({"kind": "pod", "uid": "x"});
+        assert!(serde_json::from_value::<Owner>(unknown).is_err());
     }
 
     #[test]
@@ -1341,6 +1618,7 @@ mod tests {
                 gpu_profile: None,
                 gpu_framework: None,
                 gpu_passthrough: None,
+                gpu_resource_claim: None,
                 restart: RestartPolicy::No,
                 autostart: false,
                 created_at: "2026-01-01T00:00:00Z".into(),

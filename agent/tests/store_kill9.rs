@@ -23,6 +23,7 @@ fn record(id: Uuid, n: u64) -> InstanceRecord {
             gpu_profile: Some("L40S-2Q".into()),
             gpu_framework: Some(Framework::VendorVfio),
             gpu_passthrough: None,
+            gpu_resource_claim: None,
             restart: Default::default(),
             autostart: false,
             created_at: "2026-01-01T00:00:00Z".into(),
@@ -41,7 +42,7 @@ fn claim(device: &str, id: Uuid, n: u64) -> Claim {
     Claim {
         device: device.into(),
         framework: Framework::VendorVfio,
-        instance_id: id,
+        owner: gpuvisor::store::Owner::Instance(id),
         owner_name: None,
         owner_labels: None,
         gpu: "0000:41:00.0".into(),

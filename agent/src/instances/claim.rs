@@ -15,7 +15,7 @@ use super::{now_rfc3339, Manager};
 use crate::devices::{mdev, passthrough, vendor_vfio};
 use crate::error::{ApiError, ErrorCode};
 use crate::host::proc;
-use crate::store::{Claim, ClaimState, Framework, InstanceRecord, MdevRecord, StoreError};
+use crate::store::{Claim, ClaimState, Framework, InstanceRecord, MdevRecord, Owner, PassthroughWant, StoreError};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -85,7 +85,7 @@ impl Manager {
         Claim {
             device: c.device.clone(),
             framework,
-            instance_id: rec.id,
+            owner: Owner::Instance(rec.id),
             owner_name: Some(rec.name.clone()),
             owner_labels: Some(rec.labels.clone()),
             gpu: c.gpu.clone(),
@@ -170,20 +170,9 @@ impl Manager {
                     Err(e) => return Err(fail(e.into())),
                 }
             }
-            crate::crash_point!("after_claim_commit");
-            let result = match framework {
-                Framework::VendorVfio => self.configure_vf(&mut claim, &cand),
-                Framework::Mdev => self.configure_mdev(&mut claim, rec),
-                Framework::Passthrough => self.configure_passthrough(&claim),
-            };
-            match result {
-                Ok(()) => {
-                    claim.state = ClaimState::Configured;
-                    if let Err(e) = self.store.update_claim(&claim) {
-                        claim.state = ClaimState::Claimed;
-                        return Err(ClaimFailure::Held(Box::new(claim), e.into()));
-                    }
-                    crate::crash_point!("after_configure");
+            match self.configure_claimed(&mut claim, &cand) {
+                Ok(Err(e)) => return Err(ClaimFailure::Held(Box::new(claim), e.into())),
+                Ok(Ok(())) => {
                     self.metrics.claim_duration(started.elapsed().as_secs_f64());
                     tracing::info!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %claim.device,
                         type_id = %claim.type_id.map(|t| t.to_string()).unwrap_or_else(|| "-".into()),
@@ -274,6 +263,31 @@ impl Manager {
         match self.release(Release::Claim(&claim, dead), Duration::ZERO) {
             Ok(_) => Ok(()),
             Err(e) => Err(held(&claim, ApiError::internal(format!("a refused candidate could not be released: {e}")))),
+        }
+    }
+
+    /// The claim is durable: configures the device and records the claim `configured`
+    /// (the same steps for every owner). `Err`: the configure refused; `Ok(Err)`: the
+    /// device is configured but the claim could not be recorded so (it reads `claimed`: the
+    /// caller releases it).
+    fn configure_claimed(&self, claim: &mut Claim, cand: &Candidate) -> Result<Result<(), StoreError>, Refusal> {
+        crate::crash_point!("after_claim_commit");
+        self.configure(claim, cand)?;
+        claim.state = ClaimState::Configured;
+        if let Err(e) = self.store.update_claim(claim) {
+            claim.state = ClaimState::Claimed;
+            return Ok(Err(e));
+        }
+        crate::crash_point!("after_configure");
+        Ok(Ok(()))
+    }
+
+    /// Configures a claimed device by its kind (the same step for every owner).
+    fn configure(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
+        match claim.framework {
+            Framework::VendorVfio => self.configure_vf(claim, cand),
+            Framework::Mdev => self.configure_mdev(claim),
+            Framework::Passthrough => self.configure_passthrough(claim),
         }
     }
 
@@ -484,7 +498,7 @@ impl Manager {
     }
 
     /// Creates the claim's mdev: records it in `mdevs/` first, then writes `create`.
-    fn configure_mdev(&self, claim: &mut Claim, rec: &InstanceRecord) -> Result<(), Refusal> {
+    fn configure_mdev(&self, claim: &mut Claim) -> Result<(), Refusal> {
         let _c = self.configure_lock();
         let dev_lock = self.device_lock(&claim.device);
         let _d = crate::sync::lock(&dev_lock);
@@ -495,7 +509,7 @@ impl Manager {
             uuid,
             parent: claim.device.clone(),
             mdev_type: t.clone(),
-            instance_id: rec.id,
+            instance_id: claim.owner.instance(),
             created_at: now_rfc3339(),
             boot_id: claim.claim_boot_id.clone(),
             created_boottime_ms: proc::boottime_ms(),
@@ -515,4 +529,172 @@ impl Manager {
             },
         }
     }
+
+    /// Claims exactly `device` for the external `owner` and configures it through the same
+    /// steps as an instance's claim (type write + read-back, mdev create, passthrough bind),
+    /// `owners.rs`'s `claim.prepare`. The device must be a legal candidate for `profile` now.
+    /// A refused configure drops the claim when the device was left as found, else releases
+    /// it through the release guard (the owner's own prepare failed: it is done with it); a
+    /// release that fails keeps the claim `release_pending` for the owner or the reconciler.
+    pub(super) fn claim_external(
+        &self,
+        owner: &Owner,
+        device: &str,
+        kind: Framework,
+        profile: &str,
+    ) -> Result<Claim, ApiError> {
+        let boot_id = self.boot_id()?;
+        let started = Instant::now();
+        let whole = (kind == Framework::Passthrough).then(|| PassthroughWant { address: Some(device.to_string()) });
+        let (mut claim, cand) = {
+            let _a = self.alloc();
+            let (obs, framework) = self.observe_candidates(profile, whole.as_ref())?;
+            if framework != kind {
+                return Err(ApiError::invalid_request(format!(
+                    "kind {} does not match this host, which gives vGPUs as {}",
+                    kind.as_str(),
+                    framework.as_str()
+                )));
+            }
+            let Some(cand) = obs.candidates.iter().find(|c| c.device.eq_ignore_ascii_case(device)).cloned() else {
+                return Err(not_a_candidate(&obs, device, profile));
+            };
+            let claim = Claim {
+                device: cand.device.clone(),
+                framework,
+                owner: owner.clone(),
+                owner_name: None,
+                owner_labels: Some(Default::default()),
+                gpu: cand.gpu.clone(),
+                profile: profile.to_string(),
+                type_id: None,
+                mdev_uuid: cand.mdev_type.as_ref().map(|_| Uuid::new_v4()),
+                mdev_type: cand.mdev_type.clone(),
+                claimed_at: now_rfc3339(),
+                claim_boot_id: boot_id.clone(),
+                claimed_boottime_ms: proc::boottime_ms(),
+                driver_version: obs.driver_version.clone(),
+                state: ClaimState::Claimed,
+                release_attempts: 0,
+                last_error: None,
+                passthrough: cand.passthrough.clone(),
+            };
+            match self.store.create_claim(&claim) {
+                Ok(()) => {}
+                Err(StoreError::ClaimExists { .. }) => {
+                    return Err(match self.store.read_claim(device) {
+                        Ok(Some(c)) if c.owner != *owner => ApiError::device_taken(device, &c.owner),
+                        _ => ApiError::internal(format!("{device} was claimed concurrently by this owner; retry")),
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            }
+            (claim, cand)
+        };
+        match self.configure_claimed(&mut claim, &cand) {
+            Ok(Err(e)) => {
+                let _ = self.release_for(&claim, owner);
+                Err(e.into())
+            }
+            Ok(Ok(())) => {
+                self.metrics.claim_duration(started.elapsed().as_secs_f64());
+                Ok(claim)
+            }
+            Err(r) => {
+                tracing::warn!(owner = %owner, gpu.device = %claim.device, reason = %r.why, "device refused for an external owner");
+                if r.untouched {
+                    let _a = self.alloc();
+                    if let Ok(Some(cur)) = self.store.read_claim(&claim.device) {
+                        if cur.same_claim(&claim) {
+                            self.store.remove_claim(&claim.device)?;
+                        }
+                    }
+                    if let Some(u) = claim.mdev_uuid {
+                        let _ = self.store.remove_mdev(u);
+                    }
+                } else {
+                    self.release_for(&claim, owner)?;
+                }
+                Err(r.error.unwrap_or_else(|| {
+                    let notes = vec![format!("{}: {}", claim.device, r.why)];
+                    ApiError::no_capacity(
+                        format!("{} cannot take {profile} now: {}", claim.device, r.why),
+                        profile,
+                        notes,
+                        None,
+                    )
+                }))
+            }
+        }
+    }
+}
+
+/// Why `device` is not a legal candidate for `profile` now, as the error `claim.prepare`
+/// answers: `not_found`, `device_taken`, `device_unhealthy`, `in_use` (a dirty VF held
+/// open), or `no_capacity` — naming the equal-size rule when the GPU holds vGPUs of another
+/// size.
+fn not_a_candidate(obs: &super::inventory::Observation, device: &str, profile: &str) -> ApiError {
+    use gpuvisor_sdk::DeviceState;
+    let found = obs
+        .gpus
+        .iter()
+        .flat_map(|g| g.devices.iter().map(move |d| (g, d)))
+        .find(|(_, d)| d.address.eq_ignore_ascii_case(device));
+    let Some((g, d)) = found else {
+        return ApiError::not_found(&format!("device {device}"));
+    };
+    let notes: Vec<String> = obs.notes.iter().filter(|n| n.contains(device)).cloned().collect();
+    if !g.managed {
+        return ApiError::invalid_request(format!("{device} is on GPU {}, which gpuvisor does not manage", g.address));
+    }
+    match d.state {
+        DeviceState::Quarantined => {
+            let h = d.health.as_ref();
+            return ApiError::device_unhealthy(
+                device,
+                h.map(|h| h.reason.as_str()).unwrap_or("-"),
+                h.map(|h| h.detail.as_str()).unwrap_or("-"),
+            );
+        }
+        DeviceState::Claimed => {
+            if let Some(c) = &d.claim {
+                return ApiError::device_taken(device, &c.owner);
+            }
+        }
+        DeviceState::Dirty if !notes.is_empty() => {
+            let f = crate::error::ReleaseFailure { code: "in_use".into(), message: notes.join("; ") };
+            return ApiError::in_use(device, &[], &f);
+        }
+        _ => {}
+    }
+    if let Some(why) = d.claim_unreadable.as_ref().or(d.unreadable.as_ref()) {
+        return ApiError::internal(format!("{device} cannot be given: its state cannot be read ({why})"));
+    }
+    // Other vGPUs on the GPU: the driver runs each GPU in equal-size mode.
+    let others: BTreeSet<&str> = g
+        .devices
+        .iter()
+        .filter(|o| o.address != d.address)
+        .filter_map(|o| o.claim.as_ref())
+        .filter(|c| !c.profile.eq_ignore_ascii_case(profile))
+        .map(|c| c.profile.as_str())
+        .collect();
+    let msg = if !others.is_empty() {
+        format!(
+            "{device} cannot take {profile} now: its GPU {} holds {} vGPU(s), and the driver puts only vGPUs of              one framebuffer size on a GPU at a time (equal-size rule); {profile} fits there once those are released",
+            g.address,
+            others.into_iter().collect::<Vec<_>>().join(", ")
+        )
+    } else if d.state == DeviceState::Free && !d.creatable.iter().any(|c| c.eq_ignore_ascii_case(profile)) {
+        format!(
+            "{device} cannot take {profile} now: the driver does not list it as creatable there (it lists {});              vGPUs on one GPU must all have the same framebuffer size (equal-size rule) and fit its framebuffer",
+            if d.creatable.is_empty() { "nothing".to_string() } else { d.creatable.join(", ") }
+        )
+    } else {
+        format!(
+            "{device} cannot take {profile} now ({})",
+            if notes.is_empty() { "not free".into() } else { notes.join("; ") }
+        )
+    };
+    ApiError::no_capacity(msg, profile, notes, None)
 }

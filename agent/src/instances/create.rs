@@ -37,6 +37,7 @@ impl Manager {
                 self.check_passthrough_address(address.as_deref())?;
                 (Some(Framework::Passthrough), Some(PassthroughWant { address: address.clone() }))
             }
+            Some(GpuWant::ResourceClaim(rc)) => (Some(self.prepared_claim_of(rc)?.framework), None),
         };
         // What the host can give, and the capability gate, before anything is allocated.
         self.check_host_room(vcpus, memory_mib)?;
@@ -66,6 +67,10 @@ impl Manager {
                 gpu_profile: profile,
                 gpu_framework: framework,
                 gpu_passthrough: whole,
+                gpu_resource_claim: match &gpu {
+                    Some(GpuWant::ResourceClaim(rc)) => Some(rc.clone()),
+                    _ => None,
+                },
                 restart: req.restart.unwrap_or_default(),
                 autostart: req.autostart.unwrap_or(false),
                 created_at: now_rfc3339(),
@@ -104,10 +109,11 @@ impl Manager {
             }
         }
         crate::crash_point!("create_after_record");
-        let gpu = match (&rec.gpu_profile, &rec.gpu_passthrough) {
-            (Some(p), _) => p.clone(),
-            (None, Some(w)) => format!("passthrough {}", w.address.as_deref().unwrap_or("(any)")),
-            (None, None) => "-".into(),
+        let gpu = match (&rec.gpu_profile, &rec.gpu_passthrough, &rec.gpu_resource_claim) {
+            (Some(p), _, _) => p.clone(),
+            (None, Some(w), _) => format!("passthrough {}", w.address.as_deref().unwrap_or("(any)")),
+            (None, None, Some(rc)) => format!("resource claim {rc}"),
+            (None, None, None) => "-".into(),
         };
         tracing::info!(instance.id = %id, instance.name = %rec.name, profile = %gpu, "creating instance");
         let rec = self.boot(rec, Rollback::Remove)?;
@@ -170,6 +176,22 @@ impl Manager {
         if let Err(e) = self.prepare_disk(&rec) {
             self.undo_record(&mut rec, mode, &e);
             return Err(e);
+        }
+        // A device prepared for a ResourceClaim is used, never claimed or released here: the
+        // claim stays the ResourceClaim's (its release goes through the guard, which refuses
+        // while this VM holds the device).
+        if let Some(rc) = rec.gpu_resource_claim.clone() {
+            let borrowed = match self.borrowed_claim(&rec, &rc) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.undo_record(&mut rec, mode, &e);
+                    return Err(e);
+                }
+            };
+            return match self.spawn(&mut rec, Some(&borrowed)) {
+                Ok(()) => Ok(rec),
+                Err(e) => Err(self.rollback(rec, None, mode, e)),
+            };
         }
         let claim = if rec.wants_gpu() {
             match self.claim_and_configure(&rec) {

@@ -73,6 +73,7 @@ impl Manager {
                 labels: src.labels.clone(),
                 gpu_profile: src.gpu_profile.clone(),
                 gpu_passthrough: src.gpu_passthrough.clone(),
+                gpu_resource_claim: src.gpu_resource_claim.clone(),
                 restart: src.restart,
                 autostart: src.autostart,
                 gpu_framework: src.gpu_framework,

@@ -281,7 +281,7 @@ impl Observation {
                         creatable: d.creatable.clone(),
                         owner: match (&d.claim, &d.claim_unreadable) {
                             (Some(c), _) => Some(DeviceOwner {
-                                instance_id: c.instance_id.to_string(),
+                                instance_id: c.owner.instance().map(|i| i.to_string()).unwrap_or_default(),
                                 profile: Some(c.profile.clone()),
                                 labels: d.owner_labels.clone().unwrap_or_default(),
                                 labels_known: d.owner_labels.is_some(),
@@ -552,7 +552,8 @@ impl Manager {
         if let Some(l) = &c.owner_labels {
             return Some(l.clone());
         }
-        match self.store.read_instance(c.instance_id) {
+        let Some(id) = c.owner.instance() else { return Some(Default::default()) };
+        match self.store.read_instance(id) {
             Ok(Some(r)) => Some(r.labels.clone()),
             Ok(None) => Some(Default::default()),
             Err(_) => None,
@@ -592,9 +593,9 @@ impl Manager {
                 };
                 let type_mismatch = claim.as_ref().and_then(|c| match (c.state, c.type_id, current_type.id()) {
                     (ClaimState::Configured, Some(want), Some(now)) if now != want => Some(format!(
-                        "reads type {now}, but its claim by instance {} recorded type {want}: another writer changed \
+                        "reads type {now}, but its claim by {} recorded type {want}: another writer changed \
                          it under the VM",
-                        c.instance_id
+                        c.owner
                     )),
                     _ => None,
                 });
@@ -794,10 +795,10 @@ impl Manager {
                     // tool rebound a function under the VM (reported, never repaired).
                     let moved = match (&recs.claim, &read) {
                         (Some(c), Some(g)) if c.state == ClaimState::Configured && !g.on_vfio() => Some(format!(
-                            "its group is bound {}, not all vfio-pci, under the claim of instance {}: another tool \
+                            "its group is bound {}, not all vfio-pci, under the claim of {}: another tool \
                              rebound it under the VM",
                             g.binding(),
-                            c.owner_name.clone().unwrap_or_else(|| c.instance_id.to_string())
+                            c.owner_label()
                         )),
                         _ => None,
                     };
@@ -886,10 +887,7 @@ impl Manager {
                     format!("quarantined ({})", h.map(|h| h.reason.as_str()).unwrap_or("-"))
                 }
                 (DeviceState::Claimed, _, _) => match &d.claim {
-                    Some(c) => format!(
-                        "claimed by instance {}",
-                        c.owner_name.clone().unwrap_or_else(|| c.instance_id.to_string())
-                    ),
+                    Some(c) => format!("claimed by {}", c.owner_label()),
                     None => "its claim record cannot be read".into(),
                 },
                 (DeviceState::Dirty, _, Some(r)) => {

@@ -10,6 +10,7 @@
 //! | [`policy_calls`] | every plugin call: record → time → call → count → validate |
 //! | [`claim`] | claim selection and creation, configure of a VF or an mdev |
 //! | [`release`] | **the** release path: every clear of every device kind |
+//! | [`owners`] | claims of external owners (`claim.prepare/release/list/owners`) and their liveness rule |
 //! | [`health`] | suspect and quarantine marks, strike accounting, unquarantine |
 //! | [`vmm`] | VMM liveness, spawn, stop and the kill-path accounting |
 //! | [`vmm_ids`] | the uid/gid of its own every instance's VMM runs under |
@@ -53,6 +54,7 @@ pub mod health;
 pub mod inventory;
 pub mod layout;
 pub mod nics;
+pub mod owners;
 pub mod policy_calls;
 pub mod reconcile;
 pub mod release;
@@ -105,6 +107,8 @@ pub struct Manager {
     book: inventory::ProfileBook,
     health: health::HealthState,
     reconciler: reconcile::ReconcileState,
+    /// The last complete live list of each external owner kind (`claim.owners`).
+    owners: owners::OwnersState,
     /// The startup reconcile pass had a complete observation (docs/design/invariants.md I13): until
     /// then new claims answer `not_ready` and nothing is released.
     ready: AtomicBool,
@@ -148,6 +152,7 @@ impl Manager {
             book,
             health: health::HealthState::default(),
             reconciler,
+            owners: Default::default(),
             ready: AtomicBool::new(false),
             metrics,
             hypervisor_probes: Mutex::new(None),

@@ -17,7 +17,10 @@
 //! 3. **Claims vs. hardware**: a claimed VF whose type differs from its claim under a live
 //!    VM is quarantined (`foreign_write`) and reported, never repaired.
 //! 4. **Stale claims**: under the instance lock (instances mid-operation are skipped),
-//!    maybe alive → kept; provably dead or absent owner → *eligible*.
+//!    maybe alive → kept; provably dead or absent owner → *eligible*. An external owner's
+//!    claim (`owners.rs`) is eligible when the owner is provably done (absent from a
+//!    complete, fresh `claim.owners` list) and no `claim.prepare`/`claim.release` works on
+//!    the device.
 //! 5. **Orphan sweep** (managed GPUs only): dirty VFs with no claim, and mdevs gpuvisor
 //!    recorded but no claim names, that are not held open, are eligible.
 //! 6. The `grace` plugin decides which eligible items are released now; each release goes
@@ -85,7 +88,7 @@ impl ReconcileState {
 
 /// An eligible item with what its release needs.
 enum Eligible {
-    Claim(Claim),
+    Claim(Box<Claim>),
     OrphanVf { vf: String, gpu: String, type_id: u32 },
     OrphanMdev(MdevRecord),
 }
@@ -278,7 +281,7 @@ impl Manager {
             let Ok(_i) = ilock.try_lock() else { continue };
             let Ok(Some(rec)) = self.store().read_instance(rec.id) else { continue };
             if rec.state() != InstanceState::Deleting
-                || claims.records.iter().any(|c| c.instance_id == rec.id)
+                || claims.records.iter().any(|c| c.owned_by(rec.id))
                 || !matches!(self.liveness_at(&rec, boot_id), Liveness::Dead)
             {
                 continue;
@@ -499,7 +502,7 @@ impl Manager {
     fn young_claim(&self, id: Uuid, claims: &[Claim], boot_id: &str) -> bool {
         let now = proc::boottime_ms();
         claims.iter().any(|c| {
-            c.instance_id == id
+            c.owned_by(id)
                 && c.claim_boot_id == boot_id
                 && now.saturating_sub(c.claimed_boottime_ms) < self.config().claim_grace_s.saturating_mul(1000)
         })
@@ -510,8 +513,7 @@ impl Manager {
     fn check_claimed_types(&self, obs: &super::inventory::Observation, boot_id: &str, report: &mut PassReport) {
         for (_, d) in obs.devices() {
             let (Some(m), Some(c)) = (&d.type_mismatch, &d.claim) else { continue };
-            let owner = self.store().read_instance(c.instance_id).ok().flatten();
-            if self.prove_dead(c.instance_id, owner.as_ref(), boot_id).is_ok() {
+            if self.prove_owner_done(c, boot_id).is_ok() {
                 continue; // the release path handles a dead owner's foreign type
             }
             if !d.health.as_ref().is_some_and(|h| h.quarantined) {
@@ -526,20 +528,30 @@ impl Manager {
         let mut out = Vec::new();
         let now = proc::boottime_ms();
         for claim in claims {
-            let ilock = self.instance_lock(claim.instance_id);
+            // An external owner: eligible when provably done (absent from a fresh,
+            // complete live list); no instance lock or record is involved.
+            let Some(owner_id) = claim.owner.instance() else {
+                let Some(e) = claim.owner.external() else { continue };
+                if let Err(l) = self.prove_external_done(e) {
+                    report.keep_device(&claim.device, format!("owner {}: {l}", claim.owner));
+                    continue;
+                }
+                out.push((Eligible::Claim(Box::new(claim.clone())), stale_item(claim, None, boot_id, now)));
+                continue;
+            };
+            let ilock = self.instance_lock(owner_id);
             let Ok(_i) = ilock.try_lock() else {
                 report.keep_device(&claim.device, "owner operation in progress");
                 continue;
             };
-            let owner = match self.store().read_instance(claim.instance_id) {
+            let owner = match self.store().read_instance(owner_id) {
                 Ok(o) => o,
                 Err(e) => {
                     report.keep_device(&claim.device, format!("owner record unreadable: {e}"));
                     continue;
                 }
             };
-            let same_boot = claim.claim_boot_id == boot_id;
-            match self.prove_dead(claim.instance_id, owner.as_ref(), boot_id) {
+            match self.prove_dead(owner_id, owner.as_ref(), boot_id) {
                 Ok(_) => {}
                 Err(Liveness::Alive { pid }) => {
                     report.keep_device(&claim.device, format!("owner VMM {pid} is alive"));
@@ -556,23 +568,14 @@ impl Manager {
                 report.keep_device(&claim.device, "owner recorded running");
                 continue;
             }
-            let item = GraceItem {
-                kind: GraceItemKind::StaleClaim,
-                device: claim.device.clone(),
-                framework: claim.framework.into(),
-                owner: owner.as_ref().map(|o| GraceOwner {
-                    instance_id: o.id.to_string(),
-                    state: o.state().as_str().to_string(),
-                    labels: o.labels.clone(),
-                    vmm_identity_recorded: o.vmm.is_some(),
-                }),
-                claimed_age_ms: same_boot.then(|| now.saturating_sub(claim.claimed_boottime_ms)),
-                dirty_age_ms: None,
-                same_boot,
-                release_attempts: claim.release_attempts,
-                last_error: claim.last_error.clone(),
-            };
-            out.push((Eligible::Claim(claim.clone()), item));
+            let grace_owner = owner.as_ref().map(|o| GraceOwner {
+                instance_id: o.id.to_string(),
+                state: o.state().as_str().to_string(),
+                labels: o.labels.clone(),
+                vmm_identity_recorded: o.vmm.is_some(),
+            });
+            let item = stale_item(claim, grace_owner, boot_id, now);
+            out.push((Eligible::Claim(Box::new(claim.clone())), item));
         }
         out
     }
@@ -791,19 +794,36 @@ impl Manager {
     /// Releases a stale claim with its owner's instance lock held again (an operation
     /// started since the observation makes the pass skip it) and its death proven again.
     fn release_stale(&self, c: &Claim, boot_id: &str, report: &mut PassReport) {
-        let ilock = self.instance_lock(c.instance_id);
+        let Some(owner_id) = c.owner.instance() else {
+            // An external owner: not while a claim.prepare/claim.release works on the
+            // device; its death proven again now (a list may have come since).
+            let Some(_busy) = self.external_busy(&c.device) else {
+                report.keep_device(&c.device, "owner operation in progress");
+                return;
+            };
+            match self.prove_owner_done(c, boot_id) {
+                Ok(dead) => {
+                    let r = self.release(Release::Claim(c, dead), Duration::ZERO);
+                    self.count_stale(&r);
+                    record_release(report, &c.device, "stale_claim", None, r);
+                }
+                Err(l) => report.keep_device(&c.device, format!("owner {}: {l}", c.owner)),
+            }
+            return;
+        };
+        let ilock = self.instance_lock(owner_id);
         let Ok(_i) = ilock.try_lock() else {
             report.keep_device(&c.device, "owner operation in progress");
             return;
         };
-        let owner = match self.store().read_instance(c.instance_id) {
+        let owner = match self.store().read_instance(owner_id) {
             Ok(o) => o,
             Err(e) => {
                 report.keep_device(&c.device, format!("owner record unreadable: {e}"));
                 return;
             }
         };
-        let dead: Dead = match self.prove_dead(c.instance_id, owner.as_ref(), boot_id) {
+        let dead: Dead = match self.prove_dead(owner_id, owner.as_ref(), boot_id) {
             Ok(d) => d,
             Err(l) => {
                 report.keep_device(&c.device, format!("owner {l}"));
@@ -811,12 +831,18 @@ impl Manager {
             }
         };
         let r = self.release(Release::Claim(c, dead), Duration::ZERO);
-        match &r {
-            Ok(Released::Cleared) => {
-                self.metrics().stale_release(StaleResult::Released);
-                crate::crash_point!("reconcile_after_release");
-                self.clear_release_pending_note(c.instance_id);
-            }
+        self.count_stale(&r);
+        if matches!(r, Ok(Released::Cleared)) {
+            crate::crash_point!("reconcile_after_release");
+            self.clear_release_pending_note(owner_id);
+        }
+        record_release(report, &c.device, "stale_claim", Some(owner_id), r);
+    }
+
+    /// Counts a stale claim's release by its outcome.
+    fn count_stale(&self, r: &Result<Released, super::release::ReleaseError>) {
+        match r {
+            Ok(Released::Cleared) => self.metrics().stale_release(StaleResult::Released),
             Ok(Released::NotOurs | Released::FoundClear) => {}
             Err(super::release::ReleaseError::InUse(_)) => self.metrics().stale_release(StaleResult::InUse),
             Err(super::release::ReleaseError::ScanIncomplete(_)) => {
@@ -824,7 +850,23 @@ impl Manager {
             }
             Err(_) => self.metrics().stale_release(StaleResult::Failed),
         }
-        record_release(report, &c.device, "stale_claim", Some(c.instance_id), r);
+    }
+}
+
+/// The grace plugin's view of a stale claim (`owner`: its instance, `None` when absent or
+/// external).
+fn stale_item(claim: &Claim, owner: Option<GraceOwner>, boot_id: &str, now: u64) -> GraceItem {
+    let same_boot = claim.claim_boot_id == boot_id;
+    GraceItem {
+        kind: GraceItemKind::StaleClaim,
+        device: claim.device.clone(),
+        framework: claim.framework.into(),
+        owner,
+        claimed_age_ms: same_boot.then(|| now.saturating_sub(claim.claimed_boottime_ms)),
+        dirty_age_ms: None,
+        same_boot,
+        release_attempts: claim.release_attempts,
+        last_error: claim.last_error.clone(),
     }
 }
 

@@ -167,12 +167,13 @@ impl Manager {
                         self.store.events().publish(EventKind::Released {
                             device: r.device().to_string(),
                             what: r.kind().to_string(),
-                            instance_id: r.owner().map(|c| c.instance_id.to_string()),
+                            instance_id: r.owner().and_then(|c| c.owner.instance()).map(|i| i.to_string()),
+                            owner: r.owner().map(|c| c.owner.clone()),
                             name: r.owner().and_then(|c| c.owner_name.clone()),
                         });
                         match r {
                             Release::Claim(c, _) => {
-                                tracing::info!(gpu.device = %c.device, instance.id = %c.instance_id,
+                                tracing::info!(gpu.device = %c.device, instance.id = %c.owner.instance_label(), owner = %c.owner,
                                 instance.name = %c.owner_name.as_deref().unwrap_or("-"), "device released")
                             }
                             _ => tracing::info!(gpu.device = %r.device(), kind = %r.kind(), "device cleared"),
@@ -190,7 +191,8 @@ impl Manager {
                     self.store.events().publish(EventKind::ReleaseFailed {
                         device: r.device().to_string(),
                         what: r.kind().to_string(),
-                        instance_id: r.owner().map(|c| c.instance_id.to_string()),
+                        instance_id: r.owner().and_then(|c| c.owner.instance()).map(|i| i.to_string()),
+                        owner: r.owner().map(|c| c.owner.clone()),
                         name: r.owner().and_then(|c| c.owner_name.clone()),
                         code: e.code().to_string(),
                         error: e.to_string(),
@@ -215,10 +217,10 @@ impl Manager {
                 let error = e.to_string();
                 let name = claim.owner_name.as_deref().unwrap_or("-");
                 if cur.last_error.as_deref() == Some(error.as_str()) {
-                    tracing::debug!(gpu.device = %claim.device, instance.id = %claim.instance_id, instance.name = %name,
+                    tracing::debug!(gpu.device = %claim.device, instance.id = %claim.owner.instance_label(), owner = %claim.owner, instance.name = %name,
                         error = %e, "release failed again; claim kept release_pending");
                 } else {
-                    tracing::warn!(gpu.device = %claim.device, instance.id = %claim.instance_id, instance.name = %name,
+                    tracing::warn!(gpu.device = %claim.device, instance.id = %claim.owner.instance_label(), owner = %claim.owner, instance.name = %name,
                         error = %e, "release failed; claim kept release_pending");
                 }
                 cur.state = ClaimState::ReleasePending;

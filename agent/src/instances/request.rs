@@ -150,6 +150,10 @@ pub struct GpuSpec {
     /// With `passthrough`: this GPU (its PCI address), not any free one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
+    /// The device already prepared (`claim.prepare`) for this Kubernetes ResourceClaim,
+    /// `<namespace>/<name>`: the VM uses it, and the claim stays the ResourceClaim's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_claim: Option<String>,
 }
 
 /// What a validated `gpu` asks for.
@@ -159,6 +163,8 @@ pub enum GpuWant {
     Profile(String),
     /// A whole GPU: any, or the one at `address` (lower case).
     Passthrough { address: Option<String> },
+    /// The device prepared for a Kubernetes ResourceClaim.
+    ResourceClaim(crate::store::ResourceClaimRef),
 }
 
 impl GpuRequest {
@@ -185,6 +191,22 @@ impl GpuRequest {
                 Ok(GpuWant::Profile(p.to_string()))
             }
         };
+        if let GpuRequest::Spec(GpuSpec { resource_claim: Some(rc), profile, passthrough, address }) = self {
+            if profile.is_some() || *passthrough || address.is_some() {
+                return Err(ApiError::invalid_request(
+                    "resource_claim names a device already prepared: no profile, passthrough or address with it",
+                ));
+            }
+            return match rc.split_once('/') {
+                Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                    Ok(GpuWant::ResourceClaim(crate::store::ResourceClaimRef {
+                        namespace: ns.to_string(),
+                        name: name.to_string(),
+                    }))
+                }
+                _ => Err(ApiError::invalid_request(format!("resource_claim must be <namespace>/<name>, not {rc:?}"))),
+            };
+        }
         match self {
             // `"gpu": "passthrough"` is what a user means by it: a whole GPU.
             GpuRequest::Profile(p) if p.trim().eq_ignore_ascii_case("passthrough") => {
@@ -194,7 +216,7 @@ impl GpuRequest {
             GpuRequest::Spec(GpuSpec { profile: Some(_), passthrough: true, .. }) => {
                 Err(ApiError::invalid_request("a profile (vGPU) or passthrough (a whole GPU), not both"))
             }
-            GpuRequest::Spec(GpuSpec { profile: Some(p), passthrough: false, address: None }) => profile(p),
+            GpuRequest::Spec(GpuSpec { profile: Some(p), passthrough: false, address: None, .. }) => profile(p),
             GpuRequest::Spec(GpuSpec { passthrough: false, address: Some(_), .. }) => {
                 Err(ApiError::invalid_request("address names a whole GPU: it needs \"passthrough\": true"))
             }

@@ -154,6 +154,7 @@ mod tests {
                 gpu_profile: None,
                 gpu_framework: None,
                 gpu_passthrough: None,
+                gpu_resource_claim: None,
                 restart: Default::default(),
                 autostart: false,
                 created_at: "2026-01-01T00:00:00Z".into(),

@@ -247,8 +247,12 @@ impl From<&HealthRecord> for HealthMark {
 /// The claim of a device, as `gpu.list` shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ClaimView {
+    /// The owning instance (`null` for an external owner).
     pub instance_id: Option<String>,
     pub instance_name: Option<String>,
+    /// The claim's owner: `{"kind": "instance", "id"}` or an external owner
+    /// (`{"kind": "resource_claim", "namespace", "name", "uid"}`); `null` when unreadable.
+    pub owner: Option<crate::store::Owner>,
     pub profile: Option<String>,
     pub type_id: Option<u32>,
     pub mdev_uuid: Option<String>,
@@ -734,7 +738,10 @@ impl Manager {
     /// The API view of an instance: the record plus `gpu` derived from its claim (and the
     /// VF's type now).
     pub(crate) fn view(&self, rec: &InstanceRecord, claims: &Listing<Claim>) -> InstanceView {
-        let claim = claims.records.iter().find(|c| c.instance_id == rec.id);
+        let claim = claims
+            .records
+            .iter()
+            .find(|c| c.owned_by(rec.id) || rec.gpu_resource_claim.as_ref().is_some_and(|rc| rc.is(&c.owner)));
         let unreadable = claims
             .unreadable
             .iter()
@@ -923,12 +930,32 @@ impl Manager {
         })
     }
 
+    /// A readable claim as `gpu.list` shows it (`names`: instance names the claims carry).
+    fn claim_view(&self, c: &Claim, names: &HashMap<uuid::Uuid, String>) -> ClaimView {
+        ClaimView {
+            instance_id: c.owner.instance().map(|i| i.to_string()),
+            instance_name: c.owner.instance().and_then(|id| {
+                c.owner_name
+                    .clone()
+                    .or_else(|| names.get(&id).cloned())
+                    .or_else(|| self.store.read_instance(id).ok().flatten().map(|r| r.name.clone()))
+            }),
+            owner: Some(c.owner.clone()),
+            profile: Some(c.profile.clone()),
+            type_id: c.type_id,
+            mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
+            state: Some(c.state),
+            last_error: c.last_error.clone(),
+            unreadable: None,
+        }
+    }
+
     /// `gpu.list`: every GPU (managed or not) and device with its current type, claim
     /// owner, health mark and what could not be read.
     pub fn gpus(&self) -> Result<GpuList, ApiError> {
         let obs = self.observe(None)?;
         let names: HashMap<uuid::Uuid, String> =
-            obs.claims.records.iter().filter_map(|c| c.owner_name.clone().map(|n| (c.instance_id, n))).collect();
+            obs.claims.records.iter().filter_map(|c| Some((c.owner.instance()?, c.owner_name.clone()?))).collect();
         let held = self.held_by_policy();
         let probe_error = obs.mode.as_ref().err().cloned();
         let gpus = obs
@@ -951,25 +978,11 @@ impl Manager {
                         current_type: TypeValue::of(&d.current_type),
                         creatable: d.creatable.clone(),
                         claim: match (&d.claim, &d.claim_unreadable) {
-                            (Some(c), _) => Some(ClaimView {
-                                instance_id: Some(c.instance_id.to_string()),
-                                instance_name: c
-                                    .owner_name
-                                    .clone()
-                                    .or_else(|| names.get(&c.instance_id).cloned())
-                                    .or_else(|| {
-                                        self.store.read_instance(c.instance_id).ok().flatten().map(|r| r.name.clone())
-                                    }),
-                                profile: Some(c.profile.clone()),
-                                type_id: c.type_id,
-                                mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
-                                state: Some(c.state),
-                                last_error: c.last_error.clone(),
-                                unreadable: None,
-                            }),
+                            (Some(c), _) => Some(self.claim_view(c, &names)),
                             (None, Some(u)) => Some(ClaimView {
                                 instance_id: None,
                                 instance_name: None,
+                                owner: None,
                                 profile: None,
                                 type_id: None,
                                 mdev_uuid: None,
@@ -1154,13 +1167,20 @@ impl Manager {
             super::request::check_instance_name(n)?;
         }
         super::request::check_labels(&p.labels)?;
-        let spec =
-            super::request::GpuSpec { profile: p.profile.clone(), passthrough: p.passthrough, address: p.address };
+        let spec = super::request::GpuSpec {
+            profile: p.profile.clone(),
+            passthrough: p.passthrough,
+            address: p.address,
+            resource_claim: None,
+        };
         let (profile, whole) = match super::request::GpuRequest::Spec(spec).want()? {
             super::request::GpuWant::Profile(x) => (self.known_profile(&x)?, None),
             super::request::GpuWant::Passthrough { address } => {
                 self.check_passthrough_address(address.as_deref())?;
                 (super::inventory::PASSTHROUGH.to_string(), Some(crate::store::PassthroughWant { address }))
+            }
+            super::request::GpuWant::ResourceClaim(_) => {
+                return Err(ApiError::invalid_request("a resource claim's device is prepared, not placed"))
             }
         };
         let name = p.name.unwrap_or_else(|| "dry-run".into());

@@ -5,7 +5,9 @@
 //! "Provably dead" (docs/design/lifecycle.md Words) is decided here and nowhere else: a [`Dead`] can
 //! only be made by this module, and the release path takes one for every claim it clears.
 //! An identity recorded in another PID namespace is *maybe alive*: never signalled, never
-//! released on its behalf.
+//! released on its behalf. An external owner (`store::Owner::External`) is *done* when it
+//! asks for its claim's release itself, or when it is absent from the last complete live
+//! list of its kind that is still fresh (`owners.rs`); otherwise it is maybe alive.
 
 use super::Manager;
 use crate::config::VfioAttach;
@@ -13,12 +15,13 @@ use crate::devices::{mdev, vendor_vfio};
 use crate::error::ApiError;
 use crate::host::proc::{self, Liveness};
 use crate::hypervisor;
-use crate::store::{Claim, InstanceRecord, InstanceState, VmmRecord};
+use crate::store::{Claim, External, InstanceRecord, InstanceState, Owner, VmmRecord};
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Proof that an instance's VMM is provably dead (or that no VMM of it can exist). Only
-/// this module makes one.
+/// Proof that a claim's owner is done with it: an instance's VMM is provably dead (or no
+/// VMM of it can exist); an external owner asked for the release or is provably absent.
+/// Only this module makes one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dead(());
 
@@ -68,6 +71,38 @@ impl Manager {
         match l {
             Liveness::Dead => Ok(Dead(())),
             other => Err(other),
+        }
+    }
+
+    /// A [`Dead`] when the external owner is provably done: absent from the last complete
+    /// live list of its kind, and that list is younger than `external_owner_lease_s`
+    /// ([`super::owners::external_liveness`]); otherwise maybe alive, with why.
+    pub(crate) fn prove_external_done(&self, owner: &External) -> Result<Dead, Liveness> {
+        match self.external_liveness(owner) {
+            super::owners::ExternalLiveness::Done => Ok(Dead(())),
+            super::owners::ExternalLiveness::Live => Err(Liveness::MaybeAlive {
+                reason: format!("{} is in the last live list", Owner::External(owner.clone())),
+            }),
+            super::owners::ExternalLiveness::Unknown(reason) => Err(Liveness::MaybeAlive { reason }),
+        }
+    }
+
+    /// A [`Dead`] when `asker` is the claim's external owner asking for the release itself
+    /// (`claim.release`, or the rollback of its own failed `claim.prepare`): the owner's word
+    /// that it is done. The release guard still refuses while any process holds the device.
+    pub(crate) fn external_asked(&self, claim: &Claim, asker: &Owner) -> Option<Dead> {
+        (claim.owner.external().is_some() && &claim.owner == asker).then_some(Dead(()))
+    }
+
+    /// A [`Dead`] for any claim's owner: an instance by [`Manager::prove_dead`] (its record
+    /// read now), an external owner by [`Manager::prove_external_done`].
+    pub(crate) fn prove_owner_done(&self, claim: &Claim, boot_id: &str) -> Result<Dead, Liveness> {
+        match &claim.owner {
+            Owner::Instance(id) => match self.store.read_instance(*id) {
+                Ok(rec) => self.prove_dead(*id, rec.as_ref(), boot_id),
+                Err(e) => Err(Liveness::MaybeAlive { reason: format!("owner record unreadable: {e}") }),
+            },
+            Owner::External(e) => self.prove_external_done(e),
         }
     }
 
@@ -344,7 +379,7 @@ impl Manager {
     /// — for an instance that wants a GPU — one whose owner cannot be told).
     pub(crate) fn claim_of(&self, rec: &InstanceRecord) -> Result<OwnedClaim, ApiError> {
         let claims = self.store.scan_claims()?;
-        if let Some(c) = claims.records.into_iter().find(|c| c.instance_id == rec.id) {
+        if let Some(c) = claims.records.into_iter().find(|c| c.owned_by(rec.id)) {
             return Ok(OwnedClaim::Claim(Box::new(c)));
         }
         let mine = claims.unreadable.iter().find(|u| u.owner == Some(rec.id));

@@ -124,6 +124,10 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         .save_state_op(&s.reference, SaveStateOp::Restore));
     without_params!(module, "resources.get", |m| m.resources());
     without_params!(module, "gpu.list", |m| m.gpus());
+    with_params!(module, "claim.prepare", |m, p: crate::instances::owners::PrepareParams| m.prepare(p));
+    with_params!(module, "claim.release", |m, p: crate::instances::owners::ReleaseParams| m.release_claim(p));
+    with_params!(module, "claim.list", |m, p: crate::instances::owners::ListParams| m.claim_list(p));
+    with_params!(module, "claim.owners", |m, p: crate::instances::owners::OwnersParams| m.set_owners(p));
     with_params!(module, "gpu.unquarantine", |m, u: UnquarantineParams| m.unquarantine(u));
     with_params!(module, "placement.dry_run", |m, d: DryRunParams| m.dry_run(d));
     with_params!(module, "image.import", |m, i: ImportParams| m.import_image(&i));

@@ -1545,3 +1545,46 @@ impl ChWrapper {
 pub fn vmm_of(id: &str) -> Vec<i32> {
     pids_where(|c| c.contains(id) && (c.contains("qemu-system") || c.contains("cloud-hypervisor")))
 }
+
+impl Agent {
+    /// Holds `path` open (read-write) from a shell inside the agent's PID namespace, as a VMM
+    /// holding a VFIO node would; returns the holder once it provably holds the file (it
+    /// lets go when dropped or [`Holder::let_go`]).
+    pub fn hold_open(&self, path: &Path) -> Holder {
+        let (child, nspid) = self.ns_sh(&format!("exec 3<>{}; echo $$; exec sleep 300", path.display()));
+        let nspid: i32 = nspid.parse().unwrap_or_else(|_| panic!("holder of {}: {nspid:?}", path.display()));
+        let pid =
+            wait_for(Duration::from_secs(5), || root_pid_of(nspid, |c| c.contains("sleep 300"))).expect("holder pid");
+        assert!(fd_targets(pid).contains(&path.display().to_string()), "the holder holds {}", path.display());
+        Holder { child, pid }
+    }
+}
+
+/// A process holding a file open ([`Agent::hold_open`]).
+pub struct Holder {
+    child: Child,
+    /// Its root-namespace pid.
+    pub pid: i32,
+}
+
+impl Holder {
+    /// SIGKILLs the holder and waits until it is gone.
+    pub fn let_go(&mut self) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid), nix::sys::signal::Signal::SIGKILL);
+        wait_for(Duration::from_secs(10), || (!alive(self.pid)).then_some(())).expect("the holder is gone");
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        if alive(self.pid) {
+            self.let_go();
+        }
+    }
+}
+
+/// A Kubernetes ResourceClaim as a claim owner (`claim.prepare`, `claim.release`).
+pub fn resource_claim(name: &str, uid: &str) -> Value {
+    json!({"kind": "resource_claim", "namespace": "default", "name": name, "uid": uid})
+}

@@ -75,7 +75,10 @@ fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered()
                 | "gpu_busy"
                 // Beyond docs/design/lifecycle.md's table (docs/api.md "Errors"): image.delete of an image
                 // that instances use.
-                | "image_in_use" => 409,
+                | "image_in_use"
+                // claim.prepare/claim.release of another owner's device, or of a held one.
+                | "device_taken"
+                | "in_use" => 409,
                 "vgpu_cleanup_pending"
                 | "vmm_start_failed"
                 | "vmm_kill_failed"
