@@ -59,6 +59,15 @@ impl Drop for Busy<'_> {
 }
 
 impl OwnersState {
+    /// `owner` asked for a device now, so it lives: the list in force of its kind, received
+    /// before, is not evidence that it is done (a claim prepared after the last list would
+    /// otherwise be released by the next pass). The next complete list decides again.
+    pub(crate) fn note_live(&self, owner: &External) {
+        if let Some(l) = lock(&self.lists).get_mut(owner.kind()) {
+            l.live.insert(owner.live_id().to_string());
+        }
+    }
+
     /// Marks `device` busy; `None` when another external-owner operation holds it.
     pub(crate) fn try_busy(&self, device: &str) -> Option<Busy<'_>> {
         lock(&self.busy).insert(device.to_string()).then(|| Busy { state: self, device: device.to_string() })
@@ -318,7 +327,9 @@ impl Manager {
     }
 
     fn prepare_inner(&self, p: &PrepareParams) -> Result<PreparedView, ApiError> {
-        external_owner(&p.owner)?;
+        let owner = external_owner(&p.owner)?;
+        // Before anything is claimed: a pass that sees the claim sees its owner live.
+        self.owners.note_live(owner);
         if !crate::config::is_bdf(&p.device) {
             return Err(ApiError::invalid_request(format!(
                 "device {:?} is not a PCI address (domain:bus:device.function, e.g. 0000:41:00.4)",
@@ -537,6 +548,22 @@ mod tests {
         let l = list(&["a"], now);
         assert_eq!(external_liveness(&rc("b"), Some(&l), now, Duration::from_secs(300)), ExternalLiveness::Done);
         assert_eq!(external_liveness(&rc("a"), Some(&l), now, Duration::from_secs(300)), ExternalLiveness::Live);
+    }
+
+    #[test]
+    fn an_owner_that_prepares_after_the_last_list_is_live_until_the_next_one() {
+        let state = OwnersState::default();
+        let now = Instant::now();
+        lock(&state.lists).insert("resource_claim".into(), list(&["a"], now));
+        let lease = Duration::from_secs(300);
+        let get = |s: &OwnersState| lock(&s.lists).get("resource_claim").cloned();
+        assert_eq!(external_liveness(&rc("late"), get(&state).as_ref(), now, lease), ExternalLiveness::Done);
+        state.note_live(&rc("late"));
+        assert_eq!(external_liveness(&rc("late"), get(&state).as_ref(), now, lease), ExternalLiveness::Live);
+        // No list yet: nothing to amend (maybe alive stays maybe alive).
+        let empty = OwnersState::default();
+        empty.note_live(&rc("late"));
+        assert!(get(&empty).is_none());
     }
 
     #[test]

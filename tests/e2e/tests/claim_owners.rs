@@ -173,6 +173,15 @@ fn the_reconciler_releases_claims_of_owners_absent_from_a_complete_fresh_list_on
     assert!(a.claim_file(VF1).is_none());
     assert_eq!(a.claim_file(VF0).unwrap()["owner"], live);
     assert!(type_writes(&a, VF0, seq).is_empty());
+
+    // An owner that prepares after the list in force lives until a list says otherwise
+    // (its ResourceClaim may be newer than the list).
+    let late = resource_claim("late", "uid-late");
+    prepare(&a, &late, VF1, "L40S-2Q").unwrap();
+    let r = a.pass();
+    assert!(!released(&r, VF1), "BUG: a claim prepared after the last list was released: {r}");
+    a.ok("claim.owners", json!({"kind": "resource_claim", "live": ["uid-live"], "complete": true}));
+    assert!(released(&a.pass(), VF1), "the next complete list without it proves it done");
 }
 
 #[test]
