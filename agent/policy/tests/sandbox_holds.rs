@@ -77,7 +77,9 @@ fn a_guest_waiting_on_the_clock_or_a_stream_gets_its_answer_within_its_deadline(
 #[test]
 fn a_call_past_its_deadline_returns_at_its_deadline() {
     let deadline = Duration::from_millis(300);
-    let spin = load(&hostile_py(), PolicyKind::Placement, py_limits(deadline));
+    // Fuel without end: the deadline must be what stops them (with 2e9 units a spin on a
+    // busy machine ran out of fuel first).
+    let spin = load(&hostile_py(), PolicyKind::Placement, Limits { fuel: u64::MAX / 2, ..py_limits(deadline) });
     let wasm_loop =
         load(&wat("loop.wat"), PolicyKind::Placement, Limits { fuel: u64::MAX / 2, deadline, ..Limits::default() });
     for (p, input) in [(&spin, placement(json!({"do": "spin"}))), (&wasm_loop, placement(json!({})))] {
