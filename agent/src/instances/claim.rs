@@ -142,15 +142,11 @@ impl Manager {
             .collect();
         let ranked_count = ranked.len();
         // Bounded as the dropped entries are: a host has hundreds of free VFs.
-        for d in unranked.iter().take(super::policy_calls::NOTED_ENTRIES) {
-            notes.push(format!("{d}: free, but the placement plugin {plugin} did not rank it"));
-        }
-        if unranked.len() > super::policy_calls::NOTED_ENTRIES {
-            notes.push(format!(
-                "and {} more free devices the placement plugin {plugin} did not rank",
-                unranked.len() - super::policy_calls::NOTED_ENTRIES
-            ));
-        }
+        notes.extend(super::policy_calls::bounded_notes(
+            &unranked,
+            |d| format!("{d}: free, but the placement plugin {plugin} did not rank it"),
+            |more| format!("and {more} more free devices the placement plugin {plugin} did not rank"),
+        ));
         let mut failures = 0;
         let mut faulty_gpus = BTreeSet::new();
         for cand in ranked {

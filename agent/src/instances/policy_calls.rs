@@ -41,6 +41,20 @@ impl PolicyFailure {
 const LOGGED_ENTRIES: usize = 5;
 /// Rejected entries of one placement answer named in `notes` (the rest are counted).
 pub const NOTED_ENTRIES: usize = 8;
+
+/// Notes on `items`, bounded: the first [`NOTED_ENTRIES`] each as `note` says, then one
+/// `more(count)` for the rest.
+pub(crate) fn bounded_notes<T>(
+    items: &[T],
+    note: impl Fn(&T) -> String,
+    more: impl FnOnce(usize) -> String,
+) -> Vec<String> {
+    let mut notes: Vec<String> = items.iter().take(NOTED_ENTRIES).map(note).collect();
+    if items.len() > NOTED_ENTRIES {
+        notes.push(more(items.len() - NOTED_ENTRIES));
+    }
+    notes
+}
 /// The longest rejected entry shown, bytes (a plugin's entry is anything it wrote).
 const ENTRY_SHOWN_BYTES: usize = 64;
 
@@ -214,17 +228,11 @@ impl Manager {
             }
         }
         self.reject(slot, PolicyKind::Placement, "not_a_legal_candidate", &dropped);
-        let mut notes: Vec<String> = dropped
-            .iter()
-            .take(NOTED_ENTRIES)
-            .map(|(e, why)| format!("{}: ranked by the placement plugin, but {why}", entry(e)))
-            .collect();
-        if dropped.len() > NOTED_ENTRIES {
-            notes.push(format!(
-                "and {} more entries ranked by the placement plugin were dropped",
-                dropped.len() - NOTED_ENTRIES
-            ));
-        }
+        let notes = bounded_notes(
+            &dropped,
+            |(e, why)| format!("{}: ranked by the placement plugin, but {why}", entry(e)),
+            |more| format!("and {more} more entries ranked by the placement plugin were dropped"),
+        );
         Ok(Ranking { candidates: out, notes })
     }
 
