@@ -9,6 +9,8 @@
 //! Synchronisation is on events (the socket accepting, a line in a guest's serial log, a
 //! state change), polled with short steps and a generous bound — never a bare sleep.
 
+pub mod k8s;
+
 use anyhow::{anyhow, bail, Context};
 pub use gpuvisor_sim::testing::SimMount;
 use serde_json::{json, Value};
