@@ -16,7 +16,8 @@
 // The Node object is created Ready with a capacity, and kept Ready by a node lease heartbeat.
 //
 // It prints one JSON object per line on stdout for the tests to synchronise on:
-// {"event":"registered","driver":...,"services":[...]}, "prepared" (pod, cdi), "prepare_failed"
+// {"event":"registered","driver":...,"services":[...]}, "prepared" (pod, cdi, prepare_ms: how long the
+// kubelet's PrepareResources took), "prepare_failed"
 // (pod, error), "unprepared" (pod), "unprepare_failed" (pod, error), "health" (pod, status).
 package main
 
@@ -244,7 +245,7 @@ func (d *driver) heartbeat(ctx context.Context) {
 		case apierrors.IsNotFound(err):
 			_, err = leases.Create(ctx, &coordinationv1.Lease{
 				ObjectMeta: metav1.ObjectMeta{Name: d.node},
-				Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(d.node), LeaseDurationSeconds: ptr.To[int32](40), RenewTime: &now},
+				Spec:       coordinationv1.LeaseSpec{HolderIdentity: ptr.To(d.node), LeaseDurationSeconds: ptr.To[int32](40), RenewTime: &now},
 			}, metav1.CreateOptions{})
 		case err == nil:
 			l.Spec.RenewTime = &now
@@ -351,6 +352,7 @@ func (d *driver) sync(ctx context.Context, pod *v1.Pod) {
 		d.mu.Unlock()
 		emit(map[string]any{"event": "unprepared", "pod": name, "uid": pod.UID})
 	case st == podPending:
+		started := time.Now()
 		if err := d.dra.PrepareResources(ctx, pod); err != nil {
 			emit(map[string]any{"event": "prepare_failed", "pod": name, "uid": pod.UID, "error": err.Error()})
 			return
@@ -376,7 +378,7 @@ func (d *driver) sync(ctx context.Context, pod *v1.Pod) {
 			d.state[pod.UID] = podRunning
 		}
 		d.mu.Unlock()
-		emit(map[string]any{"event": "prepared", "pod": name, "uid": pod.UID, "cdi": cdi})
+		emit(map[string]any{"event": "prepared", "pod": name, "uid": pod.UID, "cdi": cdi, "prepare_ms": float64(time.Since(started).Microseconds()) / 1000})
 	}
 }
 
