@@ -184,9 +184,16 @@ fn bind(path: &Path) -> std::io::Result<UnixListenerStream> {
     Ok(UnixListenerStream::new(tokio::net::UnixListener::bind(path)?))
 }
 
+/// The registration socket's file name. The kubelet dials it by its path, so grpc-go sends
+/// the percent-encoded path as the HTTP/2 `:authority` (`var%2Flib%2F…`); the `http` crate
+/// under tonic refuses a `%` in a host name and the stream is reset (PROTOCOL_ERROR), but takes
+/// it in userinfo: the `@` makes everything before it userinfo and `reg.sock` the host. (The
+/// DRA socket is dialed as `unix:<path>`, whose authority is `localhost`.)
+pub const REGISTRATION_SOCKET: &str = "gpu.gpuvisor.example@reg.sock";
+
 /// The DRA socket path (`<plugin dir>/dra.sock`) and the registration socket path.
 pub fn socket_paths(node: &Node) -> (PathBuf, PathBuf) {
-    (node.cfg.plugin_dir.join("dra.sock"), node.cfg.registry_dir.join(format!("{DRIVER}-reg.sock")))
+    (node.cfg.plugin_dir.join("dra.sock"), node.cfg.registry_dir.join(REGISTRATION_SOCKET))
 }
 
 /// Serves the DRA socket, then the registration socket (so the kubelet finds a working

@@ -627,3 +627,106 @@ fn kube_a_gpuvisor_instance_runs_on_a_prepared_claim() {
     w.node.wait_event_after(skip, Duration::from_secs(60), |e| e["event"] == "unprepared").expect("unprepared");
     assert_eq!(writes_of(&w.agent, &vf, "0") - clears, 1, "cleared once, by the claim's release");
 }
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// `scripts/bench`: on an 8-GPU host (8 × L40S, 32 VFs each), the scheduling latency of a claim
+/// (pod created → claim allocated) on the gpuvisor node vs on a node publishing the same number
+/// of plain devices (no counters); the kubelet's prepare latency (p50/p99); and the slice update
+/// after a change (the kubelet's unprepare done → the pool's new generation visible).
+#[test]
+#[ignore]
+fn bench_kube_scheduling_prepare_and_slice_update() {
+    let model: String = (0..8)
+        .map(|i| format!("[[gpu]]\nbdf = \"0000:{:02x}:00.0\"\nvf_count = 32\niommu_group = {}\n", 0x41 + i, 100 + 40 * i))
+        .collect();
+    let mut w = world(&model, "");
+    let devices = w.cluster.devices(&w.node.name).len();
+    // The plain node: a Node kept Ready by a second kubelet driver, and the same number of
+    // devices without counters, published by the test (128 per slice).
+    let mut plain = KubeNode::new(&w.cluster, "plain-node-1", &w.agent.socket);
+    plain.start_kubelet();
+    let per = 128;
+    let count = devices.div_ceil(per);
+    for k in 0..count {
+        let devs: Vec<Value> = (k * per..((k + 1) * per).min(devices))
+            .map(|i| json!({"name": format!("dev-{i}"), "attributes": {"kind": {"string": "plain"}}}))
+            .collect();
+        w.cluster.k.create(
+            "/apis/resource.k8s.io/v1/resourceslices",
+            json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": format!("plain-{k}")},
+                   "spec": {"driver": "plain.gpuvisor.example", "nodeName": "plain-node-1",
+                            "pool": {"name": "plain-node-1", "generation": 1, "resourceSliceCount": count}, "devices": devs}}),
+        );
+    }
+    w.cluster.k.create(
+        "/apis/resource.k8s.io/v1/deviceclasses",
+        json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": "plain.gpuvisor.example"},
+               "spec": {"selectors": [{"cel": {"expression": "device.driver == 'plain.gpuvisor.example'"}}]}}),
+    );
+    let allocated_in = |name: &str, t0: Instant| -> f64 {
+        wait_for(Duration::from_secs(120), || (!w.cluster.allocated(NS, name).is_empty() || plain_allocated(&w.cluster, name)).then_some(()))
+            .unwrap_or_else(|| panic!("{name} never allocated"));
+        t0.elapsed().as_secs_f64() * 1000.0
+    };
+    let (mut gpu_ms, mut plain_ms) = (Vec::new(), Vec::new());
+    for i in 0..12 {
+        let name = format!("g{i}");
+        w.cluster.claim(NS, &name, Some("L40S-2Q"));
+        let t0 = Instant::now();
+        w.cluster.pod(NS, &name, &w.node.name, &name);
+        gpu_ms.push(allocated_in(&name, t0));
+        let name = format!("p{i}");
+        w.cluster.k.create(
+            &format!("/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims"),
+            json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+                   "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "plain.gpuvisor.example"}}]}}}),
+        );
+        let t0 = Instant::now();
+        w.cluster.pod(NS, &name, "plain-node-1", &name);
+        plain_ms.push(allocated_in(&name, t0));
+    }
+    let (g, p) = (median(gpu_ms.clone()), median(plain_ms.clone()));
+    println!("bench kube scheduling ({devices} devices on each node): pod created -> claim allocated median {g:.0} ms (gpuvisor: counters) vs {p:.0} ms (plain devices)");
+    println!("bench kube scheduling ratio gpuvisor/plain = {:.3} (goal <= 1.5)", g / p);
+    for i in 0..12 {
+        wait_running(&w, &format!("g{i}"), Duration::from_secs(120));
+    }
+    let prep: Vec<f64> = w.node.events().iter().filter(|e| e["event"] == "prepared").filter_map(|e| e["prepare_ms"].as_f64()).collect();
+    println!(
+        "bench kube prepare (the kubelet's PrepareResources, {} claims): p50 {:.0} ms, p99 {:.0} ms (goal p99 <= 1000 ms)",
+        prep.len(),
+        percentile(prep.clone(), 0.5),
+        percentile(prep, 0.99)
+    );
+    // Slice update after a change: each unprepare frees a VF; its new pool generation.
+    let mut upd = Vec::new();
+    for i in 0..6 {
+        let gen0 = w.cluster.slices(&w.node.name)[0]["spec"]["pool"]["generation"].as_i64().expect("gen");
+        let skip = w.node.events().len();
+        let name = format!("g{i}");
+        w.cluster.delete_pod(NS, &name, None);
+        w.node.wait_event_after(skip, Duration::from_secs(60), |e| e["event"] == "unprepared" && e["pod"] == format!("default/{name}").as_str()).expect("unprepared");
+        let t0 = Instant::now();
+        wait_for(Duration::from_secs(30), || {
+            (w.cluster.slices(&w.node.name).iter().all(|s| s["spec"]["pool"]["generation"].as_i64() > Some(gen0))).then_some(())
+        })
+        .expect("new generation");
+        upd.push(t0.elapsed().as_secs_f64() * 1000.0);
+    }
+    println!("bench kube slice update after an unprepare: median {:.0} ms, max {:.0} ms (goal <= 1000 ms)", median(upd.clone()), percentile(upd, 1.0));
+    plain.kill_kubelet();
+    let _ = &mut w;
+}
+
+fn plain_allocated(c: &Cluster, name: &str) -> bool {
+    c.get_claim(NS, name).is_some_and(|x| x["status"]["allocation"]["devices"]["results"].as_array().is_some_and(|r| !r.is_empty()))
+}
