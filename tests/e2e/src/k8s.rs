@@ -99,6 +99,18 @@ impl Kube {
     }
 }
 
+/// A quantity as the API server writes it back (`48Gi`, `40960Mi`, `16`), in units.
+pub fn quantity(q: &str) -> u64 {
+    let (num, mult) = match q {
+        _ if q.ends_with("Ki") => (&q[..q.len() - 2], 1u64 << 10),
+        _ if q.ends_with("Mi") => (&q[..q.len() - 2], 1 << 20),
+        _ if q.ends_with("Gi") => (&q[..q.len() - 2], 1 << 30),
+        _ if q.ends_with("Ti") => (&q[..q.len() - 2], 1 << 40),
+        _ => (q, 1),
+    };
+    num.parse::<u64>().unwrap_or_else(|_| panic!("quantity {q:?}")) * mult
+}
+
 /// A control plane on loopback.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
@@ -244,14 +256,14 @@ impl Cluster {
             .collect()
     }
 
-    /// The counter sets of a node's pool (name → (framebuffer, vfs) as quantities).
-    pub fn counters(&self, node: &str) -> std::collections::BTreeMap<String, (String, String)> {
+    /// The counter sets of a node's pool: name → (framebuffer in MiB, vfs).
+    pub fn counters(&self, node: &str) -> std::collections::BTreeMap<String, (u64, u64)> {
         self.slices(node)
             .iter()
             .flat_map(|x| x["spec"]["sharedCounters"].as_array().cloned().unwrap_or_default())
             .map(|c| {
-                let f = |k: &str| c["counters"][k]["value"].as_str().unwrap_or("").to_string();
-                (c["name"].as_str().unwrap_or("").to_string(), (f("framebuffer"), f("vfs")))
+                let f = |k: &str| quantity(c["counters"][k]["value"].as_str().unwrap_or(""));
+                (c["name"].as_str().unwrap_or("").to_string(), (f("framebuffer") >> 20, f("vfs")))
             })
             .collect()
     }

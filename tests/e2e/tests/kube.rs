@@ -174,7 +174,7 @@ fn kube_registration_advertises_short_names_and_the_pool_follows_the_host() {
         "0000:82:00.0"
     );
     let c = w.cluster.counters(&w.node.name);
-    assert_eq!(c["gpu-0000-41-00-0"], ("49152Mi".into(), "16".into()));
+    assert_eq!(c["gpu-0000-41-00-0"], (49152, 16));
     let gen0 = w.cluster.slices(&w.node.name)[0]["spec"]["pool"]["generation"].as_i64().expect("gen");
 
     // A gpuvisor VM takes an 8Q on the first GPU: the pool moves to a new generation with that
@@ -186,8 +186,7 @@ fn kube_registration_advertises_short_names_and_the_pool_follows_the_host() {
     let moved = wait_for(Duration::from_secs(30), || {
         let s = w.cluster.slices(&w.node.name);
         let g = s.first()?["spec"]["pool"]["generation"].as_i64()?;
-        (g > gen0 && w.cluster.counters(&w.node.name).get(&set) == Some(&("40960Mi".to_string(), "15".to_string())))
-            .then_some(g)
+        (g > gen0 && w.cluster.counters(&w.node.name).get(&set) == Some(&(40960, 15))).then_some(g)
     })
     .unwrap_or_else(|| {
         panic!(
@@ -431,7 +430,7 @@ fn kube_a_quarantined_vf_is_tainted_and_never_allocated() {
         wait_for(Duration::from_secs(60), || Some(w.cluster.devices(&w.node.name)).filter(|d| d.contains_key(&status)))
             .expect("status device");
     assert_eq!(devs[&status]["taints"][0]["key"], "gpu.gpuvisor.example/quarantined");
-    assert_eq!(w.cluster.counters(&w.node.name)["gpu-0000-41-00-0"].1, "3");
+    assert_eq!(w.cluster.counters(&w.node.name)["gpu-0000-41-00-0"].1, 3);
     for i in 0..4 {
         let name = format!("q{i}");
         w.cluster.claim(NS, &name, Some("L40S-2Q"));
@@ -646,7 +645,9 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
 #[ignore]
 fn bench_kube_scheduling_prepare_and_slice_update() {
     let model: String = (0..8)
-        .map(|i| format!("[[gpu]]\nbdf = \"0000:{:02x}:00.0\"\nvf_count = 32\niommu_group = {}\n", 0x41 + i, 100 + 40 * i))
+        .map(|i| {
+            format!("[[gpu]]\nbdf = \"0000:{:02x}:00.0\"\nvf_count = 32\niommu_group = {}\n", 0x41 + i, 100 + 40 * i)
+        })
         .collect();
     let mut w = world(&model, "");
     let devices = w.cluster.devices(&w.node.name).len();
@@ -673,8 +674,10 @@ fn bench_kube_scheduling_prepare_and_slice_update() {
                "spec": {"selectors": [{"cel": {"expression": "device.driver == 'plain.gpuvisor.example'"}}]}}),
     );
     let allocated_in = |name: &str, t0: Instant| -> f64 {
-        wait_for(Duration::from_secs(120), || (!w.cluster.allocated(NS, name).is_empty() || plain_allocated(&w.cluster, name)).then_some(()))
-            .unwrap_or_else(|| panic!("{name} never allocated"));
+        wait_for(Duration::from_secs(120), || {
+            (!w.cluster.allocated(NS, name).is_empty() || plain_allocated(&w.cluster, name)).then_some(())
+        })
+        .unwrap_or_else(|| panic!("{name} never allocated"));
         t0.elapsed().as_secs_f64() * 1000.0
     };
     let (mut gpu_ms, mut plain_ms) = (Vec::new(), Vec::new());
@@ -700,7 +703,8 @@ fn bench_kube_scheduling_prepare_and_slice_update() {
     for i in 0..12 {
         wait_running(&w, &format!("g{i}"), Duration::from_secs(120));
     }
-    let prep: Vec<f64> = w.node.events().iter().filter(|e| e["event"] == "prepared").filter_map(|e| e["prepare_ms"].as_f64()).collect();
+    let prep: Vec<f64> =
+        w.node.events().iter().filter(|e| e["event"] == "prepared").filter_map(|e| e["prepare_ms"].as_f64()).collect();
     println!(
         "bench kube prepare (the kubelet's PrepareResources, {} claims): p50 {:.0} ms, p99 {:.0} ms (goal p99 <= 1000 ms)",
         prep.len(),
@@ -714,19 +718,29 @@ fn bench_kube_scheduling_prepare_and_slice_update() {
         let skip = w.node.events().len();
         let name = format!("g{i}");
         w.cluster.delete_pod(NS, &name, None);
-        w.node.wait_event_after(skip, Duration::from_secs(60), |e| e["event"] == "unprepared" && e["pod"] == format!("default/{name}").as_str()).expect("unprepared");
+        w.node
+            .wait_event_after(skip, Duration::from_secs(60), |e| {
+                e["event"] == "unprepared" && e["pod"] == format!("default/{name}").as_str()
+            })
+            .expect("unprepared");
         let t0 = Instant::now();
         wait_for(Duration::from_secs(30), || {
-            (w.cluster.slices(&w.node.name).iter().all(|s| s["spec"]["pool"]["generation"].as_i64() > Some(gen0))).then_some(())
+            (w.cluster.slices(&w.node.name).iter().all(|s| s["spec"]["pool"]["generation"].as_i64() > Some(gen0)))
+                .then_some(())
         })
         .expect("new generation");
         upd.push(t0.elapsed().as_secs_f64() * 1000.0);
     }
-    println!("bench kube slice update after an unprepare: median {:.0} ms, max {:.0} ms (goal <= 1000 ms)", median(upd.clone()), percentile(upd, 1.0));
+    println!(
+        "bench kube slice update after an unprepare: median {:.0} ms, max {:.0} ms (goal <= 1000 ms)",
+        median(upd.clone()),
+        percentile(upd, 1.0)
+    );
     plain.kill_kubelet();
     let _ = &mut w;
 }
 
 fn plain_allocated(c: &Cluster, name: &str) -> bool {
-    c.get_claim(NS, name).is_some_and(|x| x["status"]["allocation"]["devices"]["results"].as_array().is_some_and(|r| !r.is_empty()))
+    c.get_claim(NS, name)
+        .is_some_and(|x| x["status"]["allocation"]["devices"]["results"].as_array().is_some_and(|r| !r.is_empty()))
 }
