@@ -231,7 +231,23 @@ func (d *driver) nodeStatus(ctx context.Context) error {
 		Type: v1.NodeReady, Status: v1.ConditionTrue, Reason: "KubeletReady",
 		Message: "kubelet-driver (gpuvisor tests) is posting ready status", LastHeartbeatTime: now, LastTransitionTime: now,
 	}}
-	_, err = d.client.CoreV1().Nodes().UpdateStatus(ctx, n, metav1.UpdateOptions{})
+	n, err = d.client.CoreV1().Nodes().UpdateStatus(ctx, n, metav1.UpdateOptions{})
+	if err != nil {
+		return err
+	}
+	// The API server's TaintNodesByCondition admission taints a new Node
+	// node.kubernetes.io/not-ready:NoSchedule; the node lifecycle controller, which would
+	// lift it once the node is Ready, does not run in the test control plane.
+	kept := n.Spec.Taints[:0]
+	for _, t := range n.Spec.Taints {
+		if t.Key != v1.TaintNodeNotReady {
+			kept = append(kept, t)
+		}
+	}
+	if len(kept) != len(n.Spec.Taints) {
+		n.Spec.Taints = kept
+		_, err = d.client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{})
+	}
 	return err
 }
 
