@@ -183,6 +183,9 @@ pub struct Prepared {
     pub vfio_group: Option<Value>,
     #[serde(default)]
     pub device_nodes: Vec<String>,
+    /// The nodes where the agent finds them (under its host root).
+    #[serde(default)]
+    pub host_paths: Vec<String>,
     #[serde(default)]
     pub pci_address: Option<String>,
     #[serde(default)]

@@ -63,7 +63,7 @@ pub fn cdi_device_name(uid: &str, device: &str) -> String {
 }
 
 /// The CDI spec of a claim's devices: each device gets its VFIO nodes (container path
-/// `/dev/vfio/<group>` and `/dev/vfio/vfio`, host path as the agent names them) and its
+/// `/dev/vfio/<group>` and `/dev/vfio/vfio`, host path where the agent finds them) and its
 /// address in the environment.
 pub fn device_spec(claim: &ClaimRef, devices: &[PreparedDevice]) -> Value {
     let devs: Vec<Value> = devices
@@ -73,9 +73,10 @@ pub fn device_spec(claim: &ClaimRef, devices: &[PreparedDevice]) -> Value {
                 .prepared
                 .device_nodes
                 .iter()
-                .map(|host| {
-                    let name = Path::new(host).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                    json!({ "path": format!("/dev/vfio/{name}"), "hostPath": host })
+                .enumerate()
+                .map(|(i, path)| {
+                    let host = d.prepared.host_paths.get(i).unwrap_or(path);
+                    json!({ "path": path, "hostPath": host })
                 })
                 .collect();
             let var = crate::model::slug(&d.device).replace('-', "_").to_uppercase();

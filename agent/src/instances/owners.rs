@@ -213,6 +213,9 @@ pub struct PreparedView {
     pub vfio_group: Option<u32>,
     /// The device nodes a VMM needs: `/dev/vfio/<group>` and `/dev/vfio/vfio`.
     pub device_nodes: Vec<String>,
+    /// The same nodes where this agent finds them (under `host_root`; on a real host the
+    /// same paths as `device_nodes`): what a container runtime binds.
+    pub host_paths: Vec<String>,
     /// The PCI address given to the VMM (the VF, or the GPU); null for an mdev.
     pub pci_address: Option<String>,
     /// The physical GPU (PF) the device belongs to.
@@ -292,9 +295,14 @@ impl Manager {
                 .ok()
                 .and_then(|g| g.parse().ok()),
         };
-        let mut nodes: Vec<String> =
+        let nodes: Vec<String> =
             group.map(|g| format!("/dev/vfio/{g}")).into_iter().chain(["/dev/vfio/vfio".to_string()]).collect();
-        nodes.dedup();
+        let host_paths = group
+            .map(|g| self.host.vfio_group_node(g))
+            .into_iter()
+            .chain([self.host.vfio_dir().join("vfio")])
+            .map(|p| p.display().to_string())
+            .collect();
         PreparedView {
             device: c.device.clone(),
             kind: c.framework,
@@ -303,6 +311,7 @@ impl Manager {
             mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
             vfio_group: group,
             device_nodes: nodes,
+            host_paths,
             pci_address: c.mdev_uuid.is_none().then(|| c.device.clone()),
             parent_gpu: c.gpu.clone(),
             owner: c.owner.clone(),
