@@ -75,6 +75,8 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // `FAILPOINTS` (crash points of the tests; inert unless built with `gpuvisor/failpoints`).
+    let _failpoints = fail::FailScenario::setup();
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -313,6 +313,8 @@ pub struct GpuEntry {
     pub address: String,
     pub model: String,
     pub framebuffer_mib: Option<u64>,
+    /// The GPU's NUMA node (sysfs `numa_node`); `None` when unreadable or none (`-1`).
+    pub numa_node: Option<i32>,
     pub claimed_framebuffer_mib: u64,
     /// gpuvisor may touch its devices (`managed_gpus`); unmanaged ones are only reported.
     pub managed: bool,
@@ -965,6 +967,7 @@ impl Manager {
                 address: g.address.clone(),
                 model: g.model.clone(),
                 framebuffer_mib: g.framebuffer_mib,
+                numa_node: g.numa_node.filter(|n| *n >= 0),
                 claimed_framebuffer_mib: g.claimed_framebuffer_mib,
                 managed: g.managed,
                 health: g.health.as_ref().map(HealthMark::from),

@@ -245,20 +245,34 @@ impl Cluster {
         s
     }
 
+    /// The slices of a node's pool at its newest generation once all of them are there (the
+    /// publisher writes a generation slice by slice): waits up to 60 s for that, then panics.
+    pub fn pool(&self, node: &str) -> Vec<Value> {
+        let complete = || {
+            let s = self.slices(node);
+            let gen = s.iter().filter_map(|x| x["spec"]["pool"]["generation"].as_i64()).max()?;
+            let at: Vec<Value> =
+                s.into_iter().filter(|x| x["spec"]["pool"]["generation"].as_i64() == Some(gen)).collect();
+            let want = at.first()?["spec"]["pool"]["resourceSliceCount"].as_u64()?;
+            (at.len() as u64 == want).then_some(at)
+        };
+        crate::wait_for(std::time::Duration::from_secs(60), complete)
+            .unwrap_or_else(|| panic!("{node}'s pool never became complete: {:?}", self.slices(node)))
+    }
+
     /// The devices of a node's pool at its newest complete generation (by name).
     pub fn devices(&self, node: &str) -> std::collections::BTreeMap<String, Value> {
-        let s = self.slices(node);
-        let gen = s.iter().filter_map(|x| x["spec"]["pool"]["generation"].as_i64()).max().unwrap_or(0);
-        s.iter()
-            .filter(|x| x["spec"]["pool"]["generation"].as_i64() == Some(gen))
+        self.pool(node)
+            .iter()
             .flat_map(|x| x["spec"]["devices"].as_array().cloned().unwrap_or_default())
             .map(|d| (d["name"].as_str().unwrap_or("").to_string(), d))
             .collect()
     }
 
-    /// The counter sets of a node's pool: name → (framebuffer in MiB, vfs).
+    /// The counter sets of a node's pool at its newest complete generation: name →
+    /// (framebuffer in MiB, vfs).
     pub fn counters(&self, node: &str) -> std::collections::BTreeMap<String, (u64, u64)> {
-        self.slices(node)
+        self.pool(node)
             .iter()
             .flat_map(|x| x["spec"]["sharedCounters"].as_array().cloned().unwrap_or_default())
             .map(|c| {

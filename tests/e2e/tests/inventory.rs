@@ -252,3 +252,17 @@ fn a_second_agent_never_replaces_a_live_agents_socket() {
     assert!(out.contains("another process is serving"), "{out}");
     assert_eq!(a.ok("instance.get", json!({"ref": "a"}))["state"], "running", "the first agent still answers");
 }
+
+#[test]
+fn gpu_list_gives_each_gpus_numa_node_and_null_when_it_cannot_be_read() {
+    let a = Agent::start("l40s-2x16").unwrap();
+    let gpus = a.ok("gpu.list", json!({}));
+    let numa = |gpus: &Value, addr: &str| {
+        gpus["gpus"].as_array().unwrap().iter().find(|g| g["address"] == addr).unwrap()["numa_node"].clone()
+    };
+    assert_eq!(numa(&gpus, "0000:41:00.0"), 0, "{gpus}");
+    assert_eq!(numa(&gpus, "0001:81:00.0"), 1, "{gpus}");
+    a.sim.ctl(&["fail-read", "sys/bus/pci/devices/0001:81:00.0/numa_node", "EIO", "--always"]).unwrap();
+    let gpus = a.ok("gpu.list", json!({}));
+    assert_eq!(numa(&gpus, "0001:81:00.0"), Value::Null, "unreadable is unknown, never node 0: {gpus}");
+}

@@ -44,9 +44,9 @@ fn world(model: &str, extra: &str) -> World {
     World { node, agent, cluster }
 }
 
-/// A VF's `current_vgpu_type` writes of `value` in the simulator's log.
+/// The successful writes of `value` to a VF's `current_vgpu_type` in the simulator's log.
 fn writes_of(a: &Agent, vf: &str, value: &str) -> usize {
-    type_writes_of(&a.state(), vf).iter().filter(|(_, v)| v.trim() == value).count()
+    type_writes_of(&a.state(), vf).iter().filter(|(v, r)| v.trim() == value && r == "ok").count()
 }
 
 /// The VF (or GPU) the agent claimed for a ResourceClaim UID (from `gpu.list`).
@@ -133,7 +133,7 @@ fn kube_an_eight_gpu_host_is_published_within_the_slice_limits_and_withdrawn_on_
         })
         .collect();
     let w = world(&model, "");
-    let slices = w.cluster.slices(&w.node.name);
+    let slices = w.cluster.pool(&w.node.name);
     let count = slices.len() as i64;
     let gen = slices[0]["spec"]["pool"]["generation"].as_i64().expect("generation");
     let (mut sets, mut devices) = (0, 0);
@@ -175,7 +175,7 @@ fn kube_registration_advertises_short_names_and_the_pool_follows_the_host() {
     );
     let c = w.cluster.counters(&w.node.name);
     assert_eq!(c["gpu-0000-41-00-0"], (49152, 16));
-    let gen0 = w.cluster.slices(&w.node.name)[0]["spec"]["pool"]["generation"].as_i64().expect("gen");
+    let gen0 = w.cluster.pool(&w.node.name)[0]["spec"]["pool"]["generation"].as_i64().expect("gen");
 
     // A gpuvisor VM takes an 8Q on the first GPU: the pool moves to a new generation with that
     // GPU offering 8Q only and its counters less one VF and 8 GiB.
@@ -184,7 +184,7 @@ fn kube_registration_advertises_short_names_and_the_pool_follows_the_host() {
     let gpu = vm["gpu"]["gpu"].as_str().or(vm["gpu"]["parent"].as_str()).unwrap_or("0000:41:00.0").to_string();
     let set = set_of(&gpu);
     let moved = wait_for(Duration::from_secs(30), || {
-        let s = w.cluster.slices(&w.node.name);
+        let s = w.cluster.pool(&w.node.name);
         let g = s.first()?["spec"]["pool"]["generation"].as_i64()?;
         (g > gen0 && w.cluster.counters(&w.node.name).get(&set) == Some(&(40960, 15))).then_some(g)
     })
@@ -714,7 +714,7 @@ fn bench_kube_scheduling_prepare_and_slice_update() {
     // Slice update after a change: each unprepare frees a VF; its new pool generation.
     let mut upd = Vec::new();
     for i in 0..6 {
-        let gen0 = w.cluster.slices(&w.node.name)[0]["spec"]["pool"]["generation"].as_i64().expect("gen");
+        let gen0 = w.cluster.pool(&w.node.name)[0]["spec"]["pool"]["generation"].as_i64().expect("gen");
         let skip = w.node.events().len();
         let name = format!("g{i}");
         w.cluster.delete_pod(NS, &name, None);
