@@ -360,11 +360,14 @@ fn vgpu_gpu(out: &mut Pool, host: &Host, g: &Gpu, allocated: &BTreeSet<&str>, ap
     }
 }
 
+/// What one slice carries: counter sets or devices (never both).
+type SlicePart = (Option<Vec<rv1::CounterSet>>, Option<Vec<rv1::Device>>);
+
 /// The pool cut into slices: counter sets first (at most 8 per slice), then devices (at most
 /// 64 per slice). Names are `<node>-gpuvisor-<k>`; every slice carries the same generation and
 /// the count of all of them.
 pub fn slices(pool: &Pool, node: &str, generation: i64) -> Vec<(String, rv1::ResourceSliceSpec)> {
-    let mut parts: Vec<(Option<Vec<rv1::CounterSet>>, Option<Vec<rv1::Device>>)> = Vec::new();
+    let mut parts: Vec<SlicePart> = Vec::new();
     for c in pool.counter_sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
         parts.push((Some(c.to_vec()), None));
     }

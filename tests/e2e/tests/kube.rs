@@ -547,23 +547,41 @@ fn kube_a_force_deleted_pod_leaves_its_vf_held_and_tainted_until_the_holder_goes
         .expect("taint gone");
 }
 
-/// gpuvisor-dra killed at each step of a prepare and an unprepare (crash points): after it
-/// comes back, the kubelet's retries end with the claim prepared exactly once, then
-/// unprepared with the VF cleared once and no file left.
+/// gpuvisor-dra killed at each step of a prepare and an unprepare, and the agent killed at
+/// each step of the prepare it is asked for (crash points): after the killed process comes
+/// back, the kubelet's retries end with the claim prepared, then unprepared with the VF
+/// cleared and no file left. gpuvisor-dra's crashes configure the VF exactly once; the
+/// agent's leave a half-done claim its retry resolves through the release guard, so every
+/// type set is undone by exactly one clear.
 #[test]
-fn kube_the_plugin_killed_at_each_step_leaves_nothing_half_done() {
+fn kube_the_plugin_and_the_agent_killed_at_each_step_leave_nothing_half_done() {
     assert_failpoints_built();
-    for (i, point) in ["dra_after_agent_prepare", "dra_after_files", "dra_after_release"].iter().enumerate() {
+    let points = [
+        ("dra_after_agent_prepare", false),
+        ("dra_after_files", false),
+        ("dra_after_release", false),
+        ("after_claim_commit", true),
+        ("after_configure", true),
+    ];
+    for (i, (point, in_agent)) in points.into_iter().enumerate() {
         let mut w = world(HOST_K, PT_EXTRA);
-        w.node.stop_dra(Signal::SIGTERM);
-        w.node.dra_env = vec![("FAILPOINTS".into(), format!("{point}=return"))];
-        w.node.start_dra();
+        if in_agent {
+            w.agent.restart_with_failpoints(Some(&format!("{point}=return"))).expect("restart");
+            w.agent.wait_ready().expect("ready");
+        } else {
+            w.node.stop_dra(Signal::SIGTERM);
+            w.node.dra_env = vec![("FAILPOINTS".into(), format!("{point}=return"))];
+            w.node.start_dra();
+        }
         let name = format!("crash{i}");
         let c = w.cluster.claim(NS, &name, Some("L40S-4Q"));
         let cuid = uid(&c);
         w.cluster.pod(NS, &name, &w.node.name, &name);
-        let crash_on_delete = *point == "dra_after_release";
-        if !crash_on_delete {
+        let crash_on_delete = point == "dra_after_release";
+        if in_agent {
+            assert!(w.agent.wait_agent_gone(Duration::from_secs(120)), "{point} never hit");
+            w.agent.restart_clean();
+        } else if !crash_on_delete {
             w.node.wait_dra_exit(Duration::from_secs(120)).unwrap_or_else(|| panic!("{point} never hit"));
             w.node.dra_env.clear();
             w.node.start_dra();
@@ -572,7 +590,11 @@ fn kube_the_plugin_killed_at_each_step_leaves_nothing_half_done() {
         let host = host_devices_of(&w.agent, &cuid);
         assert_eq!(host.len(), 1, "{point}: {host:?}");
         let vf = host[0].1.clone();
-        assert_eq!(writes_of(&w.agent, &vf, "1150"), 1, "{point}: configured once");
+        assert_eq!(w.agent.vf_type(&vf), 1150, "{point}");
+        let sets = writes_of(&w.agent, &vf, "1150");
+        if !in_agent {
+            assert_eq!(sets, 1, "{point}: configured once");
+        }
         w.cluster.delete_pod(NS, &name, None);
         if crash_on_delete {
             w.node.wait_dra_exit(Duration::from_secs(120)).unwrap_or_else(|| panic!("{point} never hit"));
@@ -582,12 +604,13 @@ fn kube_the_plugin_killed_at_each_step_leaves_nothing_half_done() {
         wait_for(Duration::from_secs(120), || w.cluster.get_pod(NS, &name).is_none().then_some(()))
             .unwrap_or_else(|| panic!("{point}: pod not gone"));
         assert_eq!(w.agent.vf_type(&vf), 0, "{point}");
-        assert_eq!(writes_of(&w.agent, &vf, "0"), 1, "{point}: cleared once");
+        assert_eq!(writes_of(&w.agent, &vf, "0"), sets, "{point}: each configure undone by one clear");
         assert!(host_devices_of(&w.agent, &cuid).is_empty());
         let left: Vec<_> = std::fs::read_dir(w.node.cdi_dir())
             .map(|r| r.flatten().map(|e| e.file_name()).collect())
             .unwrap_or_default();
         assert!(left.is_empty(), "{point}: CDI files left: {left:?}");
+        eprintln!("{point}: prepared after the crash, {sets} configure(s), cleared as many times");
     }
 }
 
