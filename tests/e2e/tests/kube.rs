@@ -125,13 +125,18 @@ fn cdi_group_node(n: &KubeNode, claim_uid: &str) -> (Value, String) {
     (spec, host)
 }
 
-#[test]
-fn kube_an_eight_gpu_host_is_published_within_the_slice_limits_and_withdrawn_on_stop() {
-    let model: String = (0..8)
+/// Eight L40S with 32 VFs each (vendor VFIO): 256 VFs.
+fn eight_gpu_host() -> String {
+    (0..8)
         .map(|i| {
             format!("[[gpu]]\nbdf = \"0000:{:02x}:00.0\"\nvf_count = 32\niommu_group = {}\n", 0x41 + i, 100 + 40 * i)
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn kube_an_eight_gpu_host_is_published_within_the_slice_limits_and_withdrawn_on_stop() {
+    let model = eight_gpu_host();
     let w = world(&model, "");
     let slices = w.cluster.pool(&w.node.name);
     let count = slices.len() as i64;
@@ -667,11 +672,7 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
 #[test]
 #[ignore]
 fn bench_kube_scheduling_prepare_and_slice_update() {
-    let model: String = (0..8)
-        .map(|i| {
-            format!("[[gpu]]\nbdf = \"0000:{:02x}:00.0\"\nvf_count = 32\niommu_group = {}\n", 0x41 + i, 100 + 40 * i)
-        })
-        .collect();
+    let model = eight_gpu_host();
     let mut w = world(&model, "");
     let devices = w.cluster.devices(&w.node.name).len();
     // The plain node: a Node kept Ready by a second kubelet driver, and the same number of
