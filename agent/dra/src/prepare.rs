@@ -75,9 +75,11 @@ fn gpu_of<'a>(host: &'a Host, device: &str) -> Option<&'a str> {
 }
 
 /// Claims and configures every allocated device of `owner` at the agent (idempotent). The
-/// caller holds the node's host lock.
+/// caller holds the node's host lock. Free VFs are looked for in the last pass's observation
+/// (a full one costs as much as the prepare itself on a large host); when none of those can
+/// be had, in a fresh one.
 pub async fn host_prepare(node: &Node, owner: &Owner, devices: &[Allocated]) -> Result<Vec<PreparedDevice>, String> {
-    let host = node.agent.host().await.map_err(|e| format!("the gpuvisor agent: {e}"))?;
+    let host = node.host(false).await.map_err(|e| format!("the gpuvisor agent: {e}"))?;
     let mine: Vec<String> = node
         .agent
         .claims()
@@ -128,7 +130,13 @@ pub async fn host_prepare(node: &Node, owner: &Owner, devices: &[Allocated]) -> 
                             .prepare(owner, &vf, &host.mode, Some(&profile))
                             .await
                             .map_err(|e| format!("{vf}: {e}"))?,
-                        None => pick_and_prepare(node, &host, owner, &gpu, &profile, &used).await?,
+                        None => match pick_and_prepare(node, &host, owner, &gpu, &profile, &used).await {
+                            Ok(p) => p,
+                            Err(_) => {
+                                let fresh = node.host(true).await.map_err(|e| format!("the gpuvisor agent: {e}"))?;
+                                pick_and_prepare(node, &fresh, owner, &gpu, &profile, &used).await?
+                            }
+                        },
                     };
                     used.push(p.device.clone());
                     out.push(PreparedDevice {

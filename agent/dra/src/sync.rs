@@ -4,13 +4,14 @@
 //! releases devices of claims no longer allocated here, republishes the pool and updates the
 //! health the kubelet watches.
 
-use crate::agent::{error_code, Agent, Owner};
+use crate::agent::{error_code, Agent, Host, Owner};
 use crate::cdi::Dirs;
 use crate::model::{self, ApiClaim, ApiView, Health, BC_ACCEPTED, BC_REFUSED, DRIVER};
 use crate::prepare;
 use crate::proto::health_v1 as hv1;
 use crate::publish::Publisher;
 use futures::StreamExt;
+use gpuvisor::rpc::client::ClientError;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{reflector, watcher, WatchStreamExt};
@@ -57,9 +58,24 @@ pub struct Node {
     /// The health of every published device, for the kubelet's stream.
     pub health: watch::Sender<Vec<hv1::DeviceHealth>>,
     owners_unsupported: AtomicBool,
+    /// The last observation of a pass: where a prepare looks for a free VF first (the
+    /// agent's `claim.prepare` decides; a stale view only costs a refused try).
+    last_host: std::sync::Mutex<Option<Host>>,
 }
 
 impl Node {
+    /// The host as the last pass saw it, or a fresh observation when no pass has run.
+    pub async fn host(&self, fresh: bool) -> Result<Host, ClientError> {
+        if !fresh {
+            if let Some(h) = self.last_host.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+                return Ok(h);
+            }
+        }
+        let h = self.agent.host().await?;
+        *self.last_host.lock().unwrap_or_else(|p| p.into_inner()) = Some(h.clone());
+        Ok(h)
+    }
+
     /// Asks for a pass soon.
     pub fn kick(&self) {
         self.wake.notify_one();
@@ -130,6 +146,7 @@ impl Node {
             recent: Default::default(),
             health,
             owners_unsupported: AtomicBool::new(false),
+            last_host: Default::default(),
             cfg,
         });
         (node, writer)
@@ -238,7 +255,7 @@ async fn pass(node: &Arc<Node>, publisher: &mut Publisher) -> anyhow::Result<()>
     node.tell_owners(None).await;
     confirm_bindings(node).await;
     release_deallocated(node).await;
-    let host = node.agent.host().await?;
+    let host = node.host(true).await?;
     let pool = model::pool(&host, &node.api_view());
     if publisher.publish(&pool).await? {
         info!(

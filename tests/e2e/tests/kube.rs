@@ -95,15 +95,18 @@ fn wait_running(w: &World, pod: &str, timeout: Duration) -> Value {
 }
 
 /// A process in the agent's PID namespace holding `node` open (as QEMU holds a VF's VFIO
-/// group): a real QEMU with the node on fd 3. Returns it and its pid outside the namespace.
+/// group): a real QEMU with the node on fd 3 (named after it). Returns it and its pid outside
+/// the namespace.
 fn qemu_holding(a: &Agent, node: &str) -> (std::process::Child, i32) {
     let (child, nspid) = a.ns_sh(&format!(
-        "exec 3<>{node}; echo $$; exec qemu-system-x86_64 -machine none -nodefaults -display none -S -monitor none -serial none"
+        "exec 3<>{node}; echo $$; exec qemu-system-x86_64 -name holder-of-{node} -machine none -nodefaults -display none -S -monitor none -serial none"
     ));
     let nspid: i32 = nspid.parse().unwrap_or_else(|_| panic!("holder of {node}: {nspid:?}"));
     let pid =
-        wait_for(Duration::from_secs(10), || root_pid_of(nspid, |c| c.contains("qemu-system"))).expect("qemu pid");
-    wait_for(Duration::from_secs(10), || fd_targets(pid).iter().any(|t| t == node).then_some(()))
+        // By its node too: another test's agent namespace may have a QEMU of the same ns pid.
+        wait_for(Duration::from_secs(60), || root_pid_of(nspid, |c| c.contains(&format!("holder-of-{node}"))))
+            .expect("qemu pid");
+    wait_for(Duration::from_secs(60), || fd_targets(pid).iter().any(|t| t == node).then_some(()))
         .expect("qemu holds the node");
     (child, pid)
 }
