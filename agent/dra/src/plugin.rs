@@ -31,14 +31,15 @@ impl Plugin {
         Plugin { node }
     }
 
-    async fn prepare(&self, req: v1::NodePrepareResourcesRequest) -> v1::NodePrepareResourcesResponse {
+    /// `api`: the DRA service version the kubelet called (`v1`, `v1beta1`), for the log.
+    async fn prepare(&self, req: v1::NodePrepareResourcesRequest, api: &str) -> v1::NodePrepareResourcesResponse {
         let mut out = v1::NodePrepareResourcesResponse::default();
         for c in req.claims {
             let started = std::time::Instant::now();
             let answer = match prepare::prepare_claim(&self.node, &c.namespace, &c.name, &c.uid).await {
                 Ok(devs) => {
                     info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, devices = devs.len(),
-                          ms = started.elapsed().as_millis() as u64, "prepared");
+                          ms = started.elapsed().as_millis() as u64, api, "prepared");
                     v1::NodePrepareResourceResponse {
                         devices: devs
                             .into_iter()
@@ -63,12 +64,12 @@ impl Plugin {
         out
     }
 
-    async fn unprepare(&self, req: v1::NodeUnprepareResourcesRequest) -> v1::NodeUnprepareResourcesResponse {
+    async fn unprepare(&self, req: v1::NodeUnprepareResourcesRequest, api: &str) -> v1::NodeUnprepareResourcesResponse {
         let mut out = v1::NodeUnprepareResourcesResponse::default();
         for c in req.claims {
             let error = match prepare::unprepare_claim(&self.node, &c.namespace, &c.name, &c.uid).await {
                 Ok(()) => {
-                    info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, "unprepared: every device released");
+                    info!(claim = %format!("{}/{}", c.namespace, c.name), uid = %c.uid, api, "unprepared: every device released");
                     String::new()
                 }
                 Err(e) => {
@@ -94,14 +95,14 @@ impl v1::dra_plugin_server::DraPlugin for Plugin {
         &self,
         r: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        Ok(Response::new(self.prepare(r.into_inner()).await))
+        Ok(Response::new(self.prepare(r.into_inner(), "v1").await))
     }
 
     async fn node_unprepare_resources(
         &self,
         r: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        Ok(Response::new(self.unprepare(r.into_inner()).await))
+        Ok(Response::new(self.unprepare(r.into_inner(), "v1").await))
     }
 }
 
@@ -111,7 +112,7 @@ impl v1beta1::dra_plugin_server::DraPlugin for Plugin {
         &self,
         r: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let answer = self.prepare(convert(&r.into_inner())?).await;
+        let answer = self.prepare(convert(&r.into_inner())?, "v1beta1").await;
         Ok(Response::new(convert(&answer)?))
     }
 
@@ -119,7 +120,7 @@ impl v1beta1::dra_plugin_server::DraPlugin for Plugin {
         &self,
         r: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let answer = self.unprepare(convert(&r.into_inner())?).await;
+        let answer = self.unprepare(convert(&r.into_inner())?, "v1beta1").await;
         Ok(Response::new(convert(&answer)?))
     }
 }

@@ -327,6 +327,8 @@ pub struct KubeNode {
     pub events: Arc<Mutex<Vec<Value>>>,
     /// Extra arguments and environment of the next `gpuvisor-dra` start.
     pub dra_args: Vec<String>,
+    /// Extra arguments of the next kubelet driver start (e.g. `--dra-services v1beta1.DRAPlugin`).
+    pub kubelet_args: Vec<String>,
     pub dra_env: Vec<(String, String)>,
 }
 
@@ -349,6 +351,7 @@ impl KubeNode {
             kubelet: None,
             events: Default::default(),
             dra_args: Vec::new(),
+            kubelet_args: Vec::new(),
             dra_env: Vec::new(),
         }
     }
@@ -431,6 +434,7 @@ impl KubeNode {
             .arg(&self.kubeconfig)
             .arg("--root")
             .arg(self.dir.path().join("kubelet"))
+            .args(&self.kubelet_args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log)

@@ -31,11 +31,17 @@ struct World {
 }
 
 fn world(model: &str, extra: &str) -> World {
+    world_with(model, extra, &[])
+}
+
+/// [`world`] with extra arguments for the kubelet driver.
+fn world_with(model: &str, extra: &str, kubelet_args: &[&str]) -> World {
     let cluster = Cluster::start();
     cluster.device_classes();
     let agent = Agent::start_with(AgentOptions { model, extra, ..Default::default() }).expect("agent");
     agent.wait_ready().expect("agent ready");
     let mut node = KubeNode::new(&cluster, "gpu-node-1", &agent.socket);
+    node.kubelet_args = kubelet_args.iter().map(|a| a.to_string()).collect();
     node.start_kubelet();
     node.start_dra();
     node.wait_registered();
@@ -620,6 +626,34 @@ fn kube_the_plugin_and_the_agent_killed_at_each_step_leave_nothing_half_done() {
         assert!(left.is_empty(), "{point}: CDI files left: {left:?}");
         eprintln!("{point}: prepared after the crash, {sets} configure(s), cleared as many times");
     }
+}
+
+/// A kubelet that knows DRA v1beta1 only (1.32 and 1.33) registers the plugin through it; a
+/// claim is prepared and unprepared through the plugin's v1beta1 service, with the same
+/// effect on the host as through v1.
+#[test]
+fn kube_an_older_kubelet_prepares_and_unprepares_through_v1beta1() {
+    let w = world_with(HOST_K, PT_EXTRA, &["--dra-services", "v1beta1.DRAPlugin"]);
+    let reg = w.node.wait_registered();
+    assert_eq!(reg["services"], json!(["v1beta1.DRAPlugin", "v1.DRAResourceHealth"]));
+    let c = w.cluster.claim(NS, "old", Some("L40S-2Q"));
+    let cuid = uid(&c);
+    w.cluster.pod(NS, "old", &w.node.name, "old");
+    wait_running(&w, "old", Duration::from_secs(180));
+    let host = host_devices_of(&w.agent, &cuid);
+    assert_eq!(host.len(), 1, "{host:?}");
+    let vf = host[0].1.clone();
+    assert_eq!(w.agent.vf_type(&vf), 1148);
+    let log = w.node.dra_log();
+    assert!(log.lines().any(|l| l.contains(" prepared") && l.contains("api=\"v1beta1\"")), "{}", tail(&log, 20));
+    w.cluster.delete_pod(NS, "old", None);
+    wait_for(Duration::from_secs(120), || w.cluster.get_pod(NS, "old").is_none().then_some(())).expect("pod gone");
+    assert_eq!(w.agent.vf_type(&vf), 0);
+    assert_eq!(writes_of(&w.agent, &vf, "0"), 1, "cleared once");
+    assert!(host_devices_of(&w.agent, &cuid).is_empty());
+    let log = w.node.dra_log();
+    assert!(log.lines().any(|l| l.contains("unprepared") && l.contains("api=\"v1beta1\"")), "{}", tail(&log, 20));
+    assert!(!log.contains("api=\"v1\""), "no v1 call: {}", tail(&log, 20));
 }
 
 /// A gpuvisor instance on a prepared claim's device (`gpu: {resource_claim}`): it runs with

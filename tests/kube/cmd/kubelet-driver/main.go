@@ -29,6 +29,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -67,9 +69,28 @@ func emit(ev map[string]any) {
 }
 
 // handler wraps the DRA manager's plugin handler to report registrations.
-type handler struct{ inner plugincache.PluginHandler }
+// handler passes registrations to the kubelet's DRA handler and reports them. With `only`
+// set, it acts as an older kubelet: of the plugin's DRAPlugin services, it passes only those.
+type handler struct {
+	inner plugincache.PluginHandler
+	only  []string
+}
+
+func (h handler) known(versions []string) []string {
+	if len(h.only) == 0 {
+		return versions
+	}
+	var out []string
+	for _, v := range versions {
+		if !strings.HasSuffix(v, ".DRAPlugin") || slices.Contains(h.only, v) {
+			out = append(out, v)
+		}
+	}
+	return out
+}
 
 func (h handler) ValidatePlugin(ctx context.Context, name, endpoint string, versions []string) error {
+	versions = h.known(versions)
 	err := h.inner.ValidatePlugin(ctx, name, endpoint, versions)
 	if err != nil {
 		emit(map[string]any{"event": "validate_failed", "driver": name, "services": versions, "error": err.Error()})
@@ -78,6 +99,7 @@ func (h handler) ValidatePlugin(ctx context.Context, name, endpoint string, vers
 }
 
 func (h handler) RegisterPlugin(ctx context.Context, name, endpoint string, versions []string, timeout *time.Duration) error {
+	versions = h.known(versions)
 	err := h.inner.RegisterPlugin(ctx, name, endpoint, versions, timeout)
 	ev := map[string]any{"event": "registered", "driver": name, "endpoint": endpoint, "services": versions}
 	if err != nil {
@@ -118,21 +140,26 @@ func main() {
 	kubeconfig := flag.String("kubeconfig", "", "kubeconfig of the API server")
 	node := flag.String("node", "", "the Node's name")
 	root := flag.String("root", "", "the kubelet root: plugins_registry/ and the DRA manager's state live here")
+	only := flag.String("dra-services", "", "act as an older kubelet: the DRAPlugin services it knows (comma-separated, e.g. v1beta1.DRAPlugin)")
 	flag.Parse()
 	if *kubeconfig == "" || *node == "" || *root == "" {
-		fmt.Fprintln(os.Stderr, "usage: kubelet-driver --kubeconfig FILE --node NAME --root DIR")
+		fmt.Fprintln(os.Stderr, "usage: kubelet-driver --kubeconfig FILE --node NAME --root DIR [--dra-services LIST]")
 		os.Exit(2)
 	}
 	klog.InitFlags(nil)
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if err := run(ctx, *kubeconfig, *node, *root); err != nil {
+	var known []string
+	if *only != "" {
+		known = strings.Split(*only, ",")
+	}
+	if err := run(ctx, *kubeconfig, *node, *root, known); err != nil {
 		fmt.Fprintln(os.Stderr, "kubelet-driver:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, kubeconfig, node, root string) error {
+func run(ctx context.Context, kubeconfig, node, root string, known []string) error {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
 		return err
@@ -181,7 +208,7 @@ func run(ctx context.Context, kubeconfig, node, root string) error {
 	broadcaster := record.NewBroadcaster()
 	recorder := broadcaster.NewRecorder(nil, v1.EventSource{Component: "kubelet-driver", Host: node})
 	pm := pluginmanager.NewPluginManager(registry, recorder)
-	pm.AddHandler("DRAPlugin", handler{inner: d.dra.GetWatcherHandler()})
+	pm.AddHandler("DRAPlugin", handler{inner: d.dra.GetWatcherHandler(), only: known})
 	pmStop := make(chan struct{})
 	go pm.Run(ctx, ready, pmStop)
 	defer close(pmStop)
