@@ -616,32 +616,30 @@ mod claim_owner {
 }
 
 /// `claims/<device>.json` — the only record of who owns a device (docs/design/lifecycle.md, Words).
+///
+/// On disk it keeps the flat shape every version wrote ([`ClaimWire`]: `framework` plus
+/// the per-kind `type_id`, `mdev_uuid`, `mdev_type` and `passthrough` fields); in memory
+/// the per-kind part is one [`ClaimKind`]. A record whose per-kind fields do not match its
+/// `framework` does not decode (it is unreadable, and its device is blocked: fail closed).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "ClaimWire", into = "ClaimWire")]
 pub struct Claim {
-    /// The thing that can have one owner: the VF address (vendor VFIO, and mdev on a VF).
+    /// The thing that can have one owner: the VF address (vendor VFIO, and mdev on a VF),
+    /// or the GPU's address (passthrough).
     pub device: String,
-    pub framework: Framework,
     /// The owner (on disk: `instance_id`, or `owner` for an external one).
-    #[serde(flatten, with = "claim_owner")]
     pub owner: Owner,
     /// The owner's name at claim time (names never change), for views and reports.
-    #[serde(default)]
     pub owner_name: Option<String>,
     /// The owner's labels at claim time (labels never change): what placement plugins see
     /// about the owner, without reading its instance record (O(1) store work per claim).
     /// `None` only in claims written before this field existed.
-    #[serde(default)]
     pub owner_labels: Option<Labels>,
     /// The parent GPU's (PF's) address.
     pub gpu: String,
     pub profile: String,
-    /// The type id looked up in the fresh catalog at claim time (diagnostics only; never
-    /// written again without a new lookup).
-    pub type_id: Option<u32>,
-    /// The mdev's UUID (mdev framework).
-    pub mdev_uuid: Option<Uuid>,
-    /// The mdev type directory name, e.g. `nvidia-1148` (mdev framework).
-    pub mdev_type: Option<String>,
+    /// What the claim holds, by device kind.
+    pub kind: ClaimKind,
     /// Wall time, RFC 3339.
     pub claimed_at: String,
     pub claim_boot_id: String,
@@ -650,13 +648,155 @@ pub struct Claim {
     /// The driver version at claim time (diagnostics).
     pub driver_version: Option<String>,
     pub state: ClaimState,
-    #[serde(default)]
     pub release_attempts: u32,
     pub last_error: Option<String>,
-    /// Passthrough: the IOMMU group and each function's original driver, recorded before
-    /// any driver changes (docs/design/host.md §7 Bind step 3).
+}
+
+/// The per-kind part of a claim: what each device kind records about the device it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimKind {
+    /// A vendor-VFIO VF. `type_id`: the type id looked up in the fresh catalog at
+    /// configure time (diagnostics only; never written again without a new lookup).
+    Vf { type_id: Option<u32> },
+    /// An mdev created on the VF (or GPU) `device`: its UUID and type directory name (e.g.
+    /// `nvidia-1148`); `type_id` as for a VF.
+    Mdev { uuid: Uuid, mdev_type: String, type_id: Option<u32> },
+    /// A whole GPU and its IOMMU group: the group and each function's original driver,
+    /// recorded before any driver changes (docs/design/host.md §7 Bind step 3).
+    Passthrough(PassthroughClaim),
+}
+
+impl ClaimKind {
+    /// The framework (the kind's name in records and on the wire).
+    pub fn framework(&self) -> Framework {
+        match self {
+            ClaimKind::Vf { .. } => Framework::VendorVfio,
+            ClaimKind::Mdev { .. } => Framework::Mdev,
+            ClaimKind::Passthrough(_) => Framework::Passthrough,
+        }
+    }
+
+    /// The type id recorded at configure time (a VF or mdev; never for passthrough).
+    pub fn type_id(&self) -> Option<u32> {
+        match self {
+            ClaimKind::Vf { type_id } | ClaimKind::Mdev { type_id, .. } => *type_id,
+            ClaimKind::Passthrough(_) => None,
+        }
+    }
+
+    /// The mdev's UUID (an mdev claim).
+    pub fn mdev_uuid(&self) -> Option<Uuid> {
+        match self {
+            ClaimKind::Mdev { uuid, .. } => Some(*uuid),
+            _ => None,
+        }
+    }
+
+    /// The passthrough record (a passthrough claim).
+    pub fn passthrough(&self) -> Option<&PassthroughClaim> {
+        match self {
+            ClaimKind::Passthrough(p) => Some(p),
+            _ => None,
+        }
+    }
+}
+
+/// A claim record as it is on disk: the flat shape every version wrote, field for field
+/// and in the same order (`agent/tests/fixtures/claims/*.json` are records written before
+/// [`ClaimKind`] existed; a unit test reads and re-writes them byte for byte).
+#[derive(Serialize, Deserialize)]
+struct ClaimWire {
+    device: String,
+    framework: Framework,
+    #[serde(flatten, with = "claim_owner")]
+    owner: Owner,
+    #[serde(default)]
+    owner_name: Option<String>,
+    #[serde(default)]
+    owner_labels: Option<Labels>,
+    gpu: String,
+    profile: String,
+    type_id: Option<u32>,
+    mdev_uuid: Option<Uuid>,
+    mdev_type: Option<String>,
+    claimed_at: String,
+    claim_boot_id: String,
+    claimed_boottime_ms: u64,
+    driver_version: Option<String>,
+    state: ClaimState,
+    #[serde(default)]
+    release_attempts: u32,
+    last_error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub passthrough: Option<PassthroughClaim>,
+    passthrough: Option<PassthroughClaim>,
+}
+
+impl TryFrom<ClaimWire> for Claim {
+    type Error = String;
+
+    fn try_from(w: ClaimWire) -> std::result::Result<Claim, String> {
+        let kind = match (w.framework, w.mdev_uuid, w.mdev_type, w.passthrough) {
+            (Framework::VendorVfio, None, None, None) => ClaimKind::Vf { type_id: w.type_id },
+            (Framework::Mdev, Some(uuid), Some(mdev_type), None) => {
+                ClaimKind::Mdev { uuid, mdev_type, type_id: w.type_id }
+            }
+            (Framework::Passthrough, None, None, Some(p)) if w.type_id.is_none() => ClaimKind::Passthrough(p),
+            (f, ..) => {
+                return Err(format!(
+                    "the claim's per-kind fields (type_id, mdev_uuid, mdev_type, passthrough) do not match its framework {}",
+                    f.as_str()
+                ))
+            }
+        };
+        Ok(Claim {
+            device: w.device,
+            owner: w.owner,
+            owner_name: w.owner_name,
+            owner_labels: w.owner_labels,
+            gpu: w.gpu,
+            profile: w.profile,
+            kind,
+            claimed_at: w.claimed_at,
+            claim_boot_id: w.claim_boot_id,
+            claimed_boottime_ms: w.claimed_boottime_ms,
+            driver_version: w.driver_version,
+            state: w.state,
+            release_attempts: w.release_attempts,
+            last_error: w.last_error,
+        })
+    }
+}
+
+impl From<Claim> for ClaimWire {
+    fn from(c: Claim) -> ClaimWire {
+        let framework = c.kind.framework();
+        let type_id = c.kind.type_id();
+        let (mdev_uuid, mdev_type, passthrough) = match c.kind {
+            ClaimKind::Vf { .. } => (None, None, None),
+            ClaimKind::Mdev { uuid, mdev_type, .. } => (Some(uuid), Some(mdev_type), None),
+            ClaimKind::Passthrough(p) => (None, None, Some(p)),
+        };
+        ClaimWire {
+            device: c.device,
+            framework,
+            owner: c.owner,
+            owner_name: c.owner_name,
+            owner_labels: c.owner_labels,
+            gpu: c.gpu,
+            profile: c.profile,
+            type_id,
+            mdev_uuid,
+            mdev_type,
+            claimed_at: c.claimed_at,
+            claim_boot_id: c.claim_boot_id,
+            claimed_boottime_ms: c.claimed_boottime_ms,
+            driver_version: c.driver_version,
+            state: c.state,
+            release_attempts: c.release_attempts,
+            last_error: c.last_error,
+            passthrough,
+        }
+    }
 }
 
 /// The passthrough part of a claim.
@@ -700,7 +840,7 @@ impl Claim {
             && self.owner == other.owner
             && self.claim_boot_id == other.claim_boot_id
             && self.claimed_boottime_ms == other.claimed_boottime_ms
-            && self.mdev_uuid == other.mdev_uuid
+            && self.kind.mdev_uuid() == other.kind.mdev_uuid()
     }
 }
 
@@ -1146,7 +1286,7 @@ impl Store {
         self.events.publish(EventKind::Claimed {
             device: claim.device.clone(),
             gpu: claim.gpu.clone(),
-            framework: claim.framework.as_str().to_string(),
+            framework: claim.kind.framework().as_str().to_string(),
             profile: claim.profile.clone(),
             instance_id: claim.owner.instance().map(|i| i.to_string()),
             owner: claim.owner.clone(),
@@ -1468,15 +1608,12 @@ mod tests {
     fn claim(device: &str) -> Claim {
         Claim {
             device: device.into(),
-            framework: Framework::VendorVfio,
             owner: Owner::Instance(Uuid::new_v4()),
             owner_name: Some("a".into()),
             owner_labels: Some(Labels::new()),
             gpu: "0000:41:00.0".into(),
             profile: "L40S-2Q".into(),
-            type_id: Some(1148),
-            mdev_uuid: None,
-            mdev_type: None,
+            kind: ClaimKind::Vf { type_id: Some(1148) },
             claimed_at: "2026-01-01T00:00:00Z".into(),
             claim_boot_id: "b".into(),
             claimed_boottime_ms: 1,
@@ -1484,7 +1621,6 @@ mod tests {
             state: ClaimState::Claimed,
             release_attempts: 0,
             last_error: None,
-            passthrough: None,
         }
     }
 
@@ -1510,7 +1646,7 @@ mod tests {
             {"bdf":"0000:82:00.1","original_driver":"snd_hda_intel"}]}}"#;
         for (json, kind) in [(vf, Framework::VendorVfio), (mdev, Framework::Mdev), (pt, Framework::Passthrough)] {
             let c: Claim = serde_json::from_str(json).unwrap_or_else(|e| panic!("{kind:?}: {e}"));
-            assert_eq!(c.framework, kind);
+            assert_eq!(c.kind.framework(), kind);
             assert_eq!(c.owner, Owner::Instance(Uuid::parse_str(id).unwrap()));
             assert!(c.owned_by(Uuid::parse_str(id).unwrap()));
             let back = serde_json::to_value(&c).unwrap();
@@ -1519,7 +1655,83 @@ mod tests {
             assert_eq!(serde_json::from_value::<Claim>(back).unwrap(), c);
         }
         let c: Claim = serde_json::from_str(pt).unwrap();
-        assert_eq!(c.passthrough.unwrap().functions.len(), 2);
+        assert_eq!(c.kind.passthrough().unwrap().functions.len(), 2);
+    }
+
+    /// Claim records written by the code before [`ClaimKind`] existed (one per kind, an
+    /// external owner, a passthrough release that reset the GPU already: files the store
+    /// wrote, kept in `agent/tests/fixtures/claims/`) decode to the typed kind and are
+    /// written back byte for byte.
+    #[test]
+    fn claim_records_written_before_the_typed_kind_read_and_write_back_byte_for_byte() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/claims");
+        let owner = Owner::Instance(Uuid::parse_str("6f1c2a8e-3b4d-4e5f-8a9b-0c1d2e3f4a5b").unwrap());
+        let pt = PassthroughClaim {
+            group: 42,
+            functions: vec![
+                FunctionRecord { bdf: "0000:82:00.0".into(), original_driver: Some("nvidia".into()) },
+                FunctionRecord { bdf: "0000:82:00.1".into(), original_driver: None },
+            ],
+            reset_done: false,
+        };
+        let cases = [
+            ("vendor_vfio", ClaimKind::Vf { type_id: Some(1148) }, owner.clone()),
+            (
+                "vendor_vfio_external",
+                ClaimKind::Vf { type_id: None },
+                Owner::External(External::ResourceClaim {
+                    namespace: "default".into(),
+                    name: "gpu-claim".into(),
+                    uid: "0b6c3d1e-7f8a-4b9c-8d0e-1f2a3b4c5d6e".into(),
+                }),
+            ),
+            (
+                "mdev",
+                ClaimKind::Mdev {
+                    uuid: Uuid::parse_str("11111111-2222-4333-8444-555555555555").unwrap(),
+                    mdev_type: "nvidia-1148".into(),
+                    type_id: Some(1148),
+                },
+                owner.clone(),
+            ),
+            ("passthrough", ClaimKind::Passthrough(pt.clone()), owner.clone()),
+            ("passthrough_reset_done", ClaimKind::Passthrough(PassthroughClaim { reset_done: true, ..pt }), owner),
+        ];
+        for (name, kind, owner) in cases {
+            let d = tempfile::tempdir().unwrap();
+            let s = Store::open(d.path()).unwrap();
+            let old = fs::read(dir.join(format!("{name}.json"))).unwrap();
+            let c: Claim = serde_json::from_slice(&old).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(c.kind, kind, "{name}");
+            assert_eq!(c.owner, owner, "{name}");
+            s.create_claim(&c).unwrap();
+            let new = fs::read(s.claim_path(&c.device)).unwrap();
+            assert_eq!(String::from_utf8_lossy(&new), String::from_utf8_lossy(&old), "{name}: written back as before");
+            assert_eq!(s.read_claim(&c.device).unwrap().as_ref(), Some(&c), "{name}");
+        }
+    }
+
+    /// A record whose per-kind fields contradict its framework (an mdev without its UUID,
+    /// a VF with a passthrough record, passthrough without its group) does not decode: it
+    /// is listed as unreadable and its device stays blocked.
+    #[test]
+    fn a_claim_whose_kind_fields_contradict_its_framework_does_not_decode() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/claims");
+        let read = |name: &str| -> serde_json::Value {
+            serde_json::from_slice(&fs::read(dir.join(format!("{name}.json"))).unwrap()).unwrap()
+        };
+        let mut mdev = read("mdev");
+        mdev["mdev_uuid"] = serde_json::Value::Null;
+        let mut vf = read("vendor_vfio");
+        vf["passthrough"] = read("passthrough")["passthrough"].clone();
+        let mut pt = read("passthrough");
+        pt.as_object_mut().unwrap().remove("passthrough");
+        let mut vf_as_mdev = read("vendor_vfio");
+        vf_as_mdev["framework"] = "mdev".into();
+        for (name, v) in [("mdev", mdev), ("vf", vf), ("pt", pt), ("vf_as_mdev", vf_as_mdev)] {
+            let e = serde_json::from_value::<Claim>(v).expect_err(name);
+            assert!(e.to_string().contains("do not match its framework"), "{name}: {e}");
+        }
     }
 
     /// An external owner is stored as `owner` (no `instance_id`: a version without owners

@@ -3,7 +3,9 @@
 //! arbitrary moment; every record must still decode (the old or the new version), and the
 //! strict listings must succeed.
 
-use gpuvisor::store::{Claim, ClaimState, Framework, InstanceDefinition, InstanceRecord, InstanceState, Store};
+use gpuvisor::store::{
+    Claim, ClaimKind, ClaimState, Framework, InstanceDefinition, InstanceRecord, InstanceState, Store,
+};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -41,15 +43,12 @@ fn record(id: Uuid, n: u64) -> InstanceRecord {
 fn claim(device: &str, id: Uuid, n: u64) -> Claim {
     Claim {
         device: device.into(),
-        framework: Framework::VendorVfio,
         owner: gpuvisor::store::Owner::Instance(id),
         owner_name: None,
         owner_labels: None,
         gpu: "0000:41:00.0".into(),
         profile: "L40S-2Q".into(),
-        type_id: Some(1148),
-        mdev_uuid: None,
-        mdev_type: None,
+        kind: ClaimKind::Vf { type_id: Some(1148) },
         claimed_at: "2026-01-01T00:00:00Z".into(),
         claim_boot_id: "b".into(),
         claimed_boottime_ms: n,
@@ -57,7 +56,6 @@ fn claim(device: &str, id: Uuid, n: u64) -> Claim {
         state: ClaimState::ReleasePending,
         release_attempts: n as u32,
         last_error: Some("y".repeat((n % 3000) as usize)),
-        passthrough: None,
     }
 }
 

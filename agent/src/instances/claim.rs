@@ -15,10 +15,11 @@ use super::{now_rfc3339, Manager};
 use crate::devices::{mdev, passthrough, vendor_vfio};
 use crate::error::{ApiError, ErrorCode};
 use crate::host::proc;
-use crate::store::{Claim, ClaimState, Framework, InstanceRecord, MdevRecord, Owner, PassthroughWant, StoreError};
+use crate::store::{
+    Claim, ClaimKind, ClaimState, Framework, InstanceRecord, MdevRecord, Owner, PassthroughWant, StoreError,
+};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
-use uuid::Uuid;
 
 /// A create (or start) gives up after this many candidates whose configure *write* failed
 /// (a refusal that wrote nothing — the fresh catalog no longer lists the type, a dirty VF
@@ -74,17 +75,9 @@ impl Refusal {
 }
 
 impl Manager {
-    fn new_claim(
-        &self,
-        rec: &InstanceRecord,
-        c: &Candidate,
-        framework: Framework,
-        boot_id: &str,
-        driver: &Option<String>,
-    ) -> Claim {
+    fn new_claim(&self, rec: &InstanceRecord, c: &Candidate, boot_id: &str, driver: &Option<String>) -> Claim {
         Claim {
             device: c.device.clone(),
-            framework,
             owner: Owner::Instance(rec.id),
             owner_name: Some(rec.name.clone()),
             owner_labels: Some(rec.labels.clone()),
@@ -94,9 +87,7 @@ impl Manager {
             } else {
                 rec.gpu_profile.clone().unwrap_or_default()
             },
-            type_id: None,
-            mdev_uuid: c.mdev_type.as_ref().map(|_| Uuid::new_v4()),
-            mdev_type: c.mdev_type.clone(),
+            kind: c.claim_kind(),
             claimed_at: now_rfc3339(),
             claim_boot_id: boot_id.to_string(),
             claimed_boottime_ms: proc::boottime_ms(),
@@ -104,7 +95,6 @@ impl Manager {
             state: ClaimState::Claimed,
             release_attempts: 0,
             last_error: None,
-            passthrough: c.passthrough.clone(),
         }
     }
 
@@ -121,11 +111,11 @@ impl Manager {
         let boot_id = self.boot_id().map_err(fail)?;
         let started = Instant::now();
         let ask = PlacementAsk { instance_id: rec.id, name: &rec.name, labels: &rec.labels, profile: &profile };
-        let (obs, framework, ranking) = {
+        let (obs, ranking) = {
             let _a = self.alloc();
             let (obs, framework) = self.observe_candidates(&profile, whole).map_err(fail)?;
             let ranking = self.rank(&ask, framework, &obs).map_err(fail)?;
-            (obs, framework, ranking)
+            (obs, ranking)
         };
         crate::crash_point!("claim_before_create");
         // What the placement plugin ranked and the agent dropped first: often the cause.
@@ -157,7 +147,7 @@ impl Manager {
                 notes.push(format!("gave up after {failures} refused candidates"));
                 break;
             }
-            let mut claim = self.new_claim(rec, &cand, framework, &boot_id, &obs.driver_version);
+            let mut claim = self.new_claim(rec, &cand, &boot_id, &obs.driver_version);
             {
                 let _a = self.alloc();
                 match self.store.create_claim(&claim) {
@@ -171,7 +161,7 @@ impl Manager {
                 Ok(Ok(())) => {
                     self.metrics.claim_duration(started.elapsed().as_secs_f64());
                     tracing::info!(instance.id = %rec.id, instance.name = %rec.name, gpu.device = %claim.device,
-                        type_id = %claim.type_id.map(|t| t.to_string()).unwrap_or_else(|| "-".into()),
+                        type_id = %claim.kind.type_id().map(|t| t.to_string()).unwrap_or_else(|| "-".into()),
                         duration_ms = started.elapsed().as_millis() as u64, "device claimed and configured");
                     return Ok(claim);
                 }
@@ -246,7 +236,7 @@ impl Manager {
                 Ok(_) => {}
                 Err(e) => return Err(held(&claim, e.into())),
             }
-            if let Some(u) = claim.mdev_uuid {
+            if let Some(u) = claim.kind.mdev_uuid() {
                 let _ = self.store.remove_mdev(u);
             }
             return Ok(());
@@ -280,10 +270,10 @@ impl Manager {
 
     /// Configures a claimed device by its kind (the same step for every owner).
     fn configure(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
-        match claim.framework {
-            Framework::VendorVfio => self.configure_vf(claim, cand),
-            Framework::Mdev => self.configure_mdev(claim),
-            Framework::Passthrough => self.configure_passthrough(claim),
+        match &claim.kind {
+            ClaimKind::Vf { .. } => self.configure_vf(claim, cand),
+            ClaimKind::Mdev { .. } => self.configure_mdev(claim),
+            ClaimKind::Passthrough(_) => self.configure_passthrough(claim),
         }
     }
 
@@ -333,7 +323,7 @@ impl Manager {
         }
         match vendor_vfio::set_type(&self.host, &vf, &claim.profile) {
             Ok(id) => {
-                claim.type_id = Some(id);
+                claim.kind = ClaimKind::Vf { type_id: Some(id) };
                 self.write_outcome(&vf, &claim.gpu, WriteSite::SetType, &Ok(()));
                 Ok(())
             }
@@ -361,7 +351,7 @@ impl Manager {
     /// then every function moves and `dev/vfio/<G>` must appear. Any failure leaves the
     /// group to the release path (`untouched: false`), which gives every function back.
     fn configure_passthrough(&self, claim: &Claim) -> Result<(), Refusal> {
-        let Some(pc) = &claim.passthrough else {
+        let ClaimKind::Passthrough(pc) = &claim.kind else {
             return Err(Refusal::untouched("the claim lacks its passthrough record"));
         };
         let _c = self.configure_lock();
@@ -498,7 +488,7 @@ impl Manager {
         let _c = self.configure_lock();
         let dev_lock = self.device_lock(&claim.device);
         let _d = crate::sync::lock(&dev_lock);
-        let (Some(uuid), Some(t)) = (claim.mdev_uuid, claim.mdev_type.clone()) else {
+        let ClaimKind::Mdev { uuid, mdev_type: t, .. } = claim.kind.clone() else {
             return Err(Refusal::untouched("claim lacks an mdev uuid"));
         };
         let mrec = MdevRecord {
@@ -557,15 +547,12 @@ impl Manager {
             };
             let claim = Claim {
                 device: cand.device.clone(),
-                framework,
                 owner: owner.clone(),
                 owner_name: None,
                 owner_labels: Some(Default::default()),
                 gpu: cand.gpu.clone(),
                 profile: profile.to_string(),
-                type_id: None,
-                mdev_uuid: cand.mdev_type.as_ref().map(|_| Uuid::new_v4()),
-                mdev_type: cand.mdev_type.clone(),
+                kind: cand.claim_kind(),
                 claimed_at: now_rfc3339(),
                 claim_boot_id: boot_id.clone(),
                 claimed_boottime_ms: proc::boottime_ms(),
@@ -573,7 +560,6 @@ impl Manager {
                 state: ClaimState::Claimed,
                 release_attempts: 0,
                 last_error: None,
-                passthrough: cand.passthrough.clone(),
             };
             match self.store.create_claim(&claim) {
                 Ok(()) => {}
@@ -605,7 +591,7 @@ impl Manager {
                             self.store.remove_claim(&claim.device)?;
                         }
                     }
-                    if let Some(u) = claim.mdev_uuid {
+                    if let Some(u) = claim.kind.mdev_uuid() {
                         let _ = self.store.remove_mdev(u);
                     }
                 } else {

@@ -37,7 +37,7 @@ impl Manager {
                 self.check_passthrough_address(address.as_deref())?;
                 (Some(Framework::Passthrough), Some(PassthroughWant { address: address.clone() }))
             }
-            Some(GpuWant::ResourceClaim(rc)) => (Some(self.prepared_claim_of(rc)?.framework), None),
+            Some(GpuWant::ResourceClaim(rc)) => (Some(self.prepared_claim_of(rc)?.kind.framework()), None),
         };
         // What the host can give, and the capability gate, before anything is allocated.
         self.check_host_room(vcpus, memory_mib)?;

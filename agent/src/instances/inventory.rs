@@ -17,12 +17,15 @@
 use super::{now_rfc3339, Manager};
 use crate::devices::{self, mdev, passthrough, vendor_vfio, HostMode, UnreadableDevice};
 use crate::error::ApiError;
-use crate::store::{Claim, ClaimState, Framework, FunctionRecord, HealthRecord, Listing, PassthroughClaim, Store};
+use crate::store::{
+    Claim, ClaimKind, ClaimState, Framework, FunctionRecord, HealthRecord, Listing, PassthroughClaim, Store,
+};
 use crate::sync::lock;
 use gpuvisor_sdk::{profile_framebuffer_mib, DeviceOwner, DeviceState, DeviceView, GpuView, Inventory};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;
+use uuid::Uuid;
 
 /// True when a claim file's key (its name without `.json`) names a device: a PCI address
 /// (a VF, an mdev parent, a passthrough GPU) or an mdev UUID.
@@ -180,6 +183,17 @@ pub struct Candidate {
     /// Passthrough: the group and every function's driver now (recorded in the claim as
     /// the original drivers, before anything changes).
     pub passthrough: Option<PassthroughClaim>,
+}
+
+impl Candidate {
+    /// The per-kind part of a fresh claim of this candidate (an mdev gets a new UUID).
+    pub fn claim_kind(&self) -> ClaimKind {
+        match (&self.mdev_type, &self.passthrough) {
+            (Some(t), _) => ClaimKind::Mdev { uuid: Uuid::new_v4(), mdev_type: t.clone(), type_id: None },
+            (None, Some(p)) => ClaimKind::Passthrough(p.clone()),
+            (None, None) => ClaimKind::Vf { type_id: None },
+        }
+    }
 }
 
 /// The host and the store observed once.
@@ -453,8 +467,8 @@ impl Manager {
             .scan_health()
             .map_err(|e| ApiError::not_ready(format!("health records cannot be listed: {e}")))?;
         let driver = scan.driver_version.clone();
-        for c in claims.records.iter().filter(|c| c.framework != Framework::Passthrough) {
-            if let (Some(id), true) = (c.type_id, c.driver_version == driver) {
+        for c in claims.records.iter().filter(|c| c.kind.framework() != Framework::Passthrough) {
+            if let (Some(id), true) = (c.kind.type_id(), c.driver_version == driver) {
                 self.book.learn_type(&driver, &c.gpu, id, &c.profile);
             }
             self.book.learn(&c.profile, profile_framebuffer_mib(&c.profile));
@@ -591,7 +605,7 @@ impl Manager {
                     }
                     _ => vec![],
                 };
-                let type_mismatch = claim.as_ref().and_then(|c| match (c.state, c.type_id, current_type.id()) {
+                let type_mismatch = claim.as_ref().and_then(|c| match (c.state, c.kind.type_id(), current_type.id()) {
                     (ClaimState::Configured, Some(want), Some(now)) if now != want => Some(format!(
                         "reads type {now}, but its claim by {} recorded type {want}: another writer changed \
                          it under the VM",
@@ -744,7 +758,7 @@ impl Manager {
         // A GPU taken out of passthrough_gpus while claimed stays visible (and is given back
         // through its claim) until the claim is gone; it is never offered again.
         let mut gpus: Vec<(String, bool)> = self.cfg.passthrough_gpus.iter().map(|g| (g.clone(), true)).collect();
-        for c in obs.claims.records.iter().filter(|c| c.framework == Framework::Passthrough) {
+        for c in obs.claims.records.iter().filter(|c| c.kind.framework() == Framework::Passthrough) {
             if !gpus.iter().any(|(g, _)| g.eq_ignore_ascii_case(&c.device)) {
                 gpus.push((c.device.clone(), false));
             }

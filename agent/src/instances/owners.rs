@@ -25,7 +25,7 @@
 use super::release::{Release, ReleaseError, Released};
 use super::Manager;
 use crate::error::{ApiError, ReleaseFailure};
-use crate::store::{Claim, ClaimState, External, Framework, Owner, StoreError};
+use crate::store::{Claim, ClaimKind, ClaimState, External, Framework, Owner, StoreError};
 use crate::sync::lock;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -284,14 +284,14 @@ impl Manager {
 
     /// The view of a claim (`claim.prepare`, `claim.list`).
     pub(crate) fn prepared_view(&self, c: &Claim) -> PreparedView {
-        let group = match (&c.passthrough, c.mdev_uuid) {
-            (Some(p), _) => Some(p.group),
-            (None, Some(u)) => {
-                crate::devices::link_basename(&self.host.mdev_device(&u.to_string()).join("iommu_group"))
+        let group = match &c.kind {
+            ClaimKind::Passthrough(p) => Some(p.group),
+            ClaimKind::Mdev { uuid, .. } => {
+                crate::devices::link_basename(&self.host.mdev_device(&uuid.to_string()).join("iommu_group"))
                     .ok()
                     .and_then(|g| g.parse().ok())
             }
-            (None, None) => crate::devices::link_basename(&self.host.pci_device(&c.device).join("iommu_group"))
+            ClaimKind::Vf { .. } => crate::devices::link_basename(&self.host.pci_device(&c.device).join("iommu_group"))
                 .ok()
                 .and_then(|g| g.parse().ok()),
         };
@@ -305,14 +305,14 @@ impl Manager {
             .collect();
         PreparedView {
             device: c.device.clone(),
-            kind: c.framework,
+            kind: c.kind.framework(),
             profile: c.profile.clone(),
-            type_id: c.type_id,
-            mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
+            type_id: c.kind.type_id(),
+            mdev_uuid: c.kind.mdev_uuid().map(|u| u.to_string()),
             vfio_group: group,
             device_nodes: nodes,
             host_paths,
-            pci_address: c.mdev_uuid.is_none().then(|| c.device.clone()),
+            pci_address: c.kind.mdev_uuid().is_none().then(|| c.device.clone()),
             parent_gpu: c.gpu.clone(),
             owner: c.owner.clone(),
             state: c.state,
@@ -360,13 +360,13 @@ impl Manager {
         // crash or a failed release, released through the guard and claimed again).
         match self.store.read_claim(&device) {
             Ok(Some(c)) if c.owner == p.owner => {
-                if c.state == ClaimState::Configured && c.framework == p.kind && c.profile == profile {
+                if c.state == ClaimState::Configured && c.kind.framework() == p.kind && c.profile == profile {
                     return Ok(self.prepared_view(&c));
                 }
                 if c.state == ClaimState::Configured {
                     return Err(ApiError::invalid_request(format!(
                         "{device} is prepared for this owner as {} {}, not {} {profile}; release it first",
-                        c.framework.as_str(),
+                        c.kind.framework().as_str(),
                         c.profile,
                         p.kind.as_str()
                     )));
@@ -379,8 +379,8 @@ impl Manager {
             Err(e) => return Err(e.into()),
         }
         let claim = self.claim_external(&p.owner, &device, p.kind, &profile)?;
-        tracing::info!(owner = %p.owner, gpu.device = %claim.device, kind = %claim.framework.as_str(), profile = %claim.profile,
-            type_id = %claim.type_id.map(|t| t.to_string()).unwrap_or_else(|| "-".into()), "device prepared for an external owner");
+        tracing::info!(owner = %p.owner, gpu.device = %claim.device, kind = %claim.kind.framework().as_str(), profile = %claim.profile,
+            type_id = %claim.kind.type_id().map(|t| t.to_string()).unwrap_or_else(|| "-".into()), "device prepared for an external owner");
         Ok(self.prepared_view(&claim))
     }
 

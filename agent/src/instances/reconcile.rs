@@ -669,7 +669,7 @@ impl Manager {
         for rec in records.records {
             let uuid = rec.uuid.to_string();
             let claims = obs.map(|o| &o.claims.records[..]).unwrap_or(&[]);
-            if claims.iter().any(|c| c.mdev_uuid == Some(rec.uuid)) {
+            if claims.iter().any(|c| c.kind.mdev_uuid() == Some(rec.uuid)) {
                 continue;
             }
             if let Some(u) = obs.and_then(|o| o.unreadable_claim_over(&uuid, &[rec.parent.as_str()])) {
@@ -860,7 +860,7 @@ fn stale_item(claim: &Claim, owner: Option<GraceOwner>, boot_id: &str, now: u64)
     GraceItem {
         kind: GraceItemKind::StaleClaim,
         device: claim.device.clone(),
-        framework: claim.framework.into(),
+        framework: claim.kind.framework().into(),
         owner,
         claimed_age_ms: same_boot.then(|| now.saturating_sub(claim.claimed_boottime_ms)),
         dirty_age_ms: None,

@@ -31,7 +31,7 @@ use crate::devices::{self, mdev, passthrough, vendor_vfio, Cleared, WriteError};
 use crate::error::ReleaseFailure;
 use crate::events::EventKind;
 use crate::host::proc::{self, HandleScan};
-use crate::store::{Claim, ClaimState, Framework, MdevRecord};
+use crate::store::{Claim, ClaimKind, ClaimState, MdevRecord, PassthroughClaim};
 use crate::sync::lock;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -254,8 +254,11 @@ impl Manager {
                 Ok(!self.store.read_health(vf).map_err(store_err)?.is_some_and(|h| h.quarantined))
             }
             Release::OrphanMdev(m) => {
-                let claimed =
-                    self.store.read_claim(&m.parent).map_err(store_err)?.is_some_and(|c| c.mdev_uuid == Some(m.uuid));
+                let claimed = self
+                    .store
+                    .read_claim(&m.parent)
+                    .map_err(store_err)?
+                    .is_some_and(|c| c.kind.mdev_uuid() == Some(m.uuid));
                 let recorded = self.store.scan_mdevs().map_err(store_err)?.records.iter().any(|x| x.uuid == m.uuid);
                 Ok(!claimed && recorded)
             }
@@ -269,10 +272,10 @@ impl Manager {
             vendor_vfio::vf_targets(&self.host, &info)
         };
         match r {
-            Release::Claim(c, _) => match (c.framework, c.mdev_uuid, &c.passthrough) {
-                (Framework::Mdev, Some(u), _) => mdev::targets(&self.host, &u.to_string()),
+            Release::Claim(c, _) => match &c.kind {
+                ClaimKind::Mdev { uuid, .. } => mdev::targets(&self.host, &uuid.to_string()),
                 // The group node, and every function's iommufd cdev.
-                (Framework::Passthrough, _, Some(pc)) => {
+                ClaimKind::Passthrough(pc) => {
                     let mut t = vec![self.host.vfio_group_node(pc.group)];
                     for f in &pc.functions {
                         t.extend(vendor_vfio::function_targets(&self.host, &f.bdf)?);
@@ -281,10 +284,7 @@ impl Manager {
                     t.dedup();
                     Ok(t)
                 }
-                (Framework::Passthrough, _, None) => {
-                    Err(format!("the passthrough claim of {} names no group", c.device))
-                }
-                _ => vf(&c.device, &c.gpu),
+                ClaimKind::Vf { .. } => vf(&c.device, &c.gpu),
             },
             Release::Repair { claim, .. } => vf(&claim.device, &claim.gpu),
             Release::OrphanVf { vf: bdf, gpu, .. } => vf(bdf, gpu),
@@ -306,10 +306,10 @@ impl Manager {
             Ok(done)
         };
         let (vf, gpu, expected) = match r {
-            Release::Claim(c, _) => match (c.framework, c.mdev_uuid) {
-                (Framework::Mdev, Some(u)) => return mdev_remove(u, &c.device, &c.gpu),
-                (Framework::Passthrough, _) => return self.give_back_group(c).map(|()| Cleared::Wrote),
-                _ => (c.device.as_str(), c.gpu.as_str(), c.type_id),
+            Release::Claim(c, _) => match &c.kind {
+                ClaimKind::Mdev { uuid, .. } => return mdev_remove(*uuid, &c.device, &c.gpu),
+                ClaimKind::Passthrough(pc) => return self.give_back_group(c, pc).map(|()| Cleared::Wrote),
+                ClaimKind::Vf { type_id } => (c.device.as_str(), c.gpu.as_str(), *type_id),
             },
             Release::OrphanMdev(m) => return mdev_remove(m.uuid, &m.parent, &pf_of(self, &m.parent)),
             Release::OrphanVf { vf, gpu, type_id } => (*vf, *gpu, Some(*type_id)),
@@ -342,10 +342,7 @@ impl Manager {
     /// still on `vfio-pci` (a wedged GPU is quarantined — `reset_failed` — and never reset
     /// again; its functions are still given back), then every function back to the driver
     /// the claim recorded, companions first. A failure names the binding observed.
-    fn give_back_group(&self, c: &crate::store::Claim) -> Result<(), ReleaseError> {
-        let Some(pc) = &c.passthrough else {
-            return Err(ReleaseError::Failed(WriteError::other("the passthrough claim names no functions")));
-        };
+    fn give_back_group(&self, c: &crate::store::Claim, pc: &PassthroughClaim) -> Result<(), ReleaseError> {
         let observed = || {
             let fns: Vec<passthrough::Function> = pc
                 .functions
@@ -384,8 +381,7 @@ impl Manager {
             .read_claim(&c.device)
             .ok()
             .flatten()
-            .and_then(|cur| cur.passthrough)
-            .is_some_and(|p| p.reset_done);
+            .is_some_and(|cur| cur.kind.passthrough().is_some_and(|p| p.reset_done));
         let gpu_fn = pc.functions.first().map(|f| f.bdf.as_str()).unwrap_or(c.device.as_str());
         let on_vfio =
             passthrough::driver_of(&self.host, gpu_fn).ok().flatten().as_deref() == Some(passthrough::VFIO_PCI);
@@ -410,7 +406,7 @@ impl Manager {
         let _a = self.alloc();
         if let Ok(Some(mut cur)) = self.store.read_claim(&c.device) {
             if cur.same_claim(c) {
-                if let Some(p) = cur.passthrough.as_mut() {
+                if let ClaimKind::Passthrough(p) = &mut cur.kind {
                     p.reset_done = true;
                 }
                 if let Err(e) = self.store.update_claim(&cur) {

@@ -707,7 +707,7 @@ const VM_STATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 impl Manager {
     /// The sysfs path of a claimed device: the VF, or the mdev.
     pub(crate) fn device_path(&self, c: &Claim) -> String {
-        match c.mdev_uuid {
+        match c.kind.mdev_uuid() {
             Some(u) => self.host.mdev_device(&u.to_string()),
             None => self.host.pci_device(&c.device),
         }
@@ -752,20 +752,19 @@ impl Manager {
         let gpu = match (rec.wants_gpu(), claim, &unreadable) {
             (false, None, None) => None,
             _ => {
-                let current =
-                    claim.filter(|c| c.framework == Framework::VendorVfio).map(
-                        |c| match vendor_vfio::read_current_type(&self.host, &c.device) {
-                            Ok(t) => TypeReading::Id(t),
-                            Err(e) => TypeReading::Unknown(e.to_string()),
-                        },
-                    );
+                let current = claim.filter(|c| c.kind.framework() == Framework::VendorVfio).map(|c| {
+                    match vendor_vfio::read_current_type(&self.host, &c.device) {
+                        Ok(t) => TypeReading::Id(t),
+                        Err(e) => TypeReading::Unknown(e.to_string()),
+                    }
+                });
                 let type_mismatch = match (claim, current.as_ref().and_then(|t| t.id())) {
                     (Some(c), Some(now))
-                        if c.state == ClaimState::Configured && c.type_id.is_some_and(|t| t != now) =>
+                        if c.state == ClaimState::Configured && c.kind.type_id().is_some_and(|t| t != now) =>
                     {
                         Some(format!(
                             "the VF reads type {now}, not the claimed {}: another writer changed it under the VM",
-                            c.type_id.unwrap_or(0)
+                            c.kind.type_id().unwrap_or(0)
                         ))
                     }
                     _ => None,
@@ -778,7 +777,7 @@ impl Manager {
                         .or_else(|| claim.map(|c| c.profile.clone())),
                     passthrough_address: rec.gpu_passthrough.as_ref().and_then(|w| w.address.clone()),
                     functions: claim
-                        .and_then(|c| c.passthrough.as_ref())
+                        .and_then(|c| c.kind.passthrough())
                         .map(|pc| {
                             pc.functions
                                 .iter()
@@ -791,12 +790,12 @@ impl Manager {
                                 .collect()
                         })
                         .unwrap_or_default(),
-                    framework: rec.gpu_framework.or(claim.map(|c| c.framework)),
+                    framework: rec.gpu_framework.or(claim.map(|c| c.kind.framework())),
                     device: claim.map(|c| c.device.clone()),
                     gpu: claim.map(|c| c.gpu.clone()),
                     device_path: claim.map(|c| self.device_path(c)),
-                    mdev_uuid: claim.and_then(|c| c.mdev_uuid).map(|u| u.to_string()),
-                    type_id: claim.and_then(|c| c.type_id),
+                    mdev_uuid: claim.and_then(|c| c.kind.mdev_uuid()).map(|u| u.to_string()),
+                    type_id: claim.and_then(|c| c.kind.type_id()),
                     current_type: current.as_ref().map(TypeValue::of),
                     claimed_at: claim.map(|c| c.claimed_at.clone()),
                     claim_state: claim.map(|c| c.state),
@@ -944,8 +943,8 @@ impl Manager {
             }),
             owner: Some(c.owner.clone()),
             profile: Some(c.profile.clone()),
-            type_id: c.type_id,
-            mdev_uuid: c.mdev_uuid.map(|u| u.to_string()),
+            type_id: c.kind.type_id(),
+            mdev_uuid: c.kind.mdev_uuid().map(|u| u.to_string()),
             state: Some(c.state),
             last_error: c.last_error.clone(),
             unreadable: None,
@@ -1003,8 +1002,7 @@ impl Manager {
                     })
                     .collect(),
                 passthrough: g.passthrough.as_ref().map(|pt| {
-                    let recorded =
-                        g.devices.first().and_then(|d| d.claim.as_ref()).and_then(|c| c.passthrough.as_ref());
+                    let recorded = g.devices.first().and_then(|d| d.claim.as_ref()).and_then(|c| c.kind.passthrough());
                     let original = |bdf: &str| {
                         recorded
                             .and_then(|r| r.functions.iter().find(|f| f.bdf == bdf))
@@ -1323,7 +1321,7 @@ impl Manager {
                 }
             }
             for c in &list.records {
-                *by.entry((c.framework.as_str(), c.state.as_str())).or_default() += 1;
+                *by.entry((c.kind.framework().as_str(), c.state.as_str())).or_default() += 1;
                 if c.state == ClaimState::ReleasePending {
                     g.retained += 1;
                 }

@@ -15,7 +15,7 @@ use crate::devices::{mdev, vendor_vfio};
 use crate::error::ApiError;
 use crate::host::proc::{self, Liveness};
 use crate::hypervisor;
-use crate::store::{Claim, External, InstanceRecord, InstanceState, Owner, VmmRecord};
+use crate::store::{Claim, ClaimKind, External, InstanceRecord, InstanceState, Owner, VmmRecord};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -145,15 +145,15 @@ impl Manager {
         let vfio = match claim {
             None => None,
             Some(c) => {
-                let (sysfsdevs, group) = match (c.mdev_uuid, &c.passthrough) {
-                    (Some(u), _) => {
-                        let d = mdev::read_device(&self.host, &u.to_string()).ok().flatten();
-                        (vec![self.host.mdev_device(&u.to_string())], d.and_then(|d| d.iommu_group))
+                let (sysfsdevs, group) = match &c.kind {
+                    ClaimKind::Mdev { uuid, .. } => {
+                        let d = mdev::read_device(&self.host, &uuid.to_string()).ok().flatten();
+                        (vec![self.host.mdev_device(&uuid.to_string())], d.and_then(|d| d.iommu_group))
                     }
-                    (None, Some(pc)) => {
+                    ClaimKind::Passthrough(pc) => {
                         (pc.functions.iter().map(|f| self.host.pci_device(&f.bdf)).collect(), Some(pc.group))
                     }
-                    (None, None) => {
+                    ClaimKind::Vf { .. } => {
                         let info = vendor_vfio::read_vf(&self.host, &c.device, c.gpu.clone());
                         (vec![self.host.pci_device(&c.device)], info.iommu_group)
                     }
