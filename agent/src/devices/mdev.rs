@@ -4,11 +4,13 @@
 //! (Linux `Documentation/driver-api/vfio-mediated-device.rst`, docs/design/host.md §6).
 //! gpuvisor creates only transient mdevs and never removes one it did not create.
 //!
-//! The one primitive that removes an mdev is [`remove`], and only the release path
-//! (`instances::release`) calls it.
+//! The one primitive that removes an mdev is the private `remove`, reached only through
+//! [`Mdev`]'s [`Backend::clear`], which only the release path (`instances::release`) calls.
 
-use super::{errno_name, link_basename, read_attr, write_attr, UnreadableDevice, WriteError};
+use super::backend::{wrong_kind, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
+use super::{errno_name, link_basename, read_attr, write_attr, Cleared, UnreadableDevice, WriteError};
 use crate::host::HostRoot;
+use crate::store::ClaimKind;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -215,23 +217,62 @@ pub fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Resu
 /// this remove took effect). Errors: the remove write failed (EBUSY while held or during
 /// teardown) and the device still exists.
 ///
-/// **Only the release path calls this**, after proving the owner dead (or the mdev an
-/// orphan) and scanning for holders under the device lock.
-pub fn remove(host: &HostRoot, uuid: &str) -> Result<super::Cleared, WriteError> {
+/// Private: the release path reaches it only through [`Mdev`]'s [`Backend::clear`].
+fn remove(host: &HostRoot, uuid: &str) -> Result<Cleared, WriteError> {
     let d = host.mdev_device(uuid);
     if fs::symlink_metadata(&d).is_err() {
-        return Ok(super::Cleared::FoundClear);
+        return Ok(Cleared::FoundClear);
     }
     let res = write_attr(&d.join("remove"), "1");
     let gone = fs::symlink_metadata(&d).is_err();
     match res {
         // Our write was accepted and the device is gone: our remove took effect.
-        Ok(()) if gone => Ok(super::Cleared::Wrote),
+        Ok(()) if gone => Ok(Cleared::Wrote),
         Ok(()) => Err(WriteError::other(format!("mdev {uuid} still exists after remove"))),
         // The write failed but the device is gone: someone else removed it.
-        Err(_) if gone => Ok(super::Cleared::FoundClear),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(super::Cleared::FoundClear),
+        Err(_) if gone => Ok(Cleared::FoundClear),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Cleared::FoundClear),
         Err(e) => Err(WriteError::from_io(&format!("removing mdev {uuid}"), &e)),
+    }
+}
+
+/// The mdev backend: a mediated device gpuvisor created on a parent (the claim's device).
+#[derive(Debug, Clone, Copy)]
+pub struct Mdev;
+
+impl Backend for Mdev {
+    /// The mdev's group node and iommufd cdev ([`targets`]).
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String> {
+        let ClaimKind::Mdev { uuid, .. } = held.kind else {
+            return Err(wrong_kind("mdev", held));
+        };
+        targets(host, &uuid.to_string())
+    }
+
+    /// Writes the mdev's `remove`; its record goes once it is gone.
+    fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError> {
+        let ClaimKind::Mdev { uuid, .. } = held.kind else {
+            return Err(ClearError::Failed(WriteError::other(wrong_kind("mdev", held))));
+        };
+        let res = remove(host, &uuid.to_string());
+        steps.write_outcome(
+            held.device,
+            held.gpu,
+            WriteSite::MdevRemove,
+            &res.as_ref().map(|_| ()).map_err(Clone::clone),
+        );
+        let done = res.map_err(ClearError::Failed)?;
+        steps.mdev_removed(*uuid);
+        Ok(done)
+    }
+
+    /// The mdev's sysfs directory and its group (read now; none when unreadable).
+    fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice {
+        let Some(uuid) = held.kind.mdev_uuid().map(|u| u.to_string()) else {
+            return VfioDevice { sysfs: vec![], group: None };
+        };
+        let d = read_device(host, &uuid).ok().flatten();
+        VfioDevice { sysfs: vec![host.mdev_device(&uuid)], group: d.and_then(|d| d.iommu_group) }
     }
 }
 

@@ -5,18 +5,23 @@
 //! (docs/design/host.md §1), every VF and its catalog, every mdev parent and mdev — reading each
 //! sysfs file once; nothing here is cached (catalogs shrink as GPUs fill).
 //!
-//! The functions here are primitives. The two that clear a device
-//! ([`vendor_vfio::clear`], [`mdev::remove`]) are called only by the release path
-//! (`instances::release`), always after a fresh open-handle scan under the device lock.
+//! What each kind means for a claim is its [`backend::Backend`] (one implementation per
+//! kind file; [`backend::backend`] picks it by the claim's kind). The primitives that clear a
+//! device are private to their kind's file and reached only through
+//! [`backend::Backend::clear`], which only the release path (`instances::release`) calls,
+//! always after a fresh open-handle scan under the device lock.
 //!
 //! Unreadable is never absent: a device whose state cannot be read is returned as an
 //! [`UnreadableDevice`] naming it and why, and a listing that fails is an error, never
 //! "fewer devices".
 
+pub mod backend;
 pub mod catalog;
 pub mod mdev;
 pub mod passthrough;
 pub mod vendor_vfio;
+
+pub use backend::{backend, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
 
 use crate::host::HostRoot;
 use std::fs;

@@ -4,19 +4,26 @@
 //! [`read_gpu`] observes one configured passthrough GPU: its group, the group's members
 //! (the card's own functions, PCI bridges, and anything else — a device gpuvisor does not
 //! manage), their drivers, SR-IOV state and the `dev/nvidia<N>` node of the host driver.
-//! The primitives [`move_to_vfio`] (configure) and [`give_back`] / [`reset`] (release)
-//! write sysfs; the two that undo a binding are called only by the release path
-//! (`instances::release`), which also undoes a bind that failed halfway.
+//! The primitives [`move_to_vfio`] (configure) and the private `give_back` / `reset`
+//! (release) write sysfs; the two that undo a binding are reached only through
+//! [`Passthrough`]'s [`Backend::clear`], which only the release path (`instances::release`)
+//! calls — it also undoes a bind that failed halfway.
 //!
 //! Every write goes through [`write_bounded`]: unbinding a vfio-pci device whose group is
 //! open **blocks** in the kernel until the user lets go, so a write that has not returned
 //! after [`WRITE_TIMEOUT`] is reported as failed (the thread is left to finish).
 
-use super::{errno_name, link_basename, list_dir, read_attr, write_attr, WriteError};
+use super::backend::{wrong_kind, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
+use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, WriteError};
 use crate::host::HostRoot;
+use crate::store::{ClaimKind, PassthroughClaim};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// The health reason of a passthrough GPU whose reset failed (docs/design/host.md §7): it is
+/// never reset again until an operator clears the mark.
+pub const RESET_FAILED: &str = "reset_failed";
 
 /// The driver passthrough functions are moved to.
 pub const VFIO_PCI: &str = "vfio-pci";
@@ -266,7 +273,9 @@ pub fn move_to_vfio(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
 /// Gives one function back to the driver it had (docs/design/host.md §7 Give back step 2):
 /// clears `driver_override`, unbinds it when bound to another driver, probes, and
 /// requires `original` read back (`None`: it had no driver, and stays unbound).
-pub fn give_back(host: &HostRoot, bdf: &str, original: Option<&str>) -> Result<(), WriteError> {
+///
+/// Private: the release path reaches it only through [`Passthrough`]'s [`Backend::clear`].
+fn give_back(host: &HostRoot, bdf: &str, original: Option<&str>) -> Result<(), WriteError> {
     let override_path = host.pci_device(bdf).join("driver_override");
     // An unset override reads `(null)`; one that cannot be read is cleared anyway.
     let set = read_attr(&override_path).map(|v| !v.is_empty() && v != "(null)").unwrap_or(true);
@@ -322,7 +331,9 @@ pub enum ResetOutcome {
 
 /// The optional reset of the GPU function before it is given back (docs/design/host.md §7 Give
 /// back step 1): writes `1` to `reset` when the file exists.
-pub fn reset(host: &HostRoot, bdf: &str) -> ResetOutcome {
+///
+/// Private: the release path reaches it only through [`Passthrough`]'s [`Backend::clear`].
+fn reset(host: &HostRoot, bdf: &str) -> ResetOutcome {
     let p = host.pci_device(bdf).join("reset");
     if p.exists() {
         if let Err(w) = write("reset", &p, "1", bdf) {
@@ -340,6 +351,100 @@ pub fn reset(host: &HostRoot, bdf: &str) -> ResetOutcome {
 
 fn wedged_suffix(host: &HostRoot, bdf: &str) -> String {
     wedged(host, bdf).map(|w| format!("; {w}")).unwrap_or_default()
+}
+
+/// The passthrough backend: a whole GPU and the endpoint functions of its IOMMU group.
+#[derive(Debug, Clone, Copy)]
+pub struct Passthrough;
+
+impl Passthrough {
+    fn record<'a>(held: &Held<'a>) -> Result<&'a PassthroughClaim, String> {
+        match held.kind {
+            ClaimKind::Passthrough(pc) => Ok(pc),
+            _ => Err(wrong_kind("passthrough", held)),
+        }
+    }
+}
+
+impl Backend for Passthrough {
+    /// The group node, and every function's iommufd cdev.
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String> {
+        let pc = Passthrough::record(held)?;
+        let mut t = vec![host.vfio_group_node(pc.group)];
+        for f in &pc.functions {
+            t.extend(super::vendor_vfio::function_targets(host, &f.bdf)?);
+        }
+        t.sort();
+        t.dedup();
+        Ok(t)
+    }
+
+    /// docs/design/host.md §7 Give back: the optional reset of the GPU while it is still on
+    /// `vfio-pci` (a wedged GPU is quarantined — [`RESET_FAILED`] — and never reset again;
+    /// its functions are still given back), then every function back to the driver the
+    /// claim recorded, companions first. A failure names the binding observed.
+    fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError> {
+        let pc = Passthrough::record(held).map_err(|m| ClearError::Failed(WriteError::other(m)))?;
+        let observed = || {
+            let fns: Vec<Function> = pc
+                .functions
+                .iter()
+                .map(|f| Function {
+                    bdf: f.bdf.clone(),
+                    driver: driver_of(host, &f.bdf).unwrap_or(Some("unreadable".into())),
+                })
+                .collect();
+            binding_line(&fns)
+        };
+        let failed = |w: WriteError| {
+            steps.write_outcome(held.device, held.device, WriteSite::Rebind, &Err(w.clone()));
+            let original: Vec<String> = pc
+                .functions
+                .iter()
+                .map(|f| format!("{}={}", f.bdf, f.original_driver.as_deref().unwrap_or("none")))
+                .collect();
+            ClearError::Failed(WriteError {
+                message: format!("{}; bound now: {}; original: {}", w.message, observed(), original.join(" ")),
+                errno: w.errno,
+            })
+        };
+        // A binding write that outlived its timeout may still change the group: wait for it.
+        if let Some(f) = pc.functions.iter().find(|f| write_in_flight(&f.bdf)) {
+            return Err(ClearError::Failed(WriteError::other(format!(
+                "a binding write to {} has not returned yet; its binding is unknown until it does",
+                f.bdf
+            ))));
+        }
+        // Reset once per release: a give-back retried (EBUSY in the teardown lag) does not
+        // reset again.
+        let may_reset = steps.may_reset(held.device);
+        let gpu_fn = pc.functions.first().map(|f| f.bdf.as_str()).unwrap_or(held.device);
+        let on_vfio = driver_of(host, gpu_fn).ok().flatten().as_deref() == Some(VFIO_PCI);
+        if on_vfio && may_reset {
+            match reset(host, gpu_fn) {
+                ResetOutcome::Done => steps.reset_done(),
+                ResetOutcome::Wedged(why) => steps.quarantine(held.device, RESET_FAILED, &why),
+                ResetOutcome::Failed(w) => return Err(failed(w)),
+            }
+            crate::crash_point!("pt_release_after_reset");
+        }
+        for f in pc.functions.iter().rev() {
+            give_back(host, &f.bdf, f.original_driver.as_deref()).map_err(failed)?;
+        }
+        steps.write_outcome(held.device, held.device, WriteSite::Rebind, &Ok(()));
+        Ok(Cleared::Wrote)
+    }
+
+    /// Every function's sysfs directory, and the group the claim recorded.
+    fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice {
+        match Passthrough::record(held) {
+            Ok(pc) => VfioDevice {
+                sysfs: pc.functions.iter().map(|f| host.pci_device(&f.bdf)).collect(),
+                group: Some(pc.group),
+            },
+            Err(_) => VfioDevice { sysfs: vec![], group: None },
+        }
+    }
 }
 
 #[cfg(test)]

@@ -3,12 +3,15 @@
 //! (docs/design/host.md §§2–3). gpuvisor never binds/unbinds VFs, never writes a PF and never
 //! writes `sriov_numvfs`.
 //!
-//! [`set_type`] only ever writes a non-zero id; the one primitive that writes `0` is
-//! [`clear`], and only the release path (`instances::release`) calls it.
+//! [`set_type`] only ever writes a non-zero id; the one primitive that writes `0` is the
+//! private `clear`, reached only through [`VendorVfio`]'s [`Backend::clear`], which only the
+//! release path (`instances::release`) calls.
 
+use super::backend::{wrong_kind, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
-use super::{errno_name, link_basename, read_attr, write_attr, WriteError};
+use super::{errno_name, link_basename, read_attr, write_attr, Cleared, WriteError};
 use crate::host::HostRoot;
+use crate::store::ClaimKind;
 use std::fs;
 use std::io;
 use std::num::NonZeroU32;
@@ -222,24 +225,6 @@ pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, Configu
     }
 }
 
-/// Outcome of a clear (`0`) write.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ClearError {
-    /// The write failed and the VF still holds a type (EBUSY during teardown, EIO, ...).
-    Failed(WriteError),
-    /// The VF reads another non-zero type than the one expected (a foreign writer).
-    Foreign { value: u32 },
-}
-
-impl std::fmt::Display for ClearError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ClearError::Failed(m) => write!(f, "{m}"),
-            ClearError::Foreign { value } => write!(f, "VF reads type {value}, which gpuvisor did not write"),
-        }
-    }
-}
-
 /// Clears a VF: a missing file (VF gone) or `0` is already done; otherwise write `0` and
 /// read back — `0` is success whatever the write returned (EPERM on an already-clear VF is
 /// the normal "already clear", docs/design/host.md §3.2). [`Cleared::Wrote`](super::Cleared)
@@ -247,10 +232,8 @@ impl std::fmt::Display for ClearError {
 /// meanwhile, is [`Cleared::FoundClear`](super::Cleared).
 /// `expected`: the type gpuvisor believes is set (None: any).
 ///
-/// **Only the release path calls this**, after proving the owner dead and scanning for
-/// holders under the device lock (a test checks no other caller exists).
-pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<super::Cleared, ClearError> {
-    use super::Cleared;
+/// Private: the release path reaches it only through [`Backend::clear`].
+fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<super::Cleared, ClearError> {
     let cur = match read_current_type(host, vf) {
         Ok(v) => v,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Cleared::FoundClear),
@@ -284,5 +267,43 @@ pub fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<super::
             Ok(()) => WriteError::other(format!("0 was accepted but the VF still reads {v}")),
         })),
         Err(e) => Err(ClearError::Failed(WriteError::other(format!("read-back after clear: {}", errno_or_msg(&e))))),
+    }
+}
+
+/// The vendor-VFIO backend: a VF whose vGPU is its `current_vgpu_type`.
+#[derive(Debug, Clone, Copy)]
+pub struct VendorVfio;
+
+impl Backend for VendorVfio {
+    /// The VF's group node and iommufd cdev ([`vf_targets`]).
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String> {
+        vf_targets(host, &read_vf(host, held.device, held.gpu.to_string()))
+    }
+
+    /// Writes `0` and reads it back; the type expected is the one the claim recorded
+    /// (none: any). A VF reading another type is [`ClearError::Foreign`], untouched.
+    fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError> {
+        let ClaimKind::Vf { type_id: expected } = held.kind else {
+            return Err(ClearError::Failed(WriteError::other(wrong_kind("vendor_vfio", held))));
+        };
+        match clear(host, held.device, *expected) {
+            Ok(done) => {
+                if done == Cleared::Wrote {
+                    steps.write_outcome(held.device, held.gpu, WriteSite::ClearType, &Ok(()));
+                }
+                Ok(done)
+            }
+            Err(ClearError::Failed(w)) => {
+                steps.write_outcome(held.device, held.gpu, WriteSite::ClearType, &Err(w.clone()));
+                Err(ClearError::Failed(w))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The VF's own sysfs directory and group.
+    fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice {
+        let info = read_vf(host, held.device, held.gpu.to_string());
+        VfioDevice { sysfs: vec![host.pci_device(held.device)], group: info.iommu_group }
     }
 }

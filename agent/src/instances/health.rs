@@ -33,27 +33,11 @@ pub const GPU_FAULT_WINDOW: Duration = Duration::from_secs(60);
 /// The reason of a GPU-level mark.
 pub const GPU_FAULT: &str = "gpu_fault";
 
-/// Which write a result comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriteSite {
-    /// A type id written to `current_vgpu_type` (configure).
-    SetType,
-    /// `0` written to `current_vgpu_type` (release).
-    ClearType,
-    /// An mdev `create` (configure).
-    MdevCreate,
-    /// An mdev `remove` (release).
-    MdevRemove,
-    /// A passthrough group moved to `vfio-pci` (configure).
-    Bind,
-    /// A passthrough group given back to its drivers, or its reset (release).
-    Rebind,
-}
+pub use crate::devices::WriteSite;
 
-impl WriteSite {
-    fn at_create(self) -> bool {
-        matches!(self, WriteSite::SetType | WriteSite::MdevCreate | WriteSite::Bind)
-    }
+/// True for a write that configures (a failure there refuses a candidate).
+fn at_create(site: WriteSite) -> bool {
+    matches!(site, WriteSite::SetType | WriteSite::MdevCreate | WriteSite::Bind)
 }
 
 #[derive(Debug, Clone)]
@@ -226,7 +210,7 @@ impl Manager {
             }
             return Verdict::GpuFault { gpu: gpu.to_string() };
         }
-        if site.at_create() {
+        if at_create(site) {
             let streak = {
                 let mut s = lock(&self.health.create_streaks);
                 let n = s.entry(device.to_string()).or_insert(0);

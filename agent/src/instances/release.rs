@@ -20,25 +20,22 @@
 //!
 //! Nothing is released until the startup pass had a complete observation (docs/design/invariants.md
 //! I13). A failed release of a claim keeps the claim, `release_pending`, with the attempt
-//! count and the last error. Nothing else in the tree calls [`vendor_vfio::clear`],
-//! [`mdev::remove`], [`passthrough::reset`] or [`passthrough::give_back`] (a test checks
-//! it).
+//! count and the last error. The clear itself (step 4) is the device kind's
+//! [`devices::Backend::clear`]; nothing else in the tree calls it (the primitives behind it
+//! are private to `devices/`, and a test checks that no other file calls a backend's clear).
 
-use super::health::WriteSite;
 use super::vmm::Dead;
 use super::Manager;
-use crate::devices::{self, mdev, passthrough, vendor_vfio, Cleared, WriteError};
+use crate::devices::{self, ClearError, ClearSteps, Cleared, Held, WriteError, WriteSite};
 use crate::error::ReleaseFailure;
 use crate::events::EventKind;
 use crate::host::proc::{self, HandleScan};
-use crate::store::{Claim, ClaimKind, ClaimState, MdevRecord, PassthroughClaim};
+use crate::store::{Claim, ClaimKind, ClaimState, MdevRecord};
 use crate::sync::lock;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// The health reason of a passthrough GPU whose reset failed (docs/design/host.md §7): it is
-/// never reset again until an operator clears the mark.
-pub const RESET_FAILED: &str = "reset_failed";
+pub use crate::devices::passthrough::RESET_FAILED;
 
 /// What to release.
 #[derive(Debug, Clone, Copy)]
@@ -265,139 +262,48 @@ impl Manager {
         }
     }
 
-    /// The device nodes whose holders block the release.
-    fn release_targets(&self, r: &Release<'_>) -> Result<Vec<PathBuf>, String> {
-        let vf = |bdf: &str, gpu: &str| {
-            let info = vendor_vfio::read_vf(&self.host, bdf, gpu.to_string());
-            vendor_vfio::vf_targets(&self.host, &info)
-        };
+    /// The device the release acts on, as its backend sees it: a claim's own record; a
+    /// dirty VF (orphan or repair) with the type it read; an orphan mdev on its parent.
+    fn with_held<T>(&self, r: &Release<'_>, f: impl FnOnce(&Held<'_>) -> T) -> T {
         match r {
-            Release::Claim(c, _) => match &c.kind {
-                ClaimKind::Mdev { uuid, .. } => mdev::targets(&self.host, &uuid.to_string()),
-                // The group node, and every function's iommufd cdev.
-                ClaimKind::Passthrough(pc) => {
-                    let mut t = vec![self.host.vfio_group_node(pc.group)];
-                    for f in &pc.functions {
-                        t.extend(vendor_vfio::function_targets(&self.host, &f.bdf)?);
-                    }
-                    t.sort();
-                    t.dedup();
-                    Ok(t)
-                }
-                ClaimKind::Vf { .. } => vf(&c.device, &c.gpu),
-            },
-            Release::Repair { claim, .. } => vf(&claim.device, &claim.gpu),
-            Release::OrphanVf { vf: bdf, gpu, .. } => vf(bdf, gpu),
-            Release::OrphanMdev(m) => mdev::targets(&self.host, &m.uuid.to_string()),
+            Release::Claim(c, _) => f(&Held::of(c)),
+            Release::Repair { claim, type_id } => {
+                f(&Held { device: &claim.device, gpu: &claim.gpu, kind: &ClaimKind::Vf { type_id: Some(*type_id) } })
+            }
+            Release::OrphanVf { vf, gpu, type_id } => {
+                f(&Held { device: vf, gpu, kind: &ClaimKind::Vf { type_id: Some(*type_id) } })
+            }
+            Release::OrphanMdev(m) => f(&Held {
+                device: &m.parent,
+                gpu: &pf_of(self, &m.parent),
+                kind: &ClaimKind::Mdev { uuid: m.uuid, mdev_type: m.mdev_type.clone(), type_id: None },
+            }),
         }
     }
 
-    /// Steps 4 and 5: the write, its read-back, and its health accounting. Says whether
-    /// the write of this release took effect or the device was found clear.
+    /// The device nodes whose holders block the release (the backend's).
+    fn release_targets(&self, r: &Release<'_>) -> Result<Vec<PathBuf>, String> {
+        self.with_held(r, |h| devices::backend(h.kind).release_targets(&self.host, h))
+    }
+
+    /// Steps 4 and 5: the write, its read-back (the backend's clear), and its health
+    /// accounting. Says whether the write of this release took effect or the device was
+    /// found clear. A VF reading a type gpuvisor did not write is quarantined, untouched.
     fn clear_device(&self, r: &Release<'_>) -> Result<Cleared, ReleaseError> {
-        let mdev_remove = |uuid: uuid::Uuid, parent: &str, gpu: &str| {
-            let res = mdev::remove(&self.host, &uuid.to_string());
-            self.write_outcome(parent, gpu, WriteSite::MdevRemove, &res.as_ref().map(|_| ()).map_err(Clone::clone));
-            let done = res.map_err(ReleaseError::Failed)?;
-            if let Err(e) = self.store.remove_mdev(uuid) {
-                // The sweep forgets a record whose mdev is gone.
-                tracing::warn!(mdev = %uuid, error = %e, "cannot remove the mdev record");
-            }
-            Ok(done)
-        };
-        let (vf, gpu, expected) = match r {
-            Release::Claim(c, _) => match &c.kind {
-                ClaimKind::Mdev { uuid, .. } => return mdev_remove(*uuid, &c.device, &c.gpu),
-                ClaimKind::Passthrough(pc) => return self.give_back_group(c, pc).map(|()| Cleared::Wrote),
-                ClaimKind::Vf { type_id } => (c.device.as_str(), c.gpu.as_str(), *type_id),
-            },
-            Release::OrphanMdev(m) => return mdev_remove(m.uuid, &m.parent, &pf_of(self, &m.parent)),
-            Release::OrphanVf { vf, gpu, type_id } => (*vf, *gpu, Some(*type_id)),
-            Release::Repair { claim, type_id } => (claim.device.as_str(), claim.gpu.as_str(), Some(*type_id)),
-        };
-        match vendor_vfio::clear(&self.host, vf, expected) {
-            Ok(done) => {
-                if done == Cleared::Wrote {
-                    self.write_outcome(vf, gpu, WriteSite::ClearType, &Ok(()));
-                }
-                Ok(done)
-            }
-            Err(vendor_vfio::ClearError::Foreign { value }) => {
+        let steps = Steps { m: self, claim: r.owner().filter(|_| matches!(r, Release::Claim(..))) };
+        self.with_held(r, |h| match devices::backend(h.kind).clear(&self.host, h, &steps) {
+            Ok(done) => Ok(done),
+            Err(ClearError::Failed(w)) => Err(ReleaseError::Failed(w)),
+            Err(ClearError::Foreign { value }) => {
                 let detail = format!(
                     "reads type {value}, but gpuvisor {} {}",
                     if matches!(r, Release::Claim(..)) { "recorded" } else { "saw" },
-                    expected.map(|t| t.to_string()).unwrap_or_else(|| "no type".into())
+                    h.kind.type_id().map(|t| t.to_string()).unwrap_or_else(|| "no type".into())
                 );
-                self.quarantine(vf, "foreign_write", &detail);
+                self.quarantine(h.device, "foreign_write", &detail);
                 Err(ReleaseError::Foreign(detail))
             }
-            Err(vendor_vfio::ClearError::Failed(w)) => {
-                self.write_outcome(vf, gpu, WriteSite::ClearType, &Err(w.clone()));
-                Err(ReleaseError::Failed(w))
-            }
-        }
-    }
-
-    /// Passthrough (docs/design/host.md §7 Give back): the optional reset of the GPU while it is
-    /// still on `vfio-pci` (a wedged GPU is quarantined — `reset_failed` — and never reset
-    /// again; its functions are still given back), then every function back to the driver
-    /// the claim recorded, companions first. A failure names the binding observed.
-    fn give_back_group(&self, c: &crate::store::Claim, pc: &PassthroughClaim) -> Result<(), ReleaseError> {
-        let observed = || {
-            let fns: Vec<passthrough::Function> = pc
-                .functions
-                .iter()
-                .map(|f| passthrough::Function {
-                    bdf: f.bdf.clone(),
-                    driver: passthrough::driver_of(&self.host, &f.bdf).unwrap_or(Some("unreadable".into())),
-                })
-                .collect();
-            passthrough::binding_line(&fns)
-        };
-        let failed = |w: WriteError| {
-            self.write_outcome(&c.device, &c.device, WriteSite::Rebind, &Err(w.clone()));
-            let original: Vec<String> = pc
-                .functions
-                .iter()
-                .map(|f| format!("{}={}", f.bdf, f.original_driver.as_deref().unwrap_or("none")))
-                .collect();
-            ReleaseError::Failed(WriteError {
-                message: format!("{}; bound now: {}; original: {}", w.message, observed(), original.join(" ")),
-                errno: w.errno,
-            })
-        };
-        // A binding write that outlived its timeout may still change the group: wait for it.
-        if let Some(f) = pc.functions.iter().find(|f| passthrough::write_in_flight(&f.bdf)) {
-            return Err(ReleaseError::Failed(WriteError::other(format!(
-                "a binding write to {} has not returned yet; its binding is unknown until it does",
-                f.bdf
-            ))));
-        }
-        let wedged_before = self.store.read_health(&c.device).ok().flatten().is_some_and(|h| h.reason == RESET_FAILED);
-        // Reset once per release: a give-back retried (EBUSY in the teardown lag) does not
-        // reset again.
-        let reset_done = self
-            .store
-            .read_claim(&c.device)
-            .ok()
-            .flatten()
-            .is_some_and(|cur| cur.kind.passthrough().is_some_and(|p| p.reset_done));
-        let gpu_fn = pc.functions.first().map(|f| f.bdf.as_str()).unwrap_or(c.device.as_str());
-        let on_vfio =
-            passthrough::driver_of(&self.host, gpu_fn).ok().flatten().as_deref() == Some(passthrough::VFIO_PCI);
-        if on_vfio && !wedged_before && !reset_done {
-            match passthrough::reset(&self.host, gpu_fn) {
-                passthrough::ResetOutcome::Done => self.mark_reset_done(c),
-                passthrough::ResetOutcome::Wedged(why) => self.quarantine(&c.device, RESET_FAILED, &why),
-                passthrough::ResetOutcome::Failed(w) => return Err(failed(w)),
-            }
-            crate::crash_point!("pt_release_after_reset");
-        }
-        for f in pc.functions.iter().rev() {
-            passthrough::give_back(&self.host, &f.bdf, f.original_driver.as_deref()).map_err(failed)?;
-        }
-        self.write_outcome(&c.device, &c.device, WriteSite::Rebind, &Ok(()));
-        Ok(())
+        })
     }
 
     /// Records in the claim that its GPU was reset (under the allocation lock; a claim that
@@ -458,6 +364,49 @@ impl Manager {
     }
 }
 
+/// The release path's side of a backend's clear: each write goes to the health
+/// accounting, a passthrough reset is recorded in the claim, a removed mdev's record goes.
+struct Steps<'a> {
+    m: &'a Manager,
+    /// The claim being released (none for an orphan or a repair).
+    claim: Option<&'a Claim>,
+}
+
+impl ClearSteps for Steps<'_> {
+    fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>) {
+        self.m.write_outcome(device, gpu, site, result);
+    }
+
+    fn quarantine(&self, device: &str, reason: &str, detail: &str) {
+        self.m.quarantine(device, reason, detail);
+    }
+
+    fn may_reset(&self, device: &str) -> bool {
+        let wedged_before = self.m.store.read_health(device).ok().flatten().is_some_and(|h| h.reason == RESET_FAILED);
+        let reset_done = self
+            .m
+            .store
+            .read_claim(device)
+            .ok()
+            .flatten()
+            .is_some_and(|cur| cur.kind.passthrough().is_some_and(|p| p.reset_done));
+        !wedged_before && !reset_done
+    }
+
+    fn reset_done(&self) {
+        if let Some(c) = self.claim {
+            self.m.mark_reset_done(c);
+        }
+    }
+
+    fn mdev_removed(&self, uuid: uuid::Uuid) {
+        if let Err(e) = self.m.store.remove_mdev(uuid) {
+            // The sweep forgets a record whose mdev is gone.
+            tracing::warn!(mdev = %uuid, error = %e, "cannot remove the mdev record");
+        }
+    }
+}
+
 /// The PF of an mdev parent (basename of `physfn`, or the parent itself).
 pub(crate) fn pf_of(m: &Manager, parent: &str) -> String {
     devices::link_basename(&m.host.pci_device(parent).join("physfn")).unwrap_or_else(|_| parent.to_string())
@@ -465,13 +414,43 @@ pub(crate) fn pf_of(m: &Manager, parent: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    /// Nothing outside this module clears a device: the clearing primitives (type `0`, mdev
-    /// remove, passthrough reset and give-back) are called here only (their definitions live in `devices`).
+    /// Nothing outside this module clears a device. The clearing primitives (type `0`, mdev
+    /// remove, passthrough reset and give-back) are private to their kind's file in
+    /// `devices/` (the compiler keeps them there); the one way to them is
+    /// `Backend::clear`, which takes the release path's `ClearSteps`. So: no other file
+    /// calls a backend's `clear` (a `.clear(` call given the host), implements or names
+    /// `ClearSteps` (outside `devices/`, which defines the trait), or writes `"0"` to a type
+    /// file.
     #[test]
     fn only_the_release_module_clears_devices() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let offenders = offenders_under(&root);
+        assert!(offenders.is_empty(), "devices cleared outside instances/release.rs:\n{}", offenders.join("\n"));
+    }
+
+    /// The check above finds a backend clear called from another file (a copy of this
+    /// tree's `instances/` with one added call).
+    #[test]
+    fn the_clear_check_finds_a_clear_called_from_another_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let inst = dir.path().join("instances");
+        std::fs::create_dir_all(&inst).unwrap();
+        std::fs::write(
+            inst.join("stop.rs"),
+            "fn f(m: &Manager, c: &Claim) {\n    let _ = devices::backend(&c.kind).clear(&m.host, &Held::of(c), &steps);\n}\n",
+        )
+        .unwrap();
+        std::fs::write(inst.join("reconcile.rs"), "struct S;\nimpl ClearSteps for S {}\n").unwrap();
+        std::fs::write(inst.join("release.rs"), "fn g() { backend(k).clear(&self.host, h, &steps); }\n").unwrap();
+        let found = offenders_under(dir.path());
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found.iter().any(|o| o.contains("stop.rs:2")), "{found:?}");
+        assert!(found.iter().any(|o| o.contains("reconcile.rs:2")), "{found:?}");
+    }
+
+    fn offenders_under(root: &std::path::Path) -> Vec<String> {
         let mut offenders = Vec::new();
-        let mut stack = vec![root.clone()];
+        let mut stack = vec![root.to_path_buf()];
         while let Some(dir) = stack.pop() {
             for e in std::fs::read_dir(&dir).unwrap() {
                 let p = e.unwrap().path();
@@ -482,26 +461,22 @@ mod tests {
                 if p.extension().and_then(|x| x.to_str()) != Some("rs") || p.ends_with("instances/release.rs") {
                     continue;
                 }
+                let in_devices = p.parent().is_some_and(|d| d.ends_with("devices"));
                 let text = std::fs::read_to_string(&p).unwrap();
                 for (i, line) in text.lines().enumerate() {
                     let code = line.split("//").next().unwrap_or("");
-                    if code.contains("vendor_vfio::clear(")
-                        || code.contains("mdev::remove(")
-                        || code.contains("passthrough::give_back(")
-                        || code.contains("passthrough::reset(")
-                    {
-                        offenders.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
-                    }
-                    // The only write of "0" to a type file is in vendor_vfio::clear.
-                    if code.contains("current_vgpu_type")
+                    let backend_clear = code.contains(".clear(") && code.contains("host");
+                    let names_steps = !in_devices && code.contains("ClearSteps");
+                    // The only write of "0" to a type file is in devices/vendor_vfio.rs.
+                    let zero_type = code.contains("current_vgpu_type")
                         && code.contains("\"0")
-                        && !p.ends_with("devices/vendor_vfio.rs")
-                    {
+                        && !p.ends_with("devices/vendor_vfio.rs");
+                    if backend_clear || names_steps || zero_type {
                         offenders.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
                     }
                 }
             }
         }
-        assert!(offenders.is_empty(), "devices cleared outside instances/release.rs:\n{}", offenders.join("\n"));
+        offenders
     }
 }

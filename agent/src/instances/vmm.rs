@@ -11,11 +11,11 @@
 
 use super::Manager;
 use crate::config::VfioAttach;
-use crate::devices::{mdev, vendor_vfio};
+use crate::devices::{backend, Held, VfioDevice};
 use crate::error::ApiError;
 use crate::host::proc::{self, Liveness};
 use crate::hypervisor;
-use crate::store::{Claim, ClaimKind, External, InstanceRecord, InstanceState, Owner, VmmRecord};
+use crate::store::{Claim, External, InstanceRecord, InstanceState, Owner, VmmRecord};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -145,19 +145,7 @@ impl Manager {
         let vfio = match claim {
             None => None,
             Some(c) => {
-                let (sysfsdevs, group) = match &c.kind {
-                    ClaimKind::Mdev { uuid, .. } => {
-                        let d = mdev::read_device(&self.host, &uuid.to_string()).ok().flatten();
-                        (vec![self.host.mdev_device(&uuid.to_string())], d.and_then(|d| d.iommu_group))
-                    }
-                    ClaimKind::Passthrough(pc) => {
-                        (pc.functions.iter().map(|f| self.host.pci_device(&f.bdf)).collect(), Some(pc.group))
-                    }
-                    ClaimKind::Vf { .. } => {
-                        let info = vendor_vfio::read_vf(&self.host, &c.device, c.gpu.clone());
-                        (vec![self.host.pci_device(&c.device)], info.iommu_group)
-                    }
-                };
+                let VfioDevice { sysfs: sysfsdevs, group } = backend(&c.kind).vfio_device(&self.host, &Held::of(c));
                 Some(match self.cfg.vfio_attach {
                     VfioAttach::Device => {
                         // The VMM opens the group node itself: it must be its group's to open,

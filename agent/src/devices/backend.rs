@@ -1,0 +1,125 @@
+//! # backend — what a device kind means, behind one trait
+//!
+//! Each device kind (vendor VFIO, mdev, passthrough) implements [`Backend`] in its own file
+//! ([`super::vendor_vfio::VendorVfio`], [`super::mdev::Mdev`],
+//! [`super::passthrough::Passthrough`]); [`backend`] picks the one a claim's
+//! [`ClaimKind`] names. The *sequences* (claim, release, spawn) live in `instances/` and
+//! call the backend; they never match on a kind for what the backend answers.
+//!
+//! A backend touches the host only (sysfs through [`HostRoot`]); what a write means for
+//! the store and the health accounting it reports to the sequence through [`ClearSteps`].
+//! **Only the release path (`instances::release`) calls [`Backend::clear`]**, after it
+//! proved the owner done and scanned for holders under the device lock (a test there checks
+//! that no other file calls it).
+
+use super::{Cleared, WriteError};
+use crate::host::HostRoot;
+use crate::store::{Claim, ClaimKind};
+use std::path::PathBuf;
+
+/// A device as the release path and the VMM see it: the claimed (or orphan) device, its
+/// GPU (PF), and what its claim — or, for an orphan, the sweep — knows about it.
+#[derive(Debug, Clone, Copy)]
+pub struct Held<'a> {
+    /// The VF (vendor VFIO), the mdev's parent (mdev) or the GPU (passthrough).
+    pub device: &'a str,
+    /// The parent GPU's (PF's) address.
+    pub gpu: &'a str,
+    /// What the claim records: the type id gpuvisor wrote, the mdev, the group.
+    pub kind: &'a ClaimKind,
+}
+
+impl<'a> Held<'a> {
+    /// The device a claim holds.
+    pub fn of(claim: &'a Claim) -> Held<'a> {
+        Held { device: &claim.device, gpu: &claim.gpu, kind: &claim.kind }
+    }
+}
+
+/// Which write a result comes from (the health accounting counts them,
+/// docs/design/lifecycle.md "Device health").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteSite {
+    /// A type id written to `current_vgpu_type` (configure).
+    SetType,
+    /// `0` written to `current_vgpu_type` (release).
+    ClearType,
+    /// An mdev `create` (configure).
+    MdevCreate,
+    /// An mdev `remove` (release).
+    MdevRemove,
+    /// A passthrough group moved to `vfio-pci` (configure).
+    Bind,
+    /// A passthrough group given back to its drivers, or its reset (release).
+    Rebind,
+}
+
+/// What the release sequence does around a backend's clear: the health accounting of each
+/// write and the records it keeps. Implemented by the release path only.
+pub trait ClearSteps {
+    /// A write's outcome for `device` on `gpu` (EIO strikes, GPU faults, the mark a write
+    /// that took effect clears).
+    fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>);
+    /// Quarantines `device` (`reason`, e.g. `reset_failed`).
+    fn quarantine(&self, device: &str, reason: &str, detail: &str);
+    /// True when the GPU `device` may be reset in this release: it was not found wedged
+    /// before, and this release (a retried give-back) did not reset it already.
+    fn may_reset(&self, device: &str) -> bool;
+    /// Records durably that this release reset the GPU (before anything else is written).
+    fn reset_done(&self);
+    /// The mdev `uuid` is gone: its record may go.
+    fn mdev_removed(&self, uuid: uuid::Uuid);
+}
+
+/// Why a clear did not complete.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClearError {
+    /// The write failed and the device is still occupied (EBUSY during teardown, EIO, a
+    /// binding write that did not return, ...).
+    Failed(WriteError),
+    /// A VF reads another non-zero type than the one gpuvisor recorded (a foreign writer):
+    /// nothing was written.
+    Foreign { value: u32 },
+}
+
+/// What a VMM needs to attach a claimed device through VFIO.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VfioDevice {
+    /// The device's sysfs directories (`sys/bus/pci/devices/<bdf>`, or the mdev's), one per
+    /// function the VM gets.
+    pub sysfs: Vec<PathBuf>,
+    /// Its IOMMU group (`dev/vfio/<group>`), when it can be read.
+    pub group: Option<u32>,
+}
+
+/// One device kind.
+pub trait Backend: Sync {
+    /// The device nodes whose holders block a release of `held`: a process holding one
+    /// keeps the device (docs/design/host.md §5). An error makes the scan unknown (fail
+    /// closed).
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String>;
+
+    /// Clears `held` and reads it back, reporting each write to `steps`.
+    /// [`Cleared::Wrote`] only when a write of this call took effect.
+    ///
+    /// **Only the release path calls this.**
+    fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError>;
+
+    /// What the VMM attaches for `held` (docs/design/host.md §5: the group node and the
+    /// device's sysfs directory).
+    fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice;
+}
+
+/// The backend of a claim's kind.
+pub fn backend(kind: &ClaimKind) -> &'static dyn Backend {
+    match kind {
+        ClaimKind::Vf { .. } => &super::vendor_vfio::VendorVfio,
+        ClaimKind::Mdev { .. } => &super::mdev::Mdev,
+        ClaimKind::Passthrough(_) => &super::passthrough::Passthrough,
+    }
+}
+
+/// The error of a backend handed a claim of another kind (a bug: [`backend`] picks by kind).
+pub(crate) fn wrong_kind(backend: &str, held: &Held<'_>) -> String {
+    format!("the {backend} backend was handed a {} claim of {}", held.kind.framework().as_str(), held.device)
+}
