@@ -123,3 +123,132 @@ pub fn backend(kind: &ClaimKind) -> &'static dyn Backend {
 pub(crate) fn wrong_kind(backend: &str, held: &Held<'_>) -> String {
     format!("the {backend} backend was handed a {} claim of {}", held.kind.framework().as_str(), held.device)
 }
+
+/// A temp-dir host tree shaped like docs/design/host.md (plain files, directories and
+/// symlinks: what a backend reads; no kernel behind the writes) and a [`ClearSteps`] that
+/// records what a clear reported, for the backends' unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::{ClearSteps, WriteSite};
+    use crate::devices::WriteError;
+    use crate::host::HostRoot;
+    use std::cell::RefCell;
+    use std::fs;
+    use std::path::{Path, PathBuf};
+
+    /// A host root in a temp dir.
+    pub struct Tree {
+        /// Removed when the tree is dropped.
+        _dir: tempfile::TempDir,
+        pub host: HostRoot,
+    }
+
+    impl Tree {
+        pub fn new() -> Tree {
+            let dir = tempfile::tempdir().unwrap();
+            let host = HostRoot::new(dir.path());
+            Tree { _dir: dir, host }
+        }
+
+        /// `rel` under the root.
+        pub fn path(&self, rel: &str) -> PathBuf {
+            self.host.root().join(rel)
+        }
+
+        /// Writes `text` to `rel` (parents created).
+        pub fn file(&self, rel: &str, text: &str) -> PathBuf {
+            let p = self.path(rel);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(&p, text).unwrap();
+            p
+        }
+
+        /// A directory at `rel`.
+        pub fn dir(&self, rel: &str) -> PathBuf {
+            let p = self.path(rel);
+            fs::create_dir_all(&p).unwrap();
+            p
+        }
+
+        /// A symlink at `rel` pointing to `target` (as the kernel writes them: relative).
+        pub fn link(&self, rel: &str, target: &str) {
+            let p = self.path(rel);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::os::unix::fs::symlink(target, p).unwrap();
+        }
+
+        /// The text of `rel`.
+        pub fn read(&self, rel: &str) -> String {
+            fs::read_to_string(self.path(rel)).unwrap()
+        }
+
+        /// A PCI function `sys/bus/pci/devices/<bdf>` in IOMMU group `group`, with the
+        /// iommufd cdevs `cdevs` under `vfio-dev/`.
+        pub fn pci_function(&self, bdf: &str, group: Option<u32>, cdevs: &[&str]) {
+            self.dir(&format!("sys/bus/pci/devices/{bdf}"));
+            if let Some(g) = group {
+                self.dir(&format!("sys/kernel/iommu_groups/{g}/devices"));
+                self.link(
+                    &format!("sys/bus/pci/devices/{bdf}/iommu_group"),
+                    &format!("../../../../kernel/iommu_groups/{g}"),
+                );
+            }
+            for c in cdevs {
+                self.dir(&format!("sys/bus/pci/devices/{bdf}/vfio-dev/{c}"));
+            }
+        }
+    }
+
+    /// One thing a clear reported.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Step {
+        Write { device: String, gpu: String, site: WriteSite, ok: bool },
+        Quarantine { device: String, reason: String },
+        ResetDone,
+        MdevRemoved(uuid::Uuid),
+    }
+
+    /// Records every step; `may_reset` answers as set.
+    pub struct Recorder {
+        pub steps: RefCell<Vec<Step>>,
+        pub may_reset: bool,
+    }
+
+    impl Recorder {
+        pub fn new(may_reset: bool) -> Recorder {
+            Recorder { steps: RefCell::new(Vec::new()), may_reset }
+        }
+
+        pub fn taken(&self) -> Vec<Step> {
+            self.steps.borrow().clone()
+        }
+    }
+
+    impl ClearSteps for Recorder {
+        fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>) {
+            self.steps.borrow_mut().push(Step::Write {
+                device: device.into(),
+                gpu: gpu.into(),
+                site,
+                ok: result.is_ok(),
+            });
+        }
+        fn quarantine(&self, device: &str, reason: &str, _detail: &str) {
+            self.steps.borrow_mut().push(Step::Quarantine { device: device.into(), reason: reason.into() });
+        }
+        fn may_reset(&self, _device: &str) -> bool {
+            self.may_reset
+        }
+        fn reset_done(&self) {
+            self.steps.borrow_mut().push(Step::ResetDone);
+        }
+        fn mdev_removed(&self, uuid: uuid::Uuid) {
+            self.steps.borrow_mut().push(Step::MdevRemoved(uuid));
+        }
+    }
+
+    /// True when `p` exists (a file, directory or link).
+    pub fn exists(p: &Path) -> bool {
+        fs::symlink_metadata(p).is_ok()
+    }
+}

@@ -279,6 +279,78 @@ impl Backend for Mdev {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::backend::testing::{exists, Recorder, Step, Tree};
+    use crate::devices::backend::{backend, Held};
+
+    const PARENT: &str = "0000:41:00.5";
+    const PF: &str = "0000:41:00.0";
+    const UUID: &str = "11111111-2222-4333-8444-555555555555";
+
+    fn kind() -> ClaimKind {
+        ClaimKind::Mdev { uuid: UUID.parse().unwrap(), mdev_type: "nvidia-1148".into(), type_id: None }
+    }
+
+    /// The mdev `UUID` of type `nvidia-1148` on `PARENT`, in group 40 with the cdev `vfio5`.
+    fn mdev(t: &Tree) {
+        let d = format!("sys/bus/mdev/devices/{UUID}");
+        t.dir(&format!("sys/class/mdev_bus/{PARENT}/mdev_supported_types/nvidia-1148"));
+        t.link(
+            &format!("{d}/mdev_type"),
+            &format!("../../../../class/mdev_bus/{PARENT}/mdev_supported_types/nvidia-1148"),
+        );
+        t.dir("sys/kernel/iommu_groups/40");
+        t.link(&format!("{d}/iommu_group"), "../../../../kernel/iommu_groups/40");
+        t.dir(&format!("{d}/vfio-dev/vfio5"));
+        t.file(&format!("{d}/remove"), "");
+    }
+
+    #[test]
+    fn an_mdev_is_attached_and_held_through_its_group_node_and_its_cdevs() {
+        let t = Tree::new();
+        mdev(&t);
+        let k = kind();
+        let held = Held { device: PARENT, gpu: PF, kind: &k };
+        assert_eq!(
+            backend(&k).release_targets(&t.host, &held).unwrap(),
+            vec![t.path("dev/vfio/40"), t.path("dev/vfio/devices/vfio5")]
+        );
+        assert_eq!(
+            backend(&k).vfio_device(&t.host, &held),
+            VfioDevice { sysfs: vec![t.host.mdev_device(UUID)], group: Some(40) }
+        );
+    }
+
+    #[test]
+    fn removing_an_mdev_that_is_gone_is_found_clear_and_forgets_its_record() {
+        let t = Tree::new();
+        let k = kind();
+        let steps = Recorder::new(true);
+        let r = backend(&k).clear(&t.host, &Held { device: PARENT, gpu: PF, kind: &k }, &steps);
+        assert_eq!(r, Ok(Cleared::FoundClear));
+        assert_eq!(
+            steps.taken(),
+            vec![
+                Step::Write { device: PARENT.into(), gpu: PF.into(), site: WriteSite::MdevRemove, ok: true },
+                Step::MdevRemoved(UUID.parse().unwrap()),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_mdev_still_there_after_its_remove_is_a_failed_clear_that_keeps_its_record() {
+        let t = Tree::new();
+        mdev(&t);
+        let k = kind();
+        let steps = Recorder::new(true);
+        let r = backend(&k).clear(&t.host, &Held { device: PARENT, gpu: PF, kind: &k }, &steps);
+        assert!(matches!(&r, Err(ClearError::Failed(w)) if w.message.contains("still exists")), "{r:?}");
+        assert_eq!(t.read(&format!("sys/bus/mdev/devices/{UUID}/remove")), "1");
+        assert!(exists(&t.host.mdev_device(UUID)));
+        assert_eq!(
+            steps.taken(),
+            vec![Step::Write { device: PARENT.into(), gpu: PF.into(), site: WriteSite::MdevRemove, ok: false }]
+        );
+    }
 
     #[test]
     fn framebuffer_is_read_from_the_description() {

@@ -450,6 +450,109 @@ impl Backend for Passthrough {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::backend::testing::{Recorder, Step, Tree};
+    use crate::devices::backend::{backend, Held};
+    use crate::store::FunctionRecord;
+
+    /// A card (the GPU and its audio function) in IOMMU group 42, bound to `drivers`, each
+    /// function with its cdev; `gpu`/`audio` are unique per test (the in-flight writes are
+    /// process-wide).
+    fn card(t: &Tree, gpu: &str, audio: &str, drivers: [&str; 2]) -> ClaimKind {
+        t.file("sys/bus/pci/drivers_probe", "");
+        for ((bdf, driver), cdev) in [gpu, audio].into_iter().zip(drivers).zip(["vfio7", "vfio8"]) {
+            t.pci_function(bdf, Some(42), &[cdev]);
+            t.file(&format!("sys/bus/pci/drivers/{driver}/unbind"), "");
+            t.link(&format!("sys/bus/pci/devices/{bdf}/driver"), &format!("../../../../bus/pci/drivers/{driver}"));
+            let ov = if driver == VFIO_PCI { VFIO_PCI } else { "(null)" };
+            t.file(&format!("sys/bus/pci/devices/{bdf}/driver_override"), &format!("{ov}\n"));
+            t.file(&format!("sys/bus/pci/devices/{bdf}/reset"), "");
+        }
+        ClaimKind::Passthrough(PassthroughClaim {
+            group: 42,
+            functions: vec![
+                FunctionRecord { bdf: gpu.into(), original_driver: Some("nvidia".into()) },
+                FunctionRecord { bdf: audio.into(), original_driver: Some("snd_hda_intel".into()) },
+            ],
+            reset_done: false,
+        })
+    }
+
+    fn clear_card(t: &Tree, gpu: &str, kind: &ClaimKind, may_reset: bool) -> (Result<Cleared, ClearError>, Vec<Step>) {
+        let steps = Recorder::new(may_reset);
+        let r = backend(kind).clear(&t.host, &Held { device: gpu, gpu, kind }, &steps);
+        (r, steps.taken())
+    }
+
+    fn rebind(gpu: &str, ok: bool) -> Step {
+        Step::Write { device: gpu.into(), gpu: gpu.into(), site: WriteSite::Rebind, ok }
+    }
+
+    #[test]
+    fn a_card_is_attached_by_every_function_and_held_through_its_group_and_every_cdev() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:82:00.0", "0000:82:00.1");
+        let k = card(&t, gpu, audio, [VFIO_PCI, VFIO_PCI]);
+        let held = Held { device: gpu, gpu, kind: &k };
+        assert_eq!(
+            backend(&k).release_targets(&t.host, &held).unwrap(),
+            vec![t.path("dev/vfio/42"), t.path("dev/vfio/devices/vfio7"), t.path("dev/vfio/devices/vfio8")]
+        );
+        assert_eq!(
+            backend(&k).vfio_device(&t.host, &held),
+            VfioDevice { sysfs: vec![t.host.pci_device(gpu), t.host.pci_device(audio)], group: Some(42) }
+        );
+    }
+
+    #[test]
+    fn a_card_back_on_its_drivers_is_not_reset_and_its_give_back_is_reported() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:83:00.0", "0000:83:00.1");
+        let k = card(&t, gpu, audio, ["nvidia", "snd_hda_intel"]);
+        assert_eq!(clear_card(&t, gpu, &k, true), (Ok(Cleared::Wrote), vec![rebind(gpu, true)]));
+        assert_eq!(t.read(&format!("sys/bus/pci/devices/{gpu}/reset")), "", "not on vfio-pci: no reset");
+    }
+
+    #[test]
+    fn a_card_on_vfio_is_reset_once_recorded_and_a_failed_give_back_names_the_binding() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:84:00.0", "0000:84:00.1");
+        let k = card(&t, gpu, audio, [VFIO_PCI, VFIO_PCI]);
+        // Plain files: the unbind and probe writes land, but nothing moves the driver link,
+        // so the audio function still reads vfio-pci after its probe.
+        let (r, steps) = clear_card(&t, gpu, &k, true);
+        assert_eq!(t.read(&format!("sys/bus/pci/devices/{gpu}/reset")), "1");
+        assert_eq!(t.read(&format!("sys/bus/pci/drivers/{VFIO_PCI}/unbind")), audio, "companions first");
+        assert_eq!(steps, vec![Step::ResetDone, rebind(gpu, false)]);
+        let Err(ClearError::Failed(w)) = r else { panic!("{r:?}") };
+        assert!(w.message.contains(&format!("{audio} is bound to vfio-pci after the probe")), "{w}");
+        assert!(w.message.contains("bound now:"), "{w}");
+        assert!(w.message.contains(&format!("original: {gpu}=nvidia {audio}=snd_hda_intel")), "{w}");
+    }
+
+    #[test]
+    fn a_card_the_release_reset_already_is_not_reset_again() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:85:00.0", "0000:85:00.1");
+        let k = card(&t, gpu, audio, [VFIO_PCI, VFIO_PCI]);
+        let (r, steps) = clear_card(&t, gpu, &k, false);
+        assert!(r.is_err());
+        assert_eq!(t.read(&format!("sys/bus/pci/devices/{gpu}/reset")), "");
+        assert_eq!(steps, vec![rebind(gpu, false)]);
+    }
+
+    #[test]
+    fn a_card_wedged_after_its_reset_is_quarantined_reset_failed_and_still_given_back() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:86:00.0", "0000:86:00.1");
+        let k = card(&t, gpu, audio, [VFIO_PCI, VFIO_PCI]);
+        std::fs::write(t.path(&format!("sys/bus/pci/devices/{gpu}/config")), [0xff; 64]).unwrap();
+        let (_, steps) = clear_card(&t, gpu, &k, true);
+        assert_eq!(
+            steps,
+            vec![Step::Quarantine { device: gpu.into(), reason: RESET_FAILED.into() }, rebind(gpu, false)]
+        );
+        assert_eq!(t.read(&format!("sys/bus/pci/drivers/{VFIO_PCI}/unbind")), audio, "the give-back was tried");
+    }
 
     #[test]
     fn functions_of_one_card_share_bus_and_device() {

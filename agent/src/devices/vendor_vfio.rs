@@ -307,3 +307,107 @@ impl Backend for VendorVfio {
         VfioDevice { sysfs: vec![host.pci_device(held.device)], group: info.iommu_group }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::backend::testing::{Recorder, Step, Tree};
+    use crate::devices::backend::{backend, Held};
+
+    const VF: &str = "0000:41:00.4";
+    const PF: &str = "0000:41:00.0";
+
+    /// A VF of `PF` in IOMMU group 17 with the iommufd cdev `vfio3`, reading `type_text`.
+    fn vf(t: &Tree, type_text: &str) {
+        t.pci_function(VF, Some(17), &["vfio3"]);
+        t.link(&format!("sys/bus/pci/devices/{VF}/physfn"), &format!("../{PF}"));
+        t.file(&format!("sys/bus/pci/devices/{VF}/nvidia/current_vgpu_type"), type_text);
+        t.file(&format!("sys/bus/pci/devices/{VF}/nvidia/creatable_vgpu_types"), "");
+    }
+
+    fn type_file() -> String {
+        format!("sys/bus/pci/devices/{VF}/nvidia/current_vgpu_type")
+    }
+
+    fn clear_vf(t: &Tree, recorded: Option<u32>) -> (Result<Cleared, ClearError>, Vec<Step>) {
+        let kind = ClaimKind::Vf { type_id: recorded };
+        let steps = Recorder::new(true);
+        let r = backend(&kind).clear(&t.host, &Held { device: VF, gpu: PF, kind: &kind }, &steps);
+        (r, steps.taken())
+    }
+
+    #[test]
+    fn a_vf_is_attached_and_held_through_its_group_node_and_its_cdevs() {
+        let t = Tree::new();
+        vf(&t, "0\n");
+        let kind = ClaimKind::Vf { type_id: None };
+        let held = Held { device: VF, gpu: PF, kind: &kind };
+        assert_eq!(
+            backend(&kind).release_targets(&t.host, &held).unwrap(),
+            vec![t.path("dev/vfio/17"), t.path("dev/vfio/devices/vfio3")]
+        );
+        assert_eq!(
+            backend(&kind).vfio_device(&t.host, &held),
+            VfioDevice { sysfs: vec![t.host.pci_device(VF)], group: Some(17) }
+        );
+    }
+
+    #[test]
+    fn a_vf_whose_cdevs_cannot_be_listed_has_unknown_holders() {
+        let t = Tree::new();
+        vf(&t, "0\n");
+        fs::remove_dir_all(t.path(&format!("sys/bus/pci/devices/{VF}/vfio-dev"))).unwrap();
+        t.file(&format!("sys/bus/pci/devices/{VF}/vfio-dev"), "not a directory");
+        let kind = ClaimKind::Vf { type_id: None };
+        let e = backend(&kind).release_targets(&t.host, &Held { device: VF, gpu: PF, kind: &kind }).unwrap_err();
+        assert!(e.contains("cannot be read") && e.contains("vfio-dev"), "{e}");
+    }
+
+    #[test]
+    fn clearing_a_vf_writes_0_reads_it_back_and_reports_the_write() {
+        let t = Tree::new();
+        vf(&t, "7\n");
+        let (r, steps) = clear_vf(&t, Some(7));
+        assert_eq!(r, Ok(Cleared::Wrote));
+        assert_eq!(t.read(&type_file()), "0\n");
+        assert_eq!(
+            steps,
+            vec![Step::Write { device: VF.into(), gpu: PF.into(), site: WriteSite::ClearType, ok: true }]
+        );
+    }
+
+    #[test]
+    fn a_vf_found_clear_or_gone_is_not_written_and_reports_nothing() {
+        let t = Tree::new();
+        vf(&t, "0\n");
+        assert_eq!(clear_vf(&t, Some(7)), (Ok(Cleared::FoundClear), vec![]));
+        fs::remove_file(t.path(&type_file())).unwrap();
+        assert_eq!(clear_vf(&t, Some(7)), (Ok(Cleared::FoundClear), vec![]));
+    }
+
+    #[test]
+    fn a_vf_reading_a_type_gpuvisor_did_not_record_is_foreign_and_untouched() {
+        let t = Tree::new();
+        vf(&t, "9\n");
+        assert_eq!(clear_vf(&t, Some(7)), (Err(ClearError::Foreign { value: 9 }), vec![]));
+        assert_eq!(t.read(&type_file()), "9\n");
+        // No recorded type (an orphan the sweep saw as any type): cleared.
+        assert_eq!(clear_vf(&t, None).0, Ok(Cleared::Wrote));
+    }
+
+    #[test]
+    fn an_unreadable_type_is_a_failed_clear_and_nothing_is_written() {
+        let t = Tree::new();
+        vf(&t, "garbage\n");
+        let (r, steps) = clear_vf(&t, Some(7));
+        assert!(
+            matches!(&r, Err(ClearError::Failed(w)) if w.message.contains("cannot read current_vgpu_type")),
+            "{r:?}"
+        );
+        assert_eq!(t.read(&type_file()), "garbage\n");
+        assert_eq!(
+            steps,
+            vec![Step::Write { device: VF.into(), gpu: PF.into(), site: WriteSite::ClearType, ok: false }]
+        );
+    }
+}
