@@ -71,6 +71,83 @@ pub trait ClearSteps {
     fn mdev_removed(&self, uuid: uuid::Uuid);
 }
 
+/// What the health accounting made of a failed write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// No mark (not an EIO, or a first create-time EIO).
+    None,
+    /// A strike against the device.
+    Strike,
+    /// One GPU-level problem: the rest of this GPU's candidates are skipped by the caller.
+    GpuFault { gpu: String },
+}
+
+/// What the claim sequence does around a backend's configure (under the configure and
+/// device locks): the health accounting of each write, the records and host services a
+/// kind needs. Implemented by the claim path only.
+pub trait ConfigureSteps {
+    /// A write's outcome for `device` on `gpu`, and what the health accounting made of it.
+    fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>) -> Verdict;
+    /// Quarantines `device` (`reason`, e.g. `foreign_write`).
+    fn quarantine(&self, device: &str, reason: &str, detail: &str);
+    /// Records the mdev `uuid` before it is created on `parent` (an error: nothing is
+    /// created).
+    fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), String>;
+    /// The mdev `uuid` was not created: its record may go.
+    fn mdev_not_created(&self, uuid: uuid::Uuid);
+    /// Makes sure no host process holds the GPU `gpu` through the host driver's `node`
+    /// (stopping the configured host services if need be). `Ok(true)`: services were
+    /// stopped, and [`ConfigureSteps::start_services`] must run once the bind is done.
+    fn free_from_host_driver(&self, gpu: &str, node: &std::path::Path) -> Result<bool, Refused>;
+    /// Starts the host services [`ConfigureSteps::free_from_host_driver`] stopped.
+    fn start_services(&self);
+}
+
+/// A device the configure step refused.
+#[derive(Debug)]
+pub struct Refused {
+    /// Why, one sentence.
+    pub why: String,
+    /// What the health accounting made of the failed write.
+    pub verdict: Verdict,
+    /// The device was left as it was found (or reads clear): the claim can simply be
+    /// dropped. `false`: its state is unknown and the claim must go through the release path.
+    pub untouched: bool,
+    /// A sysfs write was attempted (counts against the claim's limit of failed writes).
+    pub wrote: bool,
+    /// The answer a request for this very device gets instead of `no_capacity`.
+    pub answer: Option<Answer>,
+}
+
+impl Refused {
+    /// Refused before any write.
+    pub fn untouched(why: impl Into<String>) -> Refused {
+        Refused { why: why.into(), verdict: Verdict::None, untouched: true, wrote: false, answer: None }
+    }
+
+    /// A write was refused.
+    pub fn write_failed(why: impl Into<String>, verdict: Verdict, untouched: bool) -> Refused {
+        Refused { why: why.into(), verdict, untouched, wrote: true, answer: None }
+    }
+
+    /// Refused before any write, with the answer a request for this very device gets.
+    pub fn answer(why: impl Into<String>, answer: Answer) -> Refused {
+        Refused { why: why.into(), verdict: Verdict::None, untouched: true, wrote: false, answer: Some(answer) }
+    }
+}
+
+/// The answer to a request for this very device (the sequence turns it into the API's
+/// error for the device).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The GPU's IOMMU group holds `foreign` functions gpuvisor does not manage.
+    GroupConflict { group: u32, foreign: Vec<String> },
+    /// Host processes (`holders`, described) hold the GPU through the host driver's `node`.
+    GpuBusy { node: String, holders: Vec<String>, services_stopped: bool },
+    /// Moving the group to `vfio-pci` failed with `error`.
+    BindFailed { error: String },
+}
+
 /// Why a clear did not complete.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ClearError {
@@ -104,6 +181,25 @@ pub trait Backend: Sync {
     ///
     /// **Only the release path calls this.**
     fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError>;
+
+    /// The type a claimed device holds now that must be cleared (through the release path)
+    /// before it is configured: a dirty VF. `None` for a kind that is created fresh. An
+    /// error: its state cannot be read.
+    fn dirty(&self, _host: &HostRoot, _held: &Held<'_>) -> Result<Option<u32>, String> {
+        Ok(None)
+    }
+
+    /// Configures the claimed `held` for `profile` (the type write and its read-back, the
+    /// mdev create, the passthrough bind), reporting each write to `steps`; the sequence
+    /// holds the configure and device locks. Answers the claim's kind as configured (a VF
+    /// records the type id it wrote).
+    fn configure(
+        &self,
+        host: &HostRoot,
+        held: &Held<'_>,
+        profile: &str,
+        steps: &dyn ConfigureSteps,
+    ) -> Result<ClaimKind, Refused>;
 
     /// What the VMM attaches for `held` (docs/design/host.md §5: the group node and the
     /// device's sysfs directory).

@@ -7,7 +7,9 @@
 //! The one primitive that removes an mdev is the private `remove`, reached only through
 //! [`Mdev`]'s [`Backend::clear`], which only the release path (`instances::release`) calls.
 
-use super::backend::{wrong_kind, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
+use super::backend::{
+    wrong_kind, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice, WriteSite,
+};
 use super::{errno_name, link_basename, read_attr, write_attr, Cleared, UnreadableDevice, WriteError};
 use crate::host::HostRoot;
 use crate::store::ClaimKind;
@@ -201,7 +203,9 @@ pub fn targets(host: &HostRoot, uuid: &str) -> Result<Vec<PathBuf>, String> {
 /// Creates an mdev of `type_dir` on `parent` with `uuid`, then verifies it exists with
 /// that type. Errors: the create write failed (EEXIST, EINVAL, EUSERS, ... — all mean
 /// "not creatable here") or the device did not appear as asked.
-pub fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Result<(), WriteError> {
+///
+/// Private: the claim path reaches it through [`Mdev`]'s [`Backend::configure`].
+fn create(host: &HostRoot, parent: &str, type_dir: &str, uuid: &str) -> Result<(), WriteError> {
     let path = host.mdev_bus_dir().join(parent).join("mdev_supported_types").join(type_dir).join("create");
     write_attr(&path, uuid).map_err(|e| WriteError::from_io(&format!("creating mdev {uuid} on {parent}"), &e))?;
     match read_device(host, uuid) {
@@ -264,6 +268,35 @@ impl Backend for Mdev {
         let done = res.map_err(ClearError::Failed)?;
         steps.mdev_removed(*uuid);
         Ok(done)
+    }
+
+    /// Records the mdev first, then writes `create` on the claim's device and requires the
+    /// mdev to appear with its type; an mdev that did not appear is forgotten (the device
+    /// is untouched), one that exists in another state is left to the release path.
+    fn configure(
+        &self,
+        host: &HostRoot,
+        held: &Held<'_>,
+        _profile: &str,
+        steps: &dyn ConfigureSteps,
+    ) -> Result<ClaimKind, Refused> {
+        let ClaimKind::Mdev { uuid, mdev_type, .. } = held.kind else {
+            return Err(Refused::untouched("claim lacks an mdev uuid"));
+        };
+        steps.mdev_creating(*uuid, held.device, mdev_type).map_err(Refused::untouched)?;
+        let res = create(host, held.device, mdev_type, &uuid.to_string());
+        let verdict = steps.write_outcome(held.device, held.gpu, WriteSite::MdevCreate, &res);
+        match res {
+            Ok(()) => Ok(held.kind.clone()),
+            Err(w) => match read_device(host, &uuid.to_string()) {
+                Ok(None) => {
+                    steps.mdev_not_created(*uuid);
+                    Err(Refused::write_failed(w.message, verdict, true))
+                }
+                // The mdev exists (or cannot be read): its state is unknown.
+                _ => Err(Refused::write_failed(w.message, verdict, false)),
+            },
+        }
     }
 
     /// The mdev's sysfs directory and its group (read now; none when unreadable).

@@ -21,7 +21,9 @@ pub mod mdev;
 pub mod passthrough;
 pub mod vendor_vfio;
 
-pub use backend::{backend, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
+pub use backend::{
+    backend, Answer, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, Verdict, VfioDevice, WriteSite,
+};
 
 use crate::host::HostRoot;
 use std::fs;

@@ -13,7 +13,9 @@
 //! open **blocks** in the kernel until the user lets go, so a write that has not returned
 //! after [`WRITE_TIMEOUT`] is reported as failed (the thread is left to finish).
 
-use super::backend::{wrong_kind, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
+use super::backend::{
+    wrong_kind, Answer, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice, WriteSite,
+};
 use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, WriteError};
 use crate::host::HostRoot;
 use crate::store::{ClaimKind, PassthroughClaim};
@@ -250,7 +252,9 @@ fn read_driver(host: &HostRoot, bdf: &str) -> Result<Option<String>, WriteError>
 
 /// Moves one function to `vfio-pci` (docs/design/host.md §7 Bind step 4): `driver_override`,
 /// unbind from its driver when bound, `drivers_probe`, and require `vfio-pci` read back.
-pub fn move_to_vfio(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
+///
+/// Private: the claim path reaches it through [`Passthrough`]'s [`Backend::configure`].
+fn move_to_vfio(host: &HostRoot, bdf: &str) -> Result<(), WriteError> {
     write("driver_override", &host.pci_device(bdf).join("driver_override"), VFIO_PCI, bdf)?;
     match read_driver(host, bdf)? {
         Some(d) if d == VFIO_PCI => return Ok(()),
@@ -353,6 +357,27 @@ fn wedged_suffix(host: &HostRoot, bdf: &str) -> String {
     wedged(host, bdf).map(|w| format!("; {w}")).unwrap_or_default()
 }
 
+/// Moves every function of the group to `vfio-pci`, then requires `dev/vfio/<G>`.
+fn bind_group(host: &HostRoot, gpu: &str, pc: &PassthroughClaim, steps: &dyn ConfigureSteps) -> Result<(), Refused> {
+    let fail = |w: WriteError| {
+        let verdict = steps.write_outcome(gpu, gpu, WriteSite::Bind, &Err(w.clone()));
+        let answer = Answer::BindFailed { error: w.message.clone() };
+        Refused { why: w.message, verdict, untouched: false, wrote: true, answer: Some(answer) }
+    };
+    for f in &pc.functions {
+        move_to_vfio(host, &f.bdf).map_err(fail)?;
+    }
+    let node = host.vfio_group_node(pc.group);
+    if !node.exists() {
+        return Err(fail(WriteError::other(format!(
+            "{} did not appear after every function moved to vfio-pci",
+            node.display()
+        ))));
+    }
+    steps.write_outcome(gpu, gpu, WriteSite::Bind, &Ok(()));
+    Ok(())
+}
+
 /// The passthrough backend: a whole GPU and the endpoint functions of its IOMMU group.
 #[derive(Debug, Clone, Copy)]
 pub struct Passthrough;
@@ -433,6 +458,48 @@ impl Backend for Passthrough {
         }
         steps.write_outcome(held.device, held.device, WriteSite::Rebind, &Ok(()));
         Ok(Cleared::Wrote)
+    }
+
+    /// docs/design/host.md §7 Bind: the group must read as the claim recorded it (no
+    /// foreign member, the same drivers), no host process may hold the GPU through the host
+    /// driver (`steps` stops and starts the configured services), then every function moves
+    /// to `vfio-pci` and `dev/vfio/<G>` must appear. Any failure leaves the group to the
+    /// release path (`untouched: false`), which gives every function back.
+    fn configure(
+        &self,
+        host: &HostRoot,
+        held: &Held<'_>,
+        _profile: &str,
+        steps: &dyn ConfigureSteps,
+    ) -> Result<ClaimKind, Refused> {
+        let Ok(pc) = Passthrough::record(held) else {
+            return Err(Refused::untouched("the claim lacks its passthrough record"));
+        };
+        let now = match read_gpu(host, held.device) {
+            Ok(Some(g)) => g,
+            Ok(None) => return Err(Refused::untouched("the GPU is gone from the host")),
+            Err(e) => return Err(Refused::untouched(format!("cannot be read: {e}"))),
+        };
+        if !now.foreign.is_empty() {
+            let answer = Answer::GroupConflict { group: now.group, foreign: now.foreign.clone() };
+            return Err(Refused::answer(format!("its IOMMU group {} has foreign members", now.group), answer));
+        }
+        let recorded: Vec<(&str, Option<&str>)> =
+            pc.functions.iter().map(|f| (f.bdf.as_str(), f.original_driver.as_deref())).collect();
+        let current: Vec<(&str, Option<&str>)> =
+            now.functions.iter().map(|f| (f.bdf.as_str(), f.driver.as_deref())).collect();
+        if now.group != pc.group || recorded != current {
+            return Err(Refused::untouched(format!("its group changed since it was observed ({})", now.binding())));
+        }
+        let stopped = match now.nvidia_minor {
+            Some(minor) => steps.free_from_host_driver(held.device, &nvidia_node(host, minor))?,
+            None => false,
+        };
+        let r = bind_group(host, held.device, pc, steps);
+        if stopped {
+            steps.start_services();
+        }
+        r.map(|()| held.kind.clone())
     }
 
     /// Every function's sysfs directory, and the group the claim recorded.

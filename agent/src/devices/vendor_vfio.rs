@@ -7,7 +7,9 @@
 //! private `clear`, reached only through [`VendorVfio`]'s [`Backend::clear`], which only the
 //! release path (`instances::release`) calls.
 
-use super::backend::{wrong_kind, Backend, ClearError, ClearSteps, Held, VfioDevice, WriteSite};
+use super::backend::{
+    wrong_kind, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, Verdict, VfioDevice, WriteSite,
+};
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
 use super::{errno_name, link_basename, read_attr, write_attr, Cleared, WriteError};
 use crate::host::HostRoot;
@@ -203,7 +205,9 @@ impl std::fmt::Display for ConfigureError {
 /// Sets the profile's type on a VF that reads `0`: looks the name up in the VF's fresh
 /// catalog, writes the id, reads back. Returns the type id written.
 /// The caller holds the configure and device locks and the claim is durable.
-pub fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, ConfigureError> {
+///
+/// Private: the claim path reaches it through [`VendorVfio`]'s [`Backend::configure`].
+fn set_type(host: &HostRoot, vf: &str, profile: &str) -> Result<u32, ConfigureError> {
     let catalog = read_catalog(host, vf).map_err(|e| ConfigureError::Io(format!("catalog: {}", errno_name(&e))))?;
     let Some(entry) = catalog.find(profile) else {
         return Err(ConfigureError::NotListed(format!("{profile} is not in the catalog of {vf}")));
@@ -298,6 +302,52 @@ impl Backend for VendorVfio {
                 Err(ClearError::Failed(w))
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// A VF reading a non-zero type is dirty (repaired through the release path first).
+    fn dirty(&self, host: &HostRoot, held: &Held<'_>) -> Result<Option<u32>, String> {
+        match read_current_type(host, held.device) {
+            Ok(0) => Ok(None),
+            Ok(t) => Ok(Some(t)),
+            Err(e) => Err(format!("current_vgpu_type unreadable: {e}")),
+        }
+    }
+
+    /// Sets the profile's type with read-back on a VF that reads `0` again under the locks;
+    /// a read-back of a type gpuvisor did not write quarantines the VF (`foreign_write`).
+    fn configure(
+        &self,
+        host: &HostRoot,
+        held: &Held<'_>,
+        profile: &str,
+        steps: &dyn ConfigureSteps,
+    ) -> Result<ClaimKind, Refused> {
+        let vf = held.device;
+        match read_current_type(host, vf) {
+            Ok(0) => {}
+            Ok(v) => return Err(Refused::untouched(format!("reads type {v} again before its type was written"))),
+            Err(e) => return Err(Refused::untouched(format!("current_vgpu_type unreadable: {e}"))),
+        }
+        match set_type(host, vf, profile) {
+            Ok(id) => {
+                steps.write_outcome(vf, held.gpu, WriteSite::SetType, &Ok(()));
+                Ok(ClaimKind::Vf { type_id: Some(id) })
+            }
+            // Not in the fresh catalog: nothing was written.
+            Err(ConfigureError::NotListed(m)) => Err(Refused::untouched(m)),
+            Err(ConfigureError::NotCreatable(w)) => {
+                let verdict = steps.write_outcome(vf, held.gpu, WriteSite::SetType, &Err(w.clone()));
+                Err(Refused::write_failed(w.message, verdict, true))
+            }
+            Err(ConfigureError::Foreign { value }) => {
+                steps.quarantine(vf, "foreign_write", &format!("read back type {value} that gpuvisor did not write"));
+                Err(Refused::write_failed(format!("foreign write: reads {value}"), Verdict::None, true))
+            }
+            Err(ConfigureError::Io(m)) => {
+                let zero = read_current_type(host, vf).ok() == Some(0);
+                Err(Refused::write_failed(m, Verdict::None, zero))
+            }
         }
     }
 

@@ -7,17 +7,14 @@
 //! rest of a GPU whose failures are one GPU-level problem (`health`), so a driver-wide
 //! fault costs a few writes and one clear message, not a write on every VF.
 
-use super::health::{Verdict, WriteSite};
 use super::inventory::{Candidate, PASSTHROUGH};
 use super::policy_calls::PlacementAsk;
 use super::release::{Release, ReleaseError, Released};
 use super::{now_rfc3339, Manager};
-use crate::devices::{mdev, passthrough, vendor_vfio};
+use crate::devices::{self, passthrough, Answer, ConfigureSteps, Held, Refused, Verdict, WriteError, WriteSite};
 use crate::error::{ApiError, ErrorCode};
 use crate::host::proc;
-use crate::store::{
-    Claim, ClaimKind, ClaimState, Framework, InstanceRecord, MdevRecord, Owner, PassthroughWant, StoreError,
-};
+use crate::store::{Claim, ClaimState, Framework, InstanceRecord, MdevRecord, Owner, PassthroughWant, StoreError};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -68,9 +65,63 @@ impl Refusal {
         Refusal { why: why.into(), verdict, untouched, wrote: true, error: None }
     }
 
-    /// Refused before any write, with the error a request for this very GPU gets.
-    fn answer(e: ApiError) -> Refusal {
-        Refusal { why: e.message.clone(), verdict: Verdict::None, untouched: true, wrote: false, error: Some(e) }
+    /// A backend's refusal of `device`, its answer as the API's error for that device (a
+    /// refusal before any write says the error's message).
+    fn from_refused(r: Refused, device: &str) -> Refusal {
+        let error = r.answer.map(|a| match a {
+            Answer::GroupConflict { group, foreign } => ApiError::iommu_group_conflict(device, group, &foreign),
+            Answer::GpuBusy { node, holders, services_stopped } => {
+                ApiError::gpu_busy(device, &node, &holders, services_stopped)
+            }
+            Answer::BindFailed { error } => ApiError::passthrough_bind_failed(device, &error, ""),
+        });
+        let why = match &error {
+            Some(e) if !r.wrote => e.message.clone(),
+            _ => r.why,
+        };
+        Refusal { why, verdict: r.verdict, untouched: r.untouched, wrote: r.wrote, error }
+    }
+}
+
+/// The claim path's side of a backend's configure: the health accounting, the mdev
+/// records, the host services of a passthrough bind.
+struct Steps<'a> {
+    m: &'a Manager,
+    claim: &'a Claim,
+}
+
+impl ConfigureSteps for Steps<'_> {
+    fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>) -> Verdict {
+        self.m.write_outcome(device, gpu, site, result)
+    }
+
+    fn quarantine(&self, device: &str, reason: &str, detail: &str) {
+        self.m.quarantine(device, reason, detail);
+    }
+
+    fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), String> {
+        let rec = MdevRecord {
+            uuid,
+            parent: parent.to_string(),
+            mdev_type: mdev_type.to_string(),
+            instance_id: self.claim.owner.instance(),
+            created_at: now_rfc3339(),
+            boot_id: self.claim.claim_boot_id.clone(),
+            created_boottime_ms: proc::boottime_ms(),
+        };
+        self.m.store.write_mdev(&rec).map_err(|e| e.to_string())
+    }
+
+    fn mdev_not_created(&self, uuid: uuid::Uuid) {
+        let _ = self.m.store.remove_mdev(uuid);
+    }
+
+    fn free_from_host_driver(&self, _gpu: &str, node: &std::path::Path) -> Result<bool, Refused> {
+        self.m.free_from_host_driver(node)
+    }
+
+    fn start_services(&self) {
+        self.m.host_services("start", &self.m.cfg.passthrough_start_services);
     }
 }
 
@@ -268,129 +319,72 @@ impl Manager {
         Ok(Ok(()))
     }
 
-    /// Configures a claimed device by its kind (the same step for every owner).
+    /// Configures a claimed device through its kind's backend (the same step for every
+    /// owner): a dirty device is repaired first (through the release path), then, under
+    /// the configure and device locks, the backend configures it.
     fn configure(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
-        match &claim.kind {
-            ClaimKind::Vf { .. } => self.configure_vf(claim, cand),
-            ClaimKind::Mdev { .. } => self.configure_mdev(claim),
-            ClaimKind::Passthrough(_) => self.configure_passthrough(claim),
-        }
-    }
-
-    /// Configures a claimed VF: repairs it first if dirty (through the release path), then
-    /// sets the type with read-back, under the configure and device locks.
-    fn configure_vf(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
-        let vf = claim.device.clone();
-        let cur = vendor_vfio::read_current_type(&self.host, &vf)
-            .map_err(|e| Refusal::untouched(format!("current_vgpu_type unreadable: {e}")))?;
-        if cur != 0 {
-            if !cand.dirty {
-                return Err(Refusal::untouched(format!("reads type {cur} since it was observed free")));
-            }
-            match self.release(Release::Repair { claim, type_id: cur }, Duration::ZERO) {
-                Ok(Released::Cleared | Released::FoundClear) => {
-                    tracing::info!(gpu.device = %vf, old_type = %cur, "dirty VF repaired")
-                }
-                Ok(Released::NotOurs) => return Err(Refusal::untouched("the claim changed during the repair")),
-                Err(ReleaseError::InUse(pids)) => {
-                    return Err(Refusal::untouched(format!("dirty (type {cur}) and in use by pid {pids:?}")))
-                }
-                Err(ReleaseError::ScanIncomplete(reason)) => {
-                    return Err(Refusal::untouched(format!(
-                        "dirty (type {cur}) and its holders cannot be verified: {reason}"
-                    )))
-                }
-                Err(e @ (ReleaseError::Failed(_) | ReleaseError::Foreign(_))) => {
-                    return Err(Refusal::write_failed(
-                        format!("dirty (type {cur}) and not repaired: {e}"),
-                        Verdict::None,
-                        true,
-                    ))
-                }
-                Err(e) => return Err(Refusal::untouched(format!("dirty (type {cur}) and not repaired: {e}"))),
-            }
-            crate::crash_point!("configure_after_repair");
+        let backend = devices::backend(&claim.kind);
+        let dirty = backend.dirty(&self.host, &Held::of(claim)).map_err(Refusal::untouched)?;
+        if let Some(cur) = dirty {
+            self.repair(claim, cand, cur)?;
         }
         // The repair (through the release path: allocation lock, then device lock) is done
         // before the configure lock is taken, so the locks are always taken in one order.
         let _c = self.configure_lock();
-        let dev_lock = self.device_lock(&vf);
-        let _d = crate::sync::lock(&dev_lock);
-        match vendor_vfio::read_current_type(&self.host, &vf) {
-            Ok(0) => {}
-            Ok(v) => return Err(Refusal::untouched(format!("reads type {v} again before its type was written"))),
-            Err(e) => return Err(Refusal::untouched(format!("current_vgpu_type unreadable: {e}"))),
-        }
-        match vendor_vfio::set_type(&self.host, &vf, &claim.profile) {
-            Ok(id) => {
-                claim.kind = ClaimKind::Vf { type_id: Some(id) };
-                self.write_outcome(&vf, &claim.gpu, WriteSite::SetType, &Ok(()));
-                Ok(())
-            }
-            // Not in the fresh catalog: nothing was written.
-            Err(vendor_vfio::ConfigureError::NotListed(m)) => Err(Refusal::untouched(m)),
-            Err(vendor_vfio::ConfigureError::NotCreatable(w)) => {
-                let verdict = self.write_outcome(&vf, &claim.gpu, WriteSite::SetType, &Err(w.clone()));
-                Err(Refusal::write_failed(w.message, verdict, true))
-            }
-            Err(vendor_vfio::ConfigureError::Foreign { value }) => {
-                self.quarantine(&vf, "foreign_write", &format!("read back type {value} that gpuvisor did not write"));
-                Err(Refusal::write_failed(format!("foreign write: reads {value}"), Verdict::None, true))
-            }
-            Err(vendor_vfio::ConfigureError::Io(m)) => {
-                let zero = vendor_vfio::read_current_type(&self.host, &vf).ok() == Some(0);
-                Err(Refusal::write_failed(m, Verdict::None, zero))
-            }
-        }
-    }
-
-    /// Moves a claimed passthrough GPU's group to `vfio-pci` (docs/design/host.md §7 Bind), under
-    /// the configure and device locks: the group must read as the claim recorded it (no
-    /// foreign member, the same drivers), no host process may hold the GPU through the host
-    /// driver (services are stopped only when configured, and started again afterwards),
-    /// then every function moves and `dev/vfio/<G>` must appear. Any failure leaves the
-    /// group to the release path (`untouched: false`), which gives every function back.
-    fn configure_passthrough(&self, claim: &Claim) -> Result<(), Refusal> {
-        let ClaimKind::Passthrough(pc) = &claim.kind else {
-            return Err(Refusal::untouched("the claim lacks its passthrough record"));
-        };
-        let _c = self.configure_lock();
         let dev_lock = self.device_lock(&claim.device);
         let _d = crate::sync::lock(&dev_lock);
-        let now = match passthrough::read_gpu(&self.host, &claim.device) {
-            Ok(Some(g)) => g,
-            Ok(None) => return Err(Refusal::untouched("the GPU is gone from the host")),
-            Err(e) => return Err(Refusal::untouched(format!("cannot be read: {e}"))),
-        };
-        if !now.foreign.is_empty() {
-            return Err(Refusal::answer(ApiError::iommu_group_conflict(&claim.device, now.group, &now.foreign)));
+        let steps = Steps { m: self, claim };
+        match backend.configure(&self.host, &Held::of(claim), &claim.profile, &steps) {
+            Ok(kind) => {
+                claim.kind = kind;
+                Ok(())
+            }
+            Err(r) => Err(Refusal::from_refused(r, &claim.device)),
         }
-        let recorded: Vec<(&str, Option<&str>)> =
-            pc.functions.iter().map(|f| (f.bdf.as_str(), f.original_driver.as_deref())).collect();
-        let current: Vec<(&str, Option<&str>)> =
-            now.functions.iter().map(|f| (f.bdf.as_str(), f.driver.as_deref())).collect();
-        if now.group != pc.group || recorded != current {
-            return Err(Refusal::untouched(format!("its group changed since it was observed ({})", now.binding())));
-        }
-        let stopped = self.free_from_host_driver(&claim.device, &now)?;
-        let r = self.bind_group(claim, pc);
-        if stopped {
-            self.host_services("start", &self.cfg.passthrough_start_services);
-        }
-        r
     }
 
-    /// Makes sure no host process holds the GPU through `dev/nvidia<N>`. A holder with no
-    /// `passthrough_stop_services` configured is `gpu_busy`; with them, the services are
-    /// stopped first (`Ok(true)`: they must be started again).
-    fn free_from_host_driver(&self, gpu: &str, now: &passthrough::PtGpu) -> Result<bool, Refusal> {
-        let Some(minor) = now.nvidia_minor else { return Ok(false) };
-        let node = passthrough::nvidia_node(&self.host, minor);
-        let holders = || match proc::scan_open_handles(std::slice::from_ref(&node)) {
+    /// Repairs a dirty claimed device (it reads type `cur`) through the release path, when
+    /// the observation saw it dirty (one found dirty since it was seen free is refused).
+    fn repair(&self, claim: &Claim, cand: &Candidate, cur: u32) -> Result<(), Refusal> {
+        let vf = &claim.device;
+        if !cand.dirty {
+            return Err(Refusal::untouched(format!("reads type {cur} since it was observed free")));
+        }
+        match self.release(Release::Repair { claim, type_id: cur }, Duration::ZERO) {
+            Ok(Released::Cleared | Released::FoundClear) => {
+                tracing::info!(gpu.device = %vf, old_type = %cur, "dirty VF repaired")
+            }
+            Ok(Released::NotOurs) => return Err(Refusal::untouched("the claim changed during the repair")),
+            Err(ReleaseError::InUse(pids)) => {
+                return Err(Refusal::untouched(format!("dirty (type {cur}) and in use by pid {pids:?}")))
+            }
+            Err(ReleaseError::ScanIncomplete(reason)) => {
+                return Err(Refusal::untouched(format!(
+                    "dirty (type {cur}) and its holders cannot be verified: {reason}"
+                )))
+            }
+            Err(e @ (ReleaseError::Failed(_) | ReleaseError::Foreign(_))) => {
+                return Err(Refusal::write_failed(
+                    format!("dirty (type {cur}) and not repaired: {e}"),
+                    Verdict::None,
+                    true,
+                ))
+            }
+            Err(e) => return Err(Refusal::untouched(format!("dirty (type {cur}) and not repaired: {e}"))),
+        }
+        crate::crash_point!("configure_after_repair");
+        Ok(())
+    }
+
+    /// Makes sure no host process holds the GPU through the host driver's `node`. A holder
+    /// with no `passthrough_stop_services` configured is `gpu_busy`; with them, the services
+    /// are stopped first (`Ok(true)`: they must be started again).
+    fn free_from_host_driver(&self, node: &std::path::Path) -> Result<bool, Refused> {
+        let holders = || match proc::scan_open_handles(&[node.to_path_buf()]) {
             proc::HandleScan::Clean => Ok(vec![]),
             proc::HandleScan::Held { pids } => Ok(pids),
             proc::HandleScan::Unknown { reason } => {
-                Err(Refusal::untouched(format!("the holders of {} cannot be verified: {reason}", node.display())))
+                Err(Refused::untouched(format!("the holders of {} cannot be verified: {reason}", node.display())))
             }
         };
         let mut pids = holders()?;
@@ -409,8 +403,9 @@ impl Manager {
         if stopped {
             self.host_services("start", &self.cfg.passthrough_start_services);
         }
-        let named: Vec<String> = pids.iter().map(|p| proc::describe_pid(*p)).collect();
-        Err(Refusal::answer(ApiError::gpu_busy(gpu, &node.display().to_string(), &named, stopped)))
+        let holders: Vec<String> = pids.iter().map(|p| proc::describe_pid(*p)).collect();
+        let answer = Answer::GpuBusy { node: node.display().to_string(), holders, services_stopped: stopped };
+        Err(Refused::answer("held through the host driver", answer))
     }
 
     /// Runs a `passthrough_*_services` command, killed after [`SERVICE_COMMAND_TIMEOUT`]
@@ -447,27 +442,6 @@ impl Manager {
         }
     }
 
-    /// Moves every function of the group to `vfio-pci`, then requires `dev/vfio/<G>`.
-    fn bind_group(&self, claim: &Claim, pc: &crate::store::PassthroughClaim) -> Result<(), Refusal> {
-        let fail = |w: crate::devices::WriteError| {
-            let verdict = self.write_outcome(&claim.device, &claim.device, WriteSite::Bind, &Err(w.clone()));
-            let e = ApiError::passthrough_bind_failed(&claim.device, &w.message, "");
-            Refusal { why: w.message, verdict, untouched: false, wrote: true, error: Some(e) }
-        };
-        for f in &pc.functions {
-            passthrough::move_to_vfio(&self.host, &f.bdf).map_err(fail)?;
-        }
-        let node = self.host.vfio_group_node(pc.group);
-        if !node.exists() {
-            return Err(fail(crate::devices::WriteError::other(format!(
-                "{} did not appear after every function moved to vfio-pci",
-                node.display()
-            ))));
-        }
-        self.write_outcome(&claim.device, &claim.device, WriteSite::Bind, &Ok(()));
-        Ok(())
-    }
-
     /// A `passthrough_bind_failed` answer carries the binding read after the release path
     /// gave the group back.
     fn with_binding_now(&self, e: ApiError, cand: &Candidate) -> ApiError {
@@ -481,39 +455,6 @@ impl Manager {
         };
         let error = e.details().get("error").and_then(|v| v.as_str()).unwrap_or_default().to_string();
         ApiError::passthrough_bind_failed(&cand.device, &error, &binding)
-    }
-
-    /// Creates the claim's mdev: records it in `mdevs/` first, then writes `create`.
-    fn configure_mdev(&self, claim: &mut Claim) -> Result<(), Refusal> {
-        let _c = self.configure_lock();
-        let dev_lock = self.device_lock(&claim.device);
-        let _d = crate::sync::lock(&dev_lock);
-        let ClaimKind::Mdev { uuid, mdev_type: t, .. } = claim.kind.clone() else {
-            return Err(Refusal::untouched("claim lacks an mdev uuid"));
-        };
-        let mrec = MdevRecord {
-            uuid,
-            parent: claim.device.clone(),
-            mdev_type: t.clone(),
-            instance_id: claim.owner.instance(),
-            created_at: now_rfc3339(),
-            boot_id: claim.claim_boot_id.clone(),
-            created_boottime_ms: proc::boottime_ms(),
-        };
-        self.store.write_mdev(&mrec).map_err(|e| Refusal::untouched(e.to_string()))?;
-        let res = mdev::create(&self.host, &claim.device, &t, &uuid.to_string());
-        let verdict = self.write_outcome(&claim.device, &claim.gpu, WriteSite::MdevCreate, &res);
-        match res {
-            Ok(()) => Ok(()),
-            Err(w) => match mdev::read_device(&self.host, &uuid.to_string()) {
-                Ok(None) => {
-                    let _ = self.store.remove_mdev(uuid);
-                    Err(Refusal::write_failed(w.message, verdict, true))
-                }
-                // The mdev exists (or cannot be read): its state is unknown.
-                _ => Err(Refusal::write_failed(w.message, verdict, false)),
-            },
-        }
     }
 
     /// Claims exactly `device` for the external `owner` and configures it through the same

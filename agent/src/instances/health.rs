@@ -33,7 +33,7 @@ pub const GPU_FAULT_WINDOW: Duration = Duration::from_secs(60);
 /// The reason of a GPU-level mark.
 pub const GPU_FAULT: &str = "gpu_fault";
 
-pub use crate::devices::WriteSite;
+pub use crate::devices::{Verdict, WriteSite};
 
 /// True for a write that configures (a failure there refuses a candidate).
 fn at_create(site: WriteSite) -> bool {
@@ -54,17 +54,6 @@ struct RecentFailure {
 pub struct HealthState {
     create_streaks: Mutex<HashMap<String, u32>>,
     recent: Mutex<Vec<RecentFailure>>,
-}
-
-/// What the health accounting made of a failed write.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
-    /// No mark (not an EIO, or a first create-time EIO).
-    None,
-    /// A strike against the device.
-    Strike,
-    /// One GPU-level problem: the rest of this GPU's candidates are skipped by the caller.
-    GpuFault { gpu: String },
 }
 
 impl Manager {
