@@ -225,7 +225,7 @@ pub(crate) fn wrong_kind(backend: &str, held: &Held<'_>) -> String {
 /// records what a clear reported, for the backends' unit tests.
 #[cfg(test)]
 pub(crate) mod testing {
-    use super::{ClearSteps, WriteSite};
+    use super::{Answer, ClearSteps, ConfigureSteps, Refused, Verdict, WriteSite};
     use crate::devices::WriteError;
     use crate::host::HostRoot;
     use std::cell::RefCell;
@@ -302,17 +302,24 @@ pub(crate) mod testing {
         Quarantine { device: String, reason: String },
         ResetDone,
         MdevRemoved(uuid::Uuid),
+        MdevCreating { uuid: uuid::Uuid, parent: String, mdev_type: String },
+        MdevNotCreated(uuid::Uuid),
+        FreeFromHostDriver(PathBuf),
+        StartServices,
     }
 
-    /// Records every step; `may_reset` answers as set.
+    /// Records every step; `may_reset` answers as set; the host driver's holders are
+    /// `busy` (a `gpu_busy` answer) or none, after stopping services when `services`.
     pub struct Recorder {
         pub steps: RefCell<Vec<Step>>,
         pub may_reset: bool,
+        pub busy: bool,
+        pub services: bool,
     }
 
     impl Recorder {
         pub fn new(may_reset: bool) -> Recorder {
-            Recorder { steps: RefCell::new(Vec::new()), may_reset }
+            Recorder { steps: RefCell::new(Vec::new()), may_reset, busy: false, services: false }
         }
 
         pub fn taken(&self) -> Vec<Step> {
@@ -340,6 +347,42 @@ pub(crate) mod testing {
         }
         fn mdev_removed(&self, uuid: uuid::Uuid) {
             self.steps.borrow_mut().push(Step::MdevRemoved(uuid));
+        }
+    }
+
+    impl ConfigureSteps for Recorder {
+        fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>) -> Verdict {
+            ClearSteps::write_outcome(self, device, gpu, site, result);
+            Verdict::None
+        }
+        fn quarantine(&self, device: &str, reason: &str, detail: &str) {
+            ClearSteps::quarantine(self, device, reason, detail);
+        }
+        fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), String> {
+            self.steps.borrow_mut().push(Step::MdevCreating {
+                uuid,
+                parent: parent.into(),
+                mdev_type: mdev_type.into(),
+            });
+            Ok(())
+        }
+        fn mdev_not_created(&self, uuid: uuid::Uuid) {
+            self.steps.borrow_mut().push(Step::MdevNotCreated(uuid));
+        }
+        fn free_from_host_driver(&self, _gpu: &str, node: &Path) -> Result<bool, Refused> {
+            self.steps.borrow_mut().push(Step::FreeFromHostDriver(node.to_path_buf()));
+            if self.busy {
+                let answer = Answer::GpuBusy {
+                    node: node.display().to_string(),
+                    holders: vec!["7 (x)".into()],
+                    services_stopped: false,
+                };
+                return Err(Refused::answer("busy", answer));
+            }
+            Ok(self.services)
+        }
+        fn start_services(&self) {
+            self.steps.borrow_mut().push(Step::StartServices);
         }
     }
 

@@ -354,6 +354,42 @@ mod tests {
     }
 
     #[test]
+    fn an_mdev_that_does_not_appear_after_create_is_recorded_first_then_forgotten() {
+        let t = Tree::new();
+        t.file(&format!("sys/class/mdev_bus/{PARENT}/mdev_supported_types/nvidia-1148/create"), "");
+        let k = kind();
+        let steps = Recorder::new(true);
+        let r = backend(&k).configure(&t.host, &Held { device: PARENT, gpu: PF, kind: &k }, "L40S-2Q", &steps);
+        let r = r.unwrap_err();
+        assert!(r.untouched && r.wrote && r.why.contains("did not appear"), "{r:?}");
+        assert_eq!(t.read(&format!("sys/class/mdev_bus/{PARENT}/mdev_supported_types/nvidia-1148/create")), UUID);
+        let uuid = UUID.parse().unwrap();
+        assert_eq!(
+            steps.taken(),
+            vec![
+                Step::MdevCreating { uuid, parent: PARENT.into(), mdev_type: "nvidia-1148".into() },
+                Step::Write { device: PARENT.into(), gpu: PF.into(), site: WriteSite::MdevCreate, ok: false },
+                Step::MdevNotCreated(uuid),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_mdev_that_appears_with_its_type_is_configured() {
+        let t = Tree::new();
+        mdev(&t);
+        t.file(&format!("sys/class/mdev_bus/{PARENT}/mdev_supported_types/nvidia-1148/create"), "");
+        let k = kind();
+        let steps = Recorder::new(true);
+        let r = backend(&k).configure(&t.host, &Held { device: PARENT, gpu: PF, kind: &k }, "L40S-2Q", &steps);
+        assert_eq!(r.unwrap(), k);
+        assert_eq!(
+            steps.taken()[1],
+            Step::Write { device: PARENT.into(), gpu: PF.into(), site: WriteSite::MdevCreate, ok: true }
+        );
+    }
+
+    #[test]
     fn removing_an_mdev_that_is_gone_is_found_clear_and_forgets_its_record() {
         let t = Tree::new();
         let k = kind();

@@ -519,6 +519,7 @@ mod tests {
     use super::*;
     use crate::devices::backend::testing::{Recorder, Step, Tree};
     use crate::devices::backend::{backend, Held};
+    use crate::devices::Refused;
     use crate::store::FunctionRecord;
 
     /// A card (the GPU and its audio function) in IOMMU group 42, bound to `drivers`, each
@@ -552,6 +553,79 @@ mod tests {
 
     fn rebind(gpu: &str, ok: bool) -> Step {
         Step::Write { device: gpu.into(), gpu: gpu.into(), site: WriteSite::Rebind, ok }
+    }
+
+    /// The card as `read_gpu` reads it: display and audio classes, the group's member list,
+    /// the host driver's minor when on `nvidia`.
+    fn observable(t: &Tree, gpu: &str, audio: &str) {
+        t.file(&format!("sys/bus/pci/devices/{gpu}/class"), "0x030200\n");
+        t.file(&format!("sys/bus/pci/devices/{audio}/class"), "0x040300\n");
+        t.link(&format!("sys/kernel/iommu_groups/42/devices/{gpu}"), &format!("../../../../bus/pci/devices/{gpu}"));
+        t.link(&format!("sys/kernel/iommu_groups/42/devices/{audio}"), &format!("../../../../bus/pci/devices/{audio}"));
+        t.file(&format!("proc/driver/nvidia/gpus/{gpu}/information"), "Model: L40S\nDevice Minor: 3\n");
+    }
+
+    fn configure_card(t: &Tree, gpu: &str, kind: &ClaimKind, steps: &Recorder) -> Result<ClaimKind, Refused> {
+        backend(kind).configure(&t.host, &Held { device: gpu, gpu, kind }, "passthrough", steps)
+    }
+
+    #[test]
+    fn a_bind_frees_the_host_driver_moves_every_function_and_a_failure_goes_to_the_release_path() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:87:00.0", "0000:87:00.1");
+        let k = card(&t, gpu, audio, ["nvidia", "snd_hda_intel"]);
+        observable(&t, gpu, audio);
+        let steps = Recorder { services: true, ..Recorder::new(true) };
+        // Plain files: the writes land but nothing rebinds, so the GPU still reads nvidia.
+        let r = configure_card(&t, gpu, &k, &steps).unwrap_err();
+        assert!(!r.untouched && r.wrote, "{r:?}");
+        assert!(
+            matches!(&r.answer, Some(Answer::BindFailed { error }) if error.contains("after the probe, not vfio-pci")),
+            "{r:?}"
+        );
+        assert_eq!(t.read(&format!("sys/bus/pci/devices/{gpu}/driver_override")), "vfio-pci", "override first");
+        assert_eq!(
+            steps.taken(),
+            vec![
+                Step::FreeFromHostDriver(t.path("dev/nvidia3")),
+                Step::Write { device: gpu.into(), gpu: gpu.into(), site: WriteSite::Bind, ok: false },
+                Step::StartServices,
+            ]
+        );
+    }
+
+    #[test]
+    fn a_group_with_a_foreign_member_or_changed_since_observed_is_refused_untouched() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:88:00.0", "0000:88:00.1");
+        let k = card(&t, gpu, audio, ["nvidia", "snd_hda_intel"]);
+        observable(&t, gpu, audio);
+        // The audio function moved to another driver since the observation.
+        std::fs::remove_file(t.path(&format!("sys/bus/pci/devices/{audio}/driver"))).unwrap();
+        let r = configure_card(&t, gpu, &k, &Recorder::new(true)).unwrap_err();
+        assert!(r.untouched && !r.wrote && r.why.contains("its group changed"), "{r:?}");
+        // A NIC in the group.
+        t.pci_function("0000:89:00.0", Some(42), &[]);
+        t.file("sys/bus/pci/devices/0000:89:00.0/class", "0x020000\n");
+        t.link("sys/kernel/iommu_groups/42/devices/0000:89:00.0", "../../../../bus/pci/devices/0000:89:00.0");
+        let steps = Recorder::new(true);
+        let r = configure_card(&t, gpu, &k, &steps).unwrap_err();
+        assert_eq!(r.answer, Some(Answer::GroupConflict { group: 42, foreign: vec!["0000:89:00.0".into()] }));
+        assert!(r.untouched && !r.wrote);
+        assert_eq!(steps.taken(), vec![]);
+    }
+
+    #[test]
+    fn a_gpu_held_through_the_host_driver_is_busy_and_nothing_moves() {
+        let t = Tree::new();
+        let (gpu, audio) = ("0000:8a:00.0", "0000:8a:00.1");
+        let k = card(&t, gpu, audio, ["nvidia", "snd_hda_intel"]);
+        observable(&t, gpu, audio);
+        let steps = Recorder { busy: true, ..Recorder::new(true) };
+        let r = configure_card(&t, gpu, &k, &steps).unwrap_err();
+        assert!(matches!(r.answer, Some(Answer::GpuBusy { .. })), "{r:?}");
+        assert_eq!(t.read(&format!("sys/bus/pci/devices/{gpu}/driver_override")), "(null)\n");
+        assert_eq!(steps.taken(), vec![Step::FreeFromHostDriver(t.path("dev/nvidia3"))]);
     }
 
     #[test]

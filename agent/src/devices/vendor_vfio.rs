@@ -363,6 +363,7 @@ mod tests {
     use super::*;
     use crate::devices::backend::testing::{Recorder, Step, Tree};
     use crate::devices::backend::{backend, Held};
+    use crate::devices::Refused;
 
     const VF: &str = "0000:41:00.4";
     const PF: &str = "0000:41:00.0";
@@ -443,6 +444,55 @@ mod tests {
         assert_eq!(t.read(&type_file()), "9\n");
         // No recorded type (an orphan the sweep saw as any type): cleared.
         assert_eq!(clear_vf(&t, None).0, Ok(Cleared::Wrote));
+    }
+
+    fn configure_vf(t: &Tree, profile: &str) -> (Result<ClaimKind, Refused>, Vec<Step>) {
+        let kind = ClaimKind::Vf { type_id: None };
+        let steps = Recorder::new(true);
+        let r = backend(&kind).configure(&t.host, &Held { device: VF, gpu: PF, kind: &kind }, profile, &steps);
+        (r, steps.taken())
+    }
+
+    #[test]
+    fn configuring_a_vf_writes_the_catalog_id_of_the_profile_and_records_it() {
+        let t = Tree::new();
+        vf(&t, "0\n");
+        t.file(
+            &format!("sys/bus/pci/devices/{VF}/nvidia/creatable_vgpu_types"),
+            "ID    : vGPU Name\n1147  : NVIDIA L40S-1Q\n1148  : NVIDIA L40S-2Q\n",
+        );
+        let kind = ClaimKind::Vf { type_id: None };
+        assert_eq!(backend(&kind).dirty(&t.host, &Held { device: VF, gpu: PF, kind: &kind }), Ok(None));
+        let (r, steps) = configure_vf(&t, "L40S-2Q");
+        assert_eq!(r.unwrap(), ClaimKind::Vf { type_id: Some(1148) });
+        assert_eq!(t.read(&type_file()), "1148\n");
+        assert_eq!(steps, vec![Step::Write { device: VF.into(), gpu: PF.into(), site: WriteSite::SetType, ok: true }]);
+    }
+
+    #[test]
+    fn a_profile_missing_from_the_fresh_catalog_is_refused_before_any_write() {
+        let t = Tree::new();
+        vf(&t, "0\n");
+        t.file(
+            &format!("sys/bus/pci/devices/{VF}/nvidia/creatable_vgpu_types"),
+            "ID    : vGPU Name\n1147  : NVIDIA L40S-1Q\n",
+        );
+        let (r, steps) = configure_vf(&t, "L40S-2Q");
+        let r = r.unwrap_err();
+        assert!(r.untouched && !r.wrote && r.why.contains("not in the catalog"), "{r:?}");
+        assert_eq!((t.read(&type_file()), steps), ("0\n".to_string(), vec![]));
+    }
+
+    #[test]
+    fn a_vf_reading_a_type_is_dirty_and_is_not_configured_over() {
+        let t = Tree::new();
+        vf(&t, "9\n");
+        let kind = ClaimKind::Vf { type_id: None };
+        assert_eq!(backend(&kind).dirty(&t.host, &Held { device: VF, gpu: PF, kind: &kind }), Ok(Some(9)));
+        let (r, steps) = configure_vf(&t, "L40S-2Q");
+        let r = r.unwrap_err();
+        assert!(r.untouched && !r.wrote && r.why.contains("reads type 9 again"), "{r:?}");
+        assert_eq!((t.read(&type_file()), steps), ("9\n".to_string(), vec![]));
     }
 
     #[test]
