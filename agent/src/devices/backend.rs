@@ -169,6 +169,22 @@ pub struct VfioDevice {
     pub group: Option<u32>,
 }
 
+/// What a view shows of a claimed device (`instance.get`, `claim.prepare`, error details).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedDevice {
+    /// Its sysfs directory: the VF's or GPU's, or the mdev's.
+    pub sysfs_path: PathBuf,
+    /// Its PCI address, when the VM gets a PCI function of the host (not for an mdev).
+    pub pci_address: Option<String>,
+    /// Its IOMMU group (read now; passthrough: as the claim recorded it).
+    pub group: Option<u32>,
+}
+
+/// The IOMMU group a sysfs device directory links to (none when unreadable).
+pub(crate) fn group_of(dir: &std::path::Path) -> Option<u32> {
+    super::link_basename(&dir.join("iommu_group")).ok().and_then(|g| g.parse().ok())
+}
+
 /// One device kind.
 pub trait Backend: Sync {
     /// The device nodes whose holders block a release of `held`: a process holding one
@@ -200,6 +216,9 @@ pub trait Backend: Sync {
         profile: &str,
         steps: &dyn ConfigureSteps,
     ) -> Result<ClaimKind, Refused>;
+
+    /// What a view shows of the claimed `held`.
+    fn view(&self, host: &HostRoot, held: &Held<'_>) -> ClaimedDevice;
 
     /// What the VMM attaches for `held` (docs/design/host.md §5: the group node and the
     /// device's sysfs directory).

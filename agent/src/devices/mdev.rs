@@ -8,7 +8,8 @@
 //! [`Mdev`]'s [`Backend::clear`], which only the release path (`instances::release`) calls.
 
 use super::backend::{
-    wrong_kind, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice, WriteSite,
+    group_of, wrong_kind, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice,
+    WriteSite,
 };
 use super::{errno_name, link_basename, read_attr, write_attr, Cleared, UnreadableDevice, WriteError};
 use crate::host::HostRoot;
@@ -299,6 +300,15 @@ impl Backend for Mdev {
         }
     }
 
+    /// The mdev: its directory and group (no PCI address: the VM gets no host function).
+    fn view(&self, host: &HostRoot, held: &Held<'_>) -> ClaimedDevice {
+        let sysfs_path = match held.kind.mdev_uuid() {
+            Some(u) => host.mdev_device(&u.to_string()),
+            None => host.pci_device(held.device),
+        };
+        ClaimedDevice { group: group_of(&sysfs_path), sysfs_path, pci_address: None }
+    }
+
     /// The mdev's sysfs directory and its group (read now; none when unreadable).
     fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice {
         let Some(uuid) = held.kind.mdev_uuid().map(|u| u.to_string()) else {
@@ -338,7 +348,7 @@ mod tests {
     }
 
     #[test]
-    fn an_mdev_is_attached_and_held_through_its_group_node_and_its_cdevs() {
+    fn an_mdev_is_viewed_attached_and_held_through_its_group_node_and_its_cdevs() {
         let t = Tree::new();
         mdev(&t);
         let k = kind();
@@ -350,6 +360,10 @@ mod tests {
         assert_eq!(
             backend(&k).vfio_device(&t.host, &held),
             VfioDevice { sysfs: vec![t.host.mdev_device(UUID)], group: Some(40) }
+        );
+        assert_eq!(
+            backend(&k).view(&t.host, &held),
+            ClaimedDevice { sysfs_path: t.host.mdev_device(UUID), pci_address: None, group: Some(40) }
         );
     }
 

@@ -22,7 +22,8 @@ pub mod passthrough;
 pub mod vendor_vfio;
 
 pub use backend::{
-    backend, Answer, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, Verdict, VfioDevice, WriteSite,
+    backend, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, Verdict,
+    VfioDevice, WriteSite,
 };
 
 use crate::host::HostRoot;

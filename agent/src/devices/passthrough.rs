@@ -14,7 +14,8 @@
 //! after [`WRITE_TIMEOUT`] is reported as failed (the thread is left to finish).
 
 use super::backend::{
-    wrong_kind, Answer, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice, WriteSite,
+    wrong_kind, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice,
+    WriteSite,
 };
 use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, WriteError};
 use crate::host::HostRoot;
@@ -502,6 +503,15 @@ impl Backend for Passthrough {
         r.map(|()| held.kind.clone())
     }
 
+    /// The GPU: its directory and address, and the group the claim recorded.
+    fn view(&self, host: &HostRoot, held: &Held<'_>) -> ClaimedDevice {
+        ClaimedDevice {
+            sysfs_path: host.pci_device(held.device),
+            pci_address: Some(held.device.to_string()),
+            group: Passthrough::record(held).ok().map(|pc| pc.group),
+        }
+    }
+
     /// Every function's sysfs directory, and the group the claim recorded.
     fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice {
         match Passthrough::record(held) {
@@ -629,7 +639,7 @@ mod tests {
     }
 
     #[test]
-    fn a_card_is_attached_by_every_function_and_held_through_its_group_and_every_cdev() {
+    fn a_card_is_viewed_as_its_gpu_attached_by_every_function_and_held_through_its_group_and_every_cdev() {
         let t = Tree::new();
         let (gpu, audio) = ("0000:82:00.0", "0000:82:00.1");
         let k = card(&t, gpu, audio, [VFIO_PCI, VFIO_PCI]);
@@ -641,6 +651,10 @@ mod tests {
         assert_eq!(
             backend(&k).vfio_device(&t.host, &held),
             VfioDevice { sysfs: vec![t.host.pci_device(gpu), t.host.pci_device(audio)], group: Some(42) }
+        );
+        assert_eq!(
+            backend(&k).view(&t.host, &held),
+            ClaimedDevice { sysfs_path: t.host.pci_device(gpu), pci_address: Some(gpu.into()), group: Some(42) }
         );
     }
 

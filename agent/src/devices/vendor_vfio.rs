@@ -8,7 +8,8 @@
 //! release path (`instances::release`) calls.
 
 use super::backend::{
-    wrong_kind, Backend, ClearError, ClearSteps, ConfigureSteps, Held, Refused, Verdict, VfioDevice, WriteSite,
+    group_of, wrong_kind, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, Verdict,
+    VfioDevice, WriteSite,
 };
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
 use super::{errno_name, link_basename, read_attr, write_attr, Cleared, WriteError};
@@ -351,6 +352,12 @@ impl Backend for VendorVfio {
         }
     }
 
+    /// The VF: its directory, address and group.
+    fn view(&self, host: &HostRoot, held: &Held<'_>) -> ClaimedDevice {
+        let sysfs_path = host.pci_device(held.device);
+        ClaimedDevice { group: group_of(&sysfs_path), sysfs_path, pci_address: Some(held.device.to_string()) }
+    }
+
     /// The VF's own sysfs directory and group.
     fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice {
         let info = read_vf(host, held.device, held.gpu.to_string());
@@ -388,7 +395,7 @@ mod tests {
     }
 
     #[test]
-    fn a_vf_is_attached_and_held_through_its_group_node_and_its_cdevs() {
+    fn a_vf_is_viewed_attached_and_held_through_its_group_node_and_its_cdevs() {
         let t = Tree::new();
         vf(&t, "0\n");
         let kind = ClaimKind::Vf { type_id: None };
@@ -400,6 +407,10 @@ mod tests {
         assert_eq!(
             backend(&kind).vfio_device(&t.host, &held),
             VfioDevice { sysfs: vec![t.host.pci_device(VF)], group: Some(17) }
+        );
+        assert_eq!(
+            backend(&kind).view(&t.host, &held),
+            ClaimedDevice { sysfs_path: t.host.pci_device(VF), pci_address: Some(VF.into()), group: Some(17) }
         );
     }
 

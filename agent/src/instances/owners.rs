@@ -25,7 +25,7 @@
 use super::release::{Release, ReleaseError, Released};
 use super::Manager;
 use crate::error::{ApiError, ReleaseFailure};
-use crate::store::{Claim, ClaimKind, ClaimState, External, Framework, Owner, StoreError};
+use crate::store::{Claim, ClaimState, External, Framework, Owner, StoreError};
 use crate::sync::lock;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -284,17 +284,8 @@ impl Manager {
 
     /// The view of a claim (`claim.prepare`, `claim.list`).
     pub(crate) fn prepared_view(&self, c: &Claim) -> PreparedView {
-        let group = match &c.kind {
-            ClaimKind::Passthrough(p) => Some(p.group),
-            ClaimKind::Mdev { uuid, .. } => {
-                crate::devices::link_basename(&self.host.mdev_device(&uuid.to_string()).join("iommu_group"))
-                    .ok()
-                    .and_then(|g| g.parse().ok())
-            }
-            ClaimKind::Vf { .. } => crate::devices::link_basename(&self.host.pci_device(&c.device).join("iommu_group"))
-                .ok()
-                .and_then(|g| g.parse().ok()),
-        };
+        let dev = crate::devices::backend(&c.kind).view(&self.host, &crate::devices::Held::of(c));
+        let group = dev.group;
         let nodes: Vec<String> =
             group.map(|g| format!("/dev/vfio/{g}")).into_iter().chain(["/dev/vfio/vfio".to_string()]).collect();
         let host_paths = group
@@ -312,7 +303,7 @@ impl Manager {
             vfio_group: group,
             device_nodes: nodes,
             host_paths,
-            pci_address: c.kind.mdev_uuid().is_none().then(|| c.device.clone()),
+            pci_address: dev.pci_address,
             parent_gpu: c.gpu.clone(),
             owner: c.owner.clone(),
             state: c.state,

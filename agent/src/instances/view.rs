@@ -705,14 +705,10 @@ impl PassReport {
 const VM_STATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Manager {
-    /// The sysfs path of a claimed device: the VF, or the mdev.
+    /// The sysfs path of a claimed device (its backend's view): the VF or GPU, or the mdev.
     pub(crate) fn device_path(&self, c: &Claim) -> String {
-        match c.kind.mdev_uuid() {
-            Some(u) => self.host.mdev_device(&u.to_string()),
-            None => self.host.pci_device(&c.device),
-        }
-        .display()
-        .to_string()
+        let held = crate::devices::Held::of(c);
+        crate::devices::backend(&c.kind).view(&self.host, &held).sysfs_path.display().to_string()
     }
 
     fn vmm_view(&self, rec: &InstanceRecord) -> Option<VmmView> {
