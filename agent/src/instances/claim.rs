@@ -1,7 +1,8 @@
 //! Claim and configure (docs/design/lifecycle.md Create steps 3–4): observe the host under the
 //! allocation lock, ask the placement plugin, create the claim file of the first candidate
-//! still free, then configure the device (repairing a dirty VF first through the release
-//! path) under the configure and device locks.
+//! still free, then configure the device through its kind's backend
+//! ([`crate::devices::Backend::configure`]; a dirty device is repaired first through the
+//! release path) under the configure and device locks.
 //!
 //! A create gives up after [`MAX_CONFIGURE_FAILURES`] refused candidates, and skips the
 //! rest of a GPU whose failures are one GPU-level problem (`health`), so a driver-wide

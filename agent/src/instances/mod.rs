@@ -8,7 +8,7 @@
 //! | [`request`] | the API's request types and their validation (names, labels, limits) |
 //! | [`inventory`] | observation of the host: framework, VFs/mdevs, what is known about profiles and GPU sizes |
 //! | [`policy_calls`] | every plugin call: record → time → call → count → validate |
-//! | [`claim`] | claim selection and creation, configure of a VF or an mdev |
+//! | [`claim`] | claim selection and creation, configure through the device's backend |
 //! | [`release`] | **the** release path: every clear of every device kind |
 //! | [`owners`] | claims of external owners (`claim.prepare/release/list/owners`) and their liveness rule |
 //! | [`health`] | suspect and quarantine marks, strike accounting, unquarantine |
