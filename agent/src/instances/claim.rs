@@ -127,18 +127,21 @@ impl ConfigureSteps for Steps<'_> {
 }
 
 impl Manager {
-    fn new_claim(&self, rec: &InstanceRecord, c: &Candidate, boot_id: &str, driver: &Option<String>) -> Claim {
+    fn new_claim(
+        &self,
+        rec: &InstanceRecord,
+        c: &Candidate,
+        profile: &str,
+        boot_id: &str,
+        driver: &Option<String>,
+    ) -> Claim {
         Claim {
             device: c.device.clone(),
             owner: Owner::Instance(rec.id),
             owner_name: Some(rec.name.clone()),
             owner_labels: Some(rec.labels.clone()),
             gpu: c.gpu.clone(),
-            profile: if c.passthrough.is_some() {
-                PASSTHROUGH.to_string()
-            } else {
-                rec.gpu_profile.clone().unwrap_or_default()
-            },
+            profile: profile.to_string(),
             kind: c.claim_kind(),
             claimed_at: now_rfc3339(),
             claim_boot_id: boot_id.to_string(),
@@ -199,7 +202,7 @@ impl Manager {
                 notes.push(format!("gave up after {failures} refused candidates"));
                 break;
             }
-            let mut claim = self.new_claim(rec, &cand, &boot_id, &obs.driver_version);
+            let mut claim = self.new_claim(rec, &cand, &profile, &boot_id, &obs.driver_version);
             {
                 let _a = self.alloc();
                 match self.store.create_claim(&claim) {

@@ -175,23 +175,33 @@ impl DeviceRecords {
 pub struct Candidate {
     pub device: String,
     pub gpu: String,
+    /// A VF holding a type with no claim (repaired before configure).
     pub dirty: bool,
-    /// The type a dirty VF holds now (repaired before configure).
-    pub dirty_type: Option<u32>,
-    /// mdev: the type directory to create.
-    pub mdev_type: Option<String>,
-    /// Passthrough: the group and every function's driver now (recorded in the claim as
-    /// the original drivers, before anything changes).
-    pub passthrough: Option<PassthroughClaim>,
+    /// What a claim of it will hold.
+    pub offer: Offer,
+}
+
+/// What a claim of a candidate will hold, by device kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Offer {
+    /// A VF (its type is looked up in its fresh catalog at configure time).
+    Vf,
+    /// An mdev of the type directory `mdev_type` on the candidate.
+    Mdev { mdev_type: String },
+    /// A whole GPU: its group and every function's driver now (recorded in the claim as the
+    /// original drivers, before anything changes).
+    Passthrough(PassthroughClaim),
 }
 
 impl Candidate {
     /// The per-kind part of a fresh claim of this candidate (an mdev gets a new UUID).
     pub fn claim_kind(&self) -> ClaimKind {
-        match (&self.mdev_type, &self.passthrough) {
-            (Some(t), _) => ClaimKind::Mdev { uuid: Uuid::new_v4(), mdev_type: t.clone(), type_id: None },
-            (None, Some(p)) => ClaimKind::Passthrough(p.clone()),
-            (None, None) => ClaimKind::Vf { type_id: None },
+        match &self.offer {
+            Offer::Vf => ClaimKind::Vf { type_id: None },
+            Offer::Mdev { mdev_type } => {
+                ClaimKind::Mdev { uuid: Uuid::new_v4(), mdev_type: mdev_type.clone(), type_id: None }
+            }
+            Offer::Passthrough(p) => ClaimKind::Passthrough(p.clone()),
         }
     }
 }
@@ -658,9 +668,7 @@ impl Manager {
                             device: d.address.clone(),
                             gpu: g.bdf.clone(),
                             dirty: d.state == DeviceState::Dirty,
-                            dirty_type: d.current_type.id().filter(|t| *t != 0 && d.state == DeviceState::Dirty),
-                            mdev_type: None,
-                            passthrough: None,
+                            offer: Offer::Vf,
                         });
                     }
                 }
@@ -723,9 +731,7 @@ impl Manager {
                             device: p.bdf.clone(),
                             gpu: pf.clone(),
                             dirty: false,
-                            dirty_type: None,
-                            mdev_type: Some(t.dir.clone()),
-                            passthrough: None,
+                            offer: Offer::Mdev { mdev_type: t.dir.clone() },
                         });
                     }
                 }
@@ -869,9 +875,7 @@ impl Manager {
                         device: g.address.clone(),
                         gpu: g.address.clone(),
                         dirty: false,
-                        dirty_type: None,
-                        mdev_type: None,
-                        passthrough: Some(PassthroughClaim {
+                        offer: Offer::Passthrough(PassthroughClaim {
                             group: r.group,
                             functions: r
                                 .functions
