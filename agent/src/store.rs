@@ -55,6 +55,11 @@ pub enum StoreError {
     NameTaken { name: String, owner: Uuid },
     #[error("another gpuvisor agent holds {path}")]
     Locked { path: PathBuf },
+    /// An update of a claim the table of [`ClaimState::can_move_to`] does not allow, or of a
+    /// claim whose record is gone or is another claim now (a bug in the caller: nothing is
+    /// written).
+    #[error("claim of {device}: {from} → {to} is not a legal claim update")]
+    IllegalClaimUpdate { device: String, from: String, to: ClaimState },
 }
 
 impl StoreError {
@@ -434,6 +439,20 @@ impl ClaimState {
     /// Every state.
     pub const ALL: [ClaimState; 3] = [ClaimState::Claimed, ClaimState::Configured, ClaimState::ReleasePending];
 
+    /// The claim transition table: the only moves a claim record makes while it exists
+    /// ([`Store::update_claim`] refuses any other). A claim is created `claimed`
+    /// ([`Store::create_claim`]) and ends when the release path removes its record.
+    ///
+    /// | from | to | by |
+    /// |---|---|---|
+    /// | any | the same | an update of its details (an attempt count, an error, a reset record) |
+    /// | claimed | configured | claim: the device configured and read back |
+    /// | claimed, configured | release_pending | release: an attempt failed |
+    pub fn can_move_to(self, to: ClaimState) -> bool {
+        use ClaimState::*;
+        self == to || matches!((self, to), (Claimed, Configured) | (Claimed | Configured, ReleasePending))
+    }
+
     /// The wire name.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -441,6 +460,12 @@ impl ClaimState {
             ClaimState::Configured => "configured",
             ClaimState::ReleasePending => "release_pending",
         }
+    }
+}
+
+impl std::fmt::Display for ClaimState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -1297,7 +1322,23 @@ impl Store {
     }
 
     /// Replaces an existing claim atomically (state changes, release attempts).
+    ///
+    /// Only an existing record of the same claim is updated, and only along the claim
+    /// transition table ([`ClaimState::can_move_to`]): an update of a record that is gone
+    /// (released meanwhile) or is another claim now, or an illegal move, writes nothing
+    /// ([`StoreError::IllegalClaimUpdate`]).
     pub fn update_claim(&self, claim: &Claim) -> Result<()> {
+        let refuse = |from: &str| StoreError::IllegalClaimUpdate {
+            device: claim.device.clone(),
+            from: from.to_string(),
+            to: claim.state,
+        };
+        match self.read_claim(&claim.device)? {
+            None => return Err(refuse("no record")),
+            Some(cur) if !cur.same_claim(claim) => return Err(refuse("another claim")),
+            Some(cur) if !cur.state.can_move_to(claim.state) => return Err(refuse(cur.state.as_str())),
+            Some(_) => {}
+        }
         write_json_atomic(&self.claim_path(&claim.device), claim)
     }
 
@@ -1773,6 +1814,58 @@ mod tests {
         // no temp files left behind
         let names: Vec<_> = fs::read_dir(d.path().join("claims")).unwrap().collect();
         assert_eq!(names.len(), 1);
+    }
+
+    #[test]
+    fn the_claim_transition_table_allows_exactly_the_documented_moves() {
+        use ClaimState::*;
+        let legal = [
+            (Claimed, Claimed),
+            (Configured, Configured),
+            (ReleasePending, ReleasePending),
+            (Claimed, Configured),
+            (Claimed, ReleasePending),
+            (Configured, ReleasePending),
+        ];
+        for from in ClaimState::ALL {
+            for to in ClaimState::ALL {
+                assert_eq!(from.can_move_to(to), legal.contains(&(from, to)), "{from} -> {to}");
+            }
+        }
+    }
+
+    /// An update moves an existing record of the same claim along the table, and writes
+    /// nothing otherwise: not over a released (gone) claim, not over another claim of the
+    /// device, not back from `release_pending`.
+    #[test]
+    fn a_claim_update_moves_only_its_own_record_and_only_along_the_table() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(d.path()).unwrap();
+        let dev = "0000:41:00.4";
+        let mut c = claim(dev);
+        let illegal = |r: Result<()>| assert!(matches!(r, Err(StoreError::IllegalClaimUpdate { .. })), "{r:?}");
+        // Gone: an update never recreates a released claim.
+        c.state = ClaimState::Configured;
+        illegal(s.update_claim(&c));
+        assert!(s.read_claim(dev).unwrap().is_none());
+        c.state = ClaimState::Claimed;
+        s.create_claim(&c).unwrap();
+        c.state = ClaimState::Configured;
+        s.update_claim(&c).unwrap();
+        c.state = ClaimState::ReleasePending;
+        c.release_attempts = 1;
+        s.update_claim(&c).unwrap();
+        // Back from release_pending: refused, the record stays as it was.
+        let mut back = c.clone();
+        back.state = ClaimState::Configured;
+        illegal(s.update_claim(&back));
+        assert_eq!(s.read_claim(dev).unwrap(), Some(c.clone()));
+        // Another claim of the device (released and claimed again meanwhile): refused.
+        s.remove_claim(dev).unwrap();
+        let other = claim(dev);
+        s.create_claim(&other).unwrap();
+        illegal(s.update_claim(&c));
+        assert_eq!(s.read_claim(dev).unwrap(), Some(other));
     }
 
     #[test]

@@ -51,7 +51,8 @@ fn claim(device: &str, id: Uuid, n: u64) -> Claim {
         kind: ClaimKind::Vf { type_id: Some(1148) },
         claimed_at: "2026-01-01T00:00:00Z".into(),
         claim_boot_id: "b".into(),
-        claimed_boottime_ms: n,
+        // The same claim on every rewrite (an update never replaces another claim).
+        claimed_boottime_ms: 1,
         driver_version: None,
         state: ClaimState::ReleasePending,
         release_attempts: n as u32,
