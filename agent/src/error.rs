@@ -322,7 +322,7 @@ impl ApiError {
 
     /// `device_taken`: `claim.prepare` or `claim.release` of a device another owner holds
     /// the claim of (`data.device`, `data.owner`: that owner).
-    pub fn device_taken(device: &str, owner: &crate::store::Owner) -> ApiError {
+    pub fn device_taken(device: &str, owner: &crate::domain::Owner) -> ApiError {
         ApiError::new(ErrorCode::DeviceTaken, format!("{device} is claimed by {owner}, not by the caller"))
             .with("device", device)
             .with("owner", serde_json::to_value(owner).unwrap_or(Value::Null))
@@ -459,17 +459,8 @@ impl std::fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
-impl From<crate::store::StoreError> for ApiError {
-    fn from(e: crate::store::StoreError) -> ApiError {
-        match e {
-            crate::store::StoreError::Corrupt { path, reason } => ApiError::unreadable_record(&path, &reason),
-            e => ApiError::internal(format!("store: {e}")),
-        }
-    }
-}
-
-impl From<crate::store::IllegalTransition> for ApiError {
-    fn from(e: crate::store::IllegalTransition) -> ApiError {
+impl From<crate::domain::IllegalTransition> for ApiError {
+    fn from(e: crate::domain::IllegalTransition) -> ApiError {
         ApiError::internal(e)
     }
 }

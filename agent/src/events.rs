@@ -16,7 +16,7 @@
 //! bounded broadcast channel: a subscriber too slow to keep up gets a `lagged` event saying
 //! how many it missed, never a silent gap. Counted per type in `gpuvisor_events_total`.
 
-use crate::store::{InstanceState, Labels, Owner};
+use crate::domain::{InstanceState, Labels, Owner};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, OnceLock};
