@@ -122,7 +122,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
                 let _ = rx.wait_for(|s| *s).await;
             };
-            let server = tokio::spawn(plugin::serve(node.clone(), stopped(rx.clone())));
+            let mut server = tokio::spawn(plugin::serve(node.clone(), stopped(rx.clone())));
             let signals = async {
                 use tokio::signal::unix::{signal, SignalKind};
                 match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
@@ -135,9 +135,28 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 let _ = tx.send(true);
             };
             let loops = sync::run(node, writer, stopped(rx));
-            let (r, _) = tokio::join!(loops, signals);
-            server.await??;
-            r
+            tokio::pin!(loops);
+            // Whichever ends first: a signal stops both for good; the sync loop or the plugin
+            // server ending on its own is a failure (the API server unreachable at start, a
+            // socket that cannot be bound), and the process exits with it at once rather than
+            // serve half a driver (its supervisor restarts it).
+            tokio::select! {
+                _ = signals => {
+                    let r = loops.await;
+                    server.await??;
+                    r
+                }
+                r = &mut loops => {
+                    let _ = tx.send(true);
+                    let _ = server.await;
+                    r.and_then(|()| Err(anyhow::anyhow!("the sync loop stopped without a signal")))
+                }
+                r = &mut server => Err(match r {
+                    Ok(Ok(())) => anyhow::anyhow!("the kubelet plugin server stopped without a signal"),
+                    Ok(Err(e)) => e.context("the kubelet plugin server"),
+                    Err(e) => anyhow::Error::from(e).context("the kubelet plugin server"),
+                }),
+            }
         }
     }
 }

@@ -222,12 +222,18 @@ fn whole_gpu(out: &mut Pool, host: &Host, g: &Gpu, allocated: &BTreeSet<&str>) {
         }
         Some(Holder::Other) => cap = (0, 0),
     }
+    // A GPU that cannot be given is out of its counters too, not only tainted: the
+    // scheduler cannot allocate it even where device taints are not enforced.
     if let Some(qm) = dev.quarantined() {
         taints.push(taint(TAINT_QUARANTINED, &qm.reason));
         health = (Health::Unhealthy, format!("quarantined: {}", qm.detail.as_deref().unwrap_or(&qm.reason)));
+        cap = (0, 0);
     } else if dev.state == "unreadable" || dev.state == "dirty" {
         taints.push(taint(TAINT_UNAVAILABLE, &dev.state));
         health = (Health::Unhealthy, dev.unreadable.clone().unwrap_or_else(|| dev.state.clone()));
+        cap = (0, 0);
+    } else if let Some(h) = &g.health {
+        health = (Health::Unhealthy, format!("GPU {} has a health mark: {h}", g.address));
     }
     out.counter_sets.push(rv1::CounterSet { name: set.clone(), counters: counters(cap.0, cap.1) });
     let mut attributes = common_attrs(g, host);

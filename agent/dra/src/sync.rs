@@ -160,7 +160,10 @@ pub async fn run(
     stop: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let client = node.client.clone();
-    let mut publisher = Publisher::new(client.clone(), &node.cfg.node).await?;
+    let mut publisher = anyhow::Context::context(
+        Publisher::new(client.clone(), &node.cfg.node).await,
+        "listing this node's ResourceSlices at the API server",
+    )?;
 
     // ResourceClaims of every namespace: a change is a reason for a pass.
     let n = node.clone();

@@ -805,3 +805,48 @@ fn plain_allocated(c: &Cluster, name: &str) -> bool {
     c.get_claim(NS, name)
         .is_some_and(|x| x["status"]["allocation"]["devices"]["results"].as_array().is_some_and(|r| !r.is_empty()))
 }
+
+/// gpuvisor-dra that cannot reach the API server at start exits at once with the error (its
+/// supervisor restarts it), rather than keep serving a plugin with no slices and no passes.
+#[test]
+fn kube_gpuvisor_dra_exits_with_the_error_when_the_api_server_cannot_be_reached() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port nothing listens on: bind one, note it, let it go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:{port}\n    insecure-skip-tls-verify: true\n\
+             users:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n"
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(gpuvisor_e2e::k8s::dra_binary())
+        .args(["serve", "--node", "n1"])
+        .arg("--agent-socket")
+        .arg(dir.path().join("agent.sock"))
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("--plugin-dir")
+        .arg(dir.path().join("plugin"))
+        .arg("--registry-dir")
+        .arg(dir.path().join("registry"))
+        .arg("--cdi-dir")
+        .arg(dir.path().join("cdi"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let exited = wait_for(Duration::from_secs(60), || child.try_wait().ok().flatten());
+    let Some(status) = exited else {
+        let _ = child.kill();
+        panic!("gpuvisor-dra kept running without an API server");
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "{status:?}: {err}");
+    assert!(err.contains("ERROR") && err.contains("listing this node's ResourceSlices at the API server"), "{err}");
+    assert!(err.contains("Connection refused"), "{err}");
+}

@@ -208,6 +208,14 @@ fn a_whole_gpu_consumes_its_counter_set_entirely_and_carries_its_pci_address() {
     let d = device(&p, "gpu-0000-82-00-0-whole");
     assert_eq!(d.taints.as_ref().expect("t")[0].key, TAINT_QUARANTINED);
     assert_eq!(p.index[&d.name].1, Health::Unhealthy);
+    // ... and out of its counters, so no allocation can take it where taints are not enforced.
+    assert_eq!(counter(&p, "gpu-0000-82-00-0"), ("0Mi".into(), "0".into()));
+    // A GPU-level health mark: unhealthy like a vGPU GPU's slots.
+    let mut hm = host(vec![whole(0x82)]);
+    hm.gpus.gpus[0].health = Some(serde_json::from_value(json!({"state": "gpu_fault", "reason": "eio"})).expect("h"));
+    let p = pool(&hm, &ApiView::default());
+    let (_, health, why) = &p.index["gpu-0000-82-00-0-whole"];
+    assert_eq!(*health, Health::Unhealthy, "{why}");
     let mut h = host(vec![whole(0x82)]);
     let dev = &mut h.gpus.gpus[0].devices[0];
     dev.state = "claimed".into();
