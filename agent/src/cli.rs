@@ -248,6 +248,38 @@ pub enum Command {
         name: String,
         /// The new instance's name.
         new_name: String,
+        /// Copy the disk of this snapshot of it (the source may run) instead of its own.
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
+    /// Save a running VM without a GPU and stop its VMM (`start` resumes it).
+    Standby {
+        /// Instance name or id.
+        name: String,
+    },
+    /// Take a snapshot: memory, device state and disk of a running VM without a GPU (paused
+    /// for the save), or the disk of a stopped VM.
+    Snapshot {
+        /// Instance name or id.
+        name: String,
+        /// The snapshot's name (default snap-<UTC time>).
+        snapshot: Option<String>,
+    },
+    /// An instance's snapshots, or `--delete <snapshot>` to remove one.
+    Snapshots {
+        /// Instance name or id.
+        name: String,
+        /// Remove this snapshot.
+        #[arg(long)]
+        delete: Option<String>,
+    },
+    /// Go back to a snapshot (its disk, and its memory when taken running), then start; or,
+    /// without one, resume a standby instance.
+    Restore {
+        /// Instance name or id.
+        name: String,
+        /// The snapshot to restore.
+        snapshot: Option<String>,
     },
     /// GPUs and their devices (type, claim owner).
     Gpus {
@@ -704,7 +736,16 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Start { name } => ("instance.start", json!({ "ref": name })),
         Command::Stop { name, force } => ("instance.stop", json!({ "ref": name, "force": force })),
         Command::Rm { name } => ("instance.delete", json!({ "ref": name })),
-        Command::Fork { name, new_name } => ("instance.fork", json!({ "ref": name, "name": new_name })),
+        Command::Fork { name, new_name, snapshot } => {
+            ("instance.fork", json!({ "ref": name, "name": new_name, "snapshot": snapshot }))
+        }
+        Command::Standby { name } => ("instance.standby", json!({ "ref": name })),
+        Command::Snapshot { name, snapshot } => ("instance.snapshot", json!({ "ref": name, "snapshot": snapshot })),
+        Command::Snapshots { name, delete: None } => ("instance.snapshots", json!({ "ref": name })),
+        Command::Snapshots { name, delete: Some(d) } => {
+            ("instance.snapshot_delete", json!({ "ref": name, "snapshot": d }))
+        }
+        Command::Restore { name, snapshot } => ("instance.restore", json!({ "ref": name, "snapshot": snapshot })),
         Command::Gpus { action: None } => ("gpu.list", json!({})),
         Command::Gpus { action: Some(GpusAction::Unquarantine { devices, gpu }) } => {
             if devices.is_empty() && gpu.is_none() {
@@ -1337,9 +1378,39 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
                 );
             }
         }
-        Command::Create { .. } | Command::Start { .. } | Command::Stop { .. } => {
+        Command::Create { .. }
+        | Command::Start { .. }
+        | Command::Stop { .. }
+        | Command::Standby { .. }
+        | Command::Restore { .. } => {
             let Some(i) = decode::<InstanceView>(v) else { return exit::OK };
             return print_instance(&i);
+        }
+        Command::Snapshot { .. } => {
+            let Some(s) = decode::<crate::instances::saves::SavedState>(v) else { return exit::OK };
+            println!("snapshot {} taken ({:?}: {}, {} bytes)", s.name, s.kind, s.files.join(", "), s.bytes);
+        }
+        Command::Snapshots { delete: Some(_), .. } => {
+            println!(
+                "snapshot {} of {} deleted",
+                v["snapshot"].as_str().unwrap_or("?"),
+                v["name"].as_str().unwrap_or("?")
+            );
+        }
+        Command::Snapshots { delete: None, .. } => {
+            let Some(list) = decode::<crate::instances::saves::SnapshotList>(v) else { return exit::OK };
+            let rows = list
+                .snapshots
+                .iter()
+                .map(|s| {
+                    let kind = match s.kind {
+                        crate::instances::saves::SavedKind::Running => "running",
+                        crate::instances::saves::SavedKind::Stopped => "stopped",
+                    };
+                    vec![s.name.clone(), kind.to_string(), s.created_at.clone(), s.bytes.to_string(), s.files.join(",")]
+                })
+                .collect();
+            table(&["SNAPSHOT", "KIND", "CREATED", "BYTES", "FILES"], rows);
         }
         Command::Metrics => print!("{}", v.as_str().unwrap_or_default()),
         Command::Image { action: ImageAction::Ls } => {

@@ -47,6 +47,11 @@
 //! | `pt_release_after_reset` | passthrough release: the GPU was reset, no function given back |
 //! | `pt_release_after_unbind` | passthrough release: a function was unbound from vfio-pci, not yet probed to its driver |
 //! | `boot_after_disk` | create/start: the disk overlay (and UEFI variable store) exist, nothing claimed |
+//! | `save_after_memory` | snapshot/standby: the running VM's memory is saved (the VM paused), its disks not copied, nothing renamed ([`SAVES`]) |
+//! | `save_after_rename` | snapshot/standby: the saved state is complete and renamed into place (a snapshot's VM resumed; a standby's still paused, the record `running`) |
+//! | `standby_after_save` | standby: as `save_after_rename` |
+//! | `standby_after_record` | standby: the `standby` record is durable, the paused VMM still runs |
+//! | `restore_after_disks` | restore: the snapshot's disks replace the instance's, nothing started |
 //! | `instance_dir_created` | create: the instance directory (and the name entry) exist, no record yet ([`LEFTOVERS`]) |
 //! | `import_after_stage` | image import: the kernel and initrd are copied into the hidden staging directory, not renamed ([`LEFTOVERS`]) |
 
@@ -79,6 +84,11 @@ pub const PASSTHROUGH: &[&str] = &["pt_bind_after_unbind", "pt_release_after_res
 
 /// The disk step of create/start (the crash test of `tests/e2e/tests/disks.rs`).
 pub const DISK: &[&str] = &["boot_after_disk"];
+
+/// The write sites of snapshots, standby and restore (the crash tests of
+/// `tests/e2e/tests/snapshots.rs`).
+pub const SAVES: &[&str] =
+    &["save_after_memory", "save_after_rename", "standby_after_save", "standby_after_record", "restore_after_disks"];
 
 /// Kills in the middle of an operation that leave something no record owns (an instance
 /// directory before its first record, an import's staging copy): the start-up removes it.
@@ -142,6 +152,7 @@ mod pause {
                 .chain(super::RACE)
                 .chain(super::PASSTHROUGH)
                 .chain(super::DISK)
+                .chain(super::SAVES)
                 .chain(super::LEFTOVERS)
                 .map(|n| (n.to_string(), Point::default()))
                 .collect();

@@ -1218,6 +1218,10 @@ mod tests {
             (Stopped, Deleting),
             (Deleting, CleanupPending),
             (CleanupPending, Deleting),
+            (Running, Standby),
+            (Standby, Starting),
+            (Standby, Stopped),
+            (Standby, Deleting),
         ];
         for from in InstanceState::ALL {
             for to in InstanceState::ALL {

@@ -17,6 +17,9 @@ pub enum InstanceState {
     Stopping,
     /// No VMM; no claim unless a release is pending.
     Stopped,
+    /// Saved and put away (`instance.standby`): no VMM, no claim; its memory and device
+    /// state wait in the instance's `standby` directory, and a start resumes it from there.
+    Standby,
     /// A delete is in progress; nothing may restart it.
     Deleting,
     /// A release failed during rollback or delete: only `instance.delete` is allowed.
@@ -25,11 +28,12 @@ pub enum InstanceState {
 
 impl InstanceState {
     /// Every state, in lifecycle order.
-    pub const ALL: [InstanceState; 6] = [
+    pub const ALL: [InstanceState; 7] = [
         InstanceState::Starting,
         InstanceState::Running,
         InstanceState::Stopping,
         InstanceState::Stopped,
+        InstanceState::Standby,
         InstanceState::Deleting,
         InstanceState::CleanupPending,
     ];
@@ -41,6 +45,7 @@ impl InstanceState {
             InstanceState::Running => "running",
             InstanceState::Stopping => "stopping",
             InstanceState::Stopped => "stopped",
+            InstanceState::Standby => "standby",
             InstanceState::Deleting => "deleting",
             InstanceState::CleanupPending => "cleanup_pending",
         }
@@ -54,11 +59,14 @@ impl InstanceState {
     /// | starting | running | create/start: the VMM spawned, its identity recorded; reconcile: a live control-socket owner found |
     /// | starting | stopped | start rolled back; reconcile: the agent died during create/start |
     /// | starting | cleanup_pending | rollback could not release the device |
-    /// | starting, running, stopping, stopped | deleting | delete |
+    /// | starting, running, stopping, stopped, standby | deleting | delete |
     /// | starting, running | stopping | stop |
     /// | running, stopping | stopped | stop; reconcile or start: the VMM is provably dead |
     /// | stopping | running | reconcile: a stop interrupted by an agent restart, the VMM still runs |
     /// | stopped | starting | start |
+    /// | running | standby | standby: the state is saved (the paused VMM is recorded until the kill path proves it dead) |
+    /// | standby | starting | start, restore: the saved state is resumed (and consumed) in a new VMM |
+    /// | standby | stopped | stop, restore of a snapshot: the saved state is discarded |
     /// | deleting | cleanup_pending | delete: the release failed |
     /// | cleanup_pending | deleting | delete (a retry) |
     pub fn can_move_to(self, to: InstanceState) -> bool {
@@ -69,11 +77,13 @@ impl InstanceState {
                 (Starting, Running)
                     | (Starting, Stopped)
                     | (Starting, CleanupPending)
-                    | (Starting | Running | Stopping | Stopped, Deleting)
+                    | (Starting | Running | Stopping | Stopped | Standby, Deleting)
                     | (Starting | Running, Stopping)
                     | (Running | Stopping, Stopped)
                     | (Stopping, Running)
                     | (Stopped, Starting)
+                    | (Running, Standby)
+                    | (Standby, Starting | Stopped)
                     | (Deleting, CleanupPending)
                     | (CleanupPending, Deleting)
             )

@@ -102,8 +102,7 @@ pub fn check_host(cfg: &Config) -> HostReport {
     checks.extend(managed_gpus(&host, cfg, &nvidia_pcis, &scan));
     checks.extend(cfg.passthrough_gpus.iter().map(|b| passthrough_gpu(&host, b)));
     checks.push(kvm(needs_kvm));
-    checks.push(hypervisor(cfg, HypervisorKind::Qemu));
-    checks.push(hypervisor(cfg, HypervisorKind::CloudHypervisor));
+    checks.extend(HypervisorKind::ALL.map(|k| hypervisor(cfg, k)));
     checks.push(pid_namespace());
     checks.push(proc_readable());
     checks.push(vmm_ids(cfg.vmm_ids, needs_kvm));
@@ -511,14 +510,12 @@ fn kvm(needed: bool) -> Check {
 }
 
 fn hypervisor(cfg: &Config, kind: HypervisorKind) -> Check {
-    let binary = match kind {
-        HypervisorKind::Qemu => &cfg.qemu_binary,
-        HypervisorKind::CloudHypervisor => &cfg.cloud_hypervisor_binary,
-    };
+    let binary = kind.binary(cfg);
     let default = cfg.default_hypervisor == kind.name();
     match kind.driver().probe(binary) {
         Ok(v) => check(kind.name(), Verdict::Ok, format!("{} runs: {v}", binary.display())),
-        Err(e) if default || kind == HypervisorKind::Qemu => check(
+        // The default, and the one that carries vGPUs, must run.
+        Err(e) if default || kind.capabilities().contains(&gpuvisor_sdk::Capability::VendorVfio) => check(
             kind.name(),
             Verdict::Fail,
             format!(

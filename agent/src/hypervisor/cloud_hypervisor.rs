@@ -198,6 +198,10 @@ fn state_of(api: &ChApi<'_>) -> Result<String, ApiFailure> {
 pub const NO_NICS_OR_SEED: &str = "gpuvisor does not give cloud-hypervisor instances NICs or a cloud-init seed \
     (it cannot be tested on this project's hosts); use hypervisor qemu";
 
+/// Why a Cloud Hypervisor VM cannot be saved or resumed from a saved state (yet).
+pub const NO_SAVED_STATE: &str = "gpuvisor does not save or restore cloud-hypervisor VMs in this version \
+    (snapshots and standby are QEMU's); use hypervisor qemu";
+
 impl Driver for CloudHypervisor {
     fn kind(&self) -> HypervisorKind {
         HypervisorKind::CloudHypervisor
@@ -211,10 +215,23 @@ impl Driver for CloudHypervisor {
         "cloud-hypervisor.log"
     }
 
+    /// Its serial goes to a file (`serial.mode = File`), no socket.
+    fn console_socket_name(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Cloud Hypervisor opens its serial file without `O_APPEND`.
+    fn serial_log_appends(&self) -> bool {
+        false
+    }
+
     fn command_line(&self, spec: &VmSpec) -> Result<Vec<String>, HypervisorError> {
         // Refused at create already (instances::create); never started half-configured.
         if !spec.nics.is_empty() || spec.seed.is_some() {
             return Err(HypervisorError::start_failed(NO_NICS_OR_SEED));
+        }
+        if spec.incoming.is_some() {
+            return Err(HypervisorError::start_failed(NO_SAVED_STATE));
         }
         vm_config(spec)?;
         Ok(vec!["--api-socket".into(), api_socket_arg(&spec.control_socket())?])
@@ -250,6 +267,14 @@ impl Driver for CloudHypervisor {
 
     fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, String> {
         state_of(&ChApi::new(socket, io_timeout)).map_err(|e| e.to_string())
+    }
+
+    fn save(&self, _socket: &Path, _out: std::os::fd::BorrowedFd<'_>, _timeout: Duration) -> Result<(), String> {
+        Err(NO_SAVED_STATE.to_string())
+    }
+
+    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
+        ChApi::new(socket, io_timeout).put("vm.resume", None).map(|_| ()).map_err(|e| e.to_string())
     }
 
     /// Starts `binary --api-socket` on a temporary socket, asks `vmm.ping` for its version,

@@ -94,6 +94,11 @@ pub fn qemu_command_line(spec: &VmSpec) -> Vec<String> {
     if spec.paused {
         push(&["-S"]);
     }
+    if spec.incoming.is_some() {
+        // The saved state comes through QMP (`migrate-incoming` with an fd): the file is
+        // the agent's, never in the VMM's view.
+        push(&["-incoming", "defer"]);
+    }
     if let Some(kernel) = &spec.kernel {
         push(&["-kernel", &path_str(kernel)]);
         if let Some(initrd) = &spec.initrd {
@@ -193,6 +198,15 @@ impl Driver for Qemu {
         "qemu.log"
     }
 
+    fn console_socket_name(&self) -> Option<&'static str> {
+        Some(super::CONSOLE_SOCKET)
+    }
+
+    /// `logappend=on` on the serial chardev.
+    fn serial_log_appends(&self) -> bool {
+        true
+    }
+
     fn command_line(&self, spec: &VmSpec) -> Result<Vec<String>, HypervisorError> {
         if spec.accel != "tcg" && spec.accel != "kvm" {
             return Err(HypervisorError::start_failed(format!("accelerator `{}` is not tcg or kvm", spec.accel)));
@@ -204,12 +218,31 @@ impl Driver for Qemu {
     /// i.e. only once the machine is initialised and its signal handlers are installed. The
     /// socket alone is not enough: QEMU creates it before loading the kernel and may still
     /// exit after accepting a connection.
-    fn bring_up(&self, vmm: &RunningVmm, _spec: &VmSpec, timeout: Duration) -> Result<(), StartFailure> {
+    fn bring_up(&self, vmm: &RunningVmm, spec: &VmSpec, timeout: Duration) -> Result<(), StartFailure> {
         let what = format!("QMP on {}", vmm.control_socket.display());
         let status = wait_answering(vmm, &what, timeout, |io| {
             QmpClient::connect(&vmm.control_socket, io).and_then(|mut q| q.query_status()).map_err(|e| e.to_string())
         })?;
         tracing::debug!(pid = vmm.identity.pid, %status, "QMP is up");
+        if let Some(saved) = &spec.incoming {
+            let file = std::fs::File::open(saved).map_err(|e| {
+                StartFailure::from(format!("the saved state {} cannot be opened: {e}", saved.display()))
+            })?;
+            let mut q = QmpClient::connect(&vmm.control_socket, super::qmp::DEFAULT_IO_TIMEOUT)
+                .map_err(|e| StartFailure::from(e.to_string()))?;
+            q.load_from(std::os::fd::AsFd::as_fd(&file), timeout)
+                .map_err(|e| StartFailure::from(format!("the saved state {} was not loaded: {e}", saved.display())))?;
+            // The state keeps the run state it was saved in: paused (a save pauses first).
+            let mut status = q.query_status().map_err(|e| StartFailure::from(e.to_string()))?;
+            if status == "paused" && !spec.paused {
+                q.cont().map_err(|e| StartFailure::from(format!("the restored VM does not resume: {e}")))?;
+                status = q.query_status().map_err(|e| StartFailure::from(e.to_string()))?;
+            }
+            if status != "running" && !spec.paused {
+                return Err(StartFailure::from(format!("the restored VM is {status:?}, not running")));
+            }
+            tracing::debug!(pid = vmm.identity.pid, saved = %saved.display(), "saved state loaded");
+        }
         Ok(())
     }
 
@@ -223,6 +256,15 @@ impl Driver for Qemu {
 
     fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, String> {
         QmpClient::connect(socket, io_timeout).and_then(|mut c| c.query_status()).map_err(|e| e.to_string())
+    }
+
+    fn save(&self, socket: &Path, out: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<(), String> {
+        let mut q = QmpClient::connect(socket, super::qmp::DEFAULT_IO_TIMEOUT).map_err(|e| e.to_string())?;
+        q.stop().and_then(|()| q.save_to(out, timeout)).map_err(|e| e.to_string())
+    }
+
+    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
+        QmpClient::connect(socket, io_timeout).and_then(|mut c| c.cont()).map_err(|e| e.to_string())
     }
 
     /// `<binary> --version`: its first line.

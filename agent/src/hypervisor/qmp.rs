@@ -90,13 +90,46 @@ impl QmpClient {
     ///
     /// Errors: I/O or timeout, connection closed, malformed reply, or a QMP `error` reply.
     pub fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
+        let line = Self::message(command, arguments);
+        self.writer.write_all(line.as_bytes())?;
+        self.reply(command)
+    }
+
+    /// Sends `command` with `fd` attached (`SCM_RIGHTS`, as QMP `getfd` and `add-fd` take a
+    /// file descriptor) and returns its `return` value. QEMU keeps its own copy; the
+    /// caller's stays open.
+    pub fn execute_with_fd(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<Value, QmpError> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        use std::os::fd::{AsRawFd, RawFd};
+        let line = Self::message(command, arguments);
+        let fds: [RawFd; 1] = [fd.as_raw_fd()];
+        let iov = [std::io::IoSlice::new(line.as_bytes())];
+        let sent =
+            sendmsg::<()>(self.writer.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)
+                .map_err(std::io::Error::from)?;
+        // The fd went with the first byte; the rest of a short write goes as plain bytes.
+        self.writer.write_all(&line.as_bytes()[sent..])?;
+        self.reply(command)
+    }
+
+    /// One command line: `{"execute": .., "arguments": ..}` and a newline.
+    fn message(command: &str, arguments: Option<Value>) -> String {
         let mut msg = json!({ "execute": command });
         if let Some(args) = arguments {
             msg["arguments"] = args;
         }
         let mut line = msg.to_string();
         line.push('\n');
-        self.writer.write_all(line.as_bytes())?;
+        line
+    }
+
+    /// The reply to `command`, skipping asynchronous events.
+    fn reply(&mut self, command: &str) -> Result<Value, QmpError> {
         loop {
             let reply = self.read_message()?;
             if reply.get("event").is_some() {
@@ -150,4 +183,72 @@ impl QmpClient {
     pub fn cont(&mut self) -> Result<(), QmpError> {
         self.execute("cont", None).map(|_| ())
     }
+
+    /// `stop`: pauses the vCPUs; QEMU drains and flushes every disk before it answers, so
+    /// the disk files are consistent with the paused VM.
+    pub fn stop(&mut self) -> Result<(), QmpError> {
+        self.execute("stop", None).map(|_| ())
+    }
+
+    /// Saves the VM's memory and device state into `out` (QEMU's migration stream, `fd:`):
+    /// `getfd`, `migrate-set-parameters` (no bandwidth cap: the stream goes to a local
+    /// file), `migrate`, then `query-migrate` until `completed` (within `timeout`). The VM
+    /// should be paused first ([`QmpClient::stop`]); it stays paused after the save, its disks
+    /// inactive until `cont`.
+    ///
+    /// Errors: QEMU refused a step, the migration `failed` or was `cancelled` (with QEMU's
+    /// `error-desc`), or did not complete within `timeout`.
+    pub fn save_to(&mut self, out: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<(), QmpError> {
+        self.execute_with_fd("getfd", Some(json!({"fdname": SAVE_FD})), out)?;
+        self.execute("migrate-set-parameters", Some(json!({"max-bandwidth": UNCAPPED_BYTES_PER_S})))?;
+        self.execute("migrate", Some(json!({"uri": format!("fd:{SAVE_FD}")})))?;
+        self.wait_migration("migrate", timeout)
+    }
+
+    /// Loads a VM state saved by [`QmpClient::save_to`] from `input` into a QEMU started with
+    /// `-incoming defer`: `getfd`, `migrate-incoming`, then `query-migrate` until `completed`
+    /// (within `timeout`). QEMU starts the vCPUs itself once the state is loaded (unless `-S`).
+    pub fn load_from(&mut self, input: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<(), QmpError> {
+        self.execute_with_fd("getfd", Some(json!({"fdname": SAVE_FD})), input)?;
+        self.execute("migrate-incoming", Some(json!({"uri": format!("fd:{SAVE_FD}")})))?;
+        self.wait_migration("migrate-incoming", timeout)
+    }
+
+    /// Polls `query-migrate` until the migration `completed`; `failed` and `cancelled` are
+    /// errors carrying QEMU's `error-desc`.
+    fn wait_migration(&mut self, command: &str, timeout: Duration) -> Result<(), QmpError> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut step = Duration::from_millis(5);
+        loop {
+            let info = self.execute("query-migrate", None)?;
+            let status = info.get("status").and_then(Value::as_str).unwrap_or("none");
+            match status {
+                "completed" => return Ok(()),
+                "failed" | "cancelled" => {
+                    return Err(QmpError::Command {
+                        command: command.to_string(),
+                        class: status.to_string(),
+                        desc: info.get("error-desc").and_then(Value::as_str).unwrap_or("no reason given").to_string(),
+                    })
+                }
+                _ if std::time::Instant::now() >= deadline => {
+                    return Err(QmpError::Command {
+                        command: command.to_string(),
+                        class: "timeout".into(),
+                        desc: format!("the VM state was not {status:?} → completed within {timeout:?}"),
+                    })
+                }
+                _ => {
+                    std::thread::sleep(step);
+                    step = (step * 2).min(Duration::from_millis(100));
+                }
+            }
+        }
+    }
 }
+
+/// The name a saved-state fd goes by in QEMU (`getfd`, `fd:<name>`).
+const SAVE_FD: &str = "gpuvisor-state";
+
+/// `max-bandwidth` for a save to a local file: QEMU's default (128 MiB/s) throttles it.
+const UNCAPPED_BYTES_PER_S: u64 = 1 << 40;

@@ -329,3 +329,52 @@ fn a_live_owner_of_the_control_socket_blocks_a_second_start() {
     );
     kill(&vmm.identity, &vmm.control_socket, Duration::from_secs(5), BOOT).expect("killed");
 }
+
+/// `Driver::save` writes the VM's state through an fd the agent opened (the file is never in
+/// the VMM's view; QEMU runs confined and under its seccomp sandbox) and leaves the VM
+/// paused until `resume`; a new QEMU given that file (`VmSpec::incoming`) loads it and runs.
+#[test]
+fn a_saved_qemu_state_loads_into_a_new_qemu_that_runs_on() {
+    let base = tempfile::tempdir().unwrap();
+    let id = 1_879_048_192 + 50_000 + std::process::id() % 10_000;
+    let confined = |name: &str| {
+        let run = base.path().join(name).join(confine::VMM_DIR);
+        std::fs::create_dir_all(&run).unwrap();
+        let mut spec = vm_spec(&run, None, false);
+        spec.sandbox = true;
+        spec.log_dir = base.path().join(name);
+        spec.confine = Some(confine::Confinement {
+            identity: confine::VmmIdentity::new(id),
+            view: crate::host::vmm_view::ViewSpec {
+                root: base.path().join(format!("{name}-root")),
+                ..Default::default()
+            },
+        });
+        spec
+    };
+    let spec = confined("a");
+    let vmm = spawn(&spec, BOOT, READY).expect("QEMU starts");
+    let saved = base.path().join("state");
+    let out = std::fs::File::create_new(&saved).unwrap();
+    Qemu.save(&vmm.control_socket, std::os::fd::AsFd::as_fd(&out), READY).expect("saved");
+    drop(out);
+    assert!(std::fs::metadata(&saved).unwrap().len() > 0);
+    assert_eq!(Qemu.vm_state(&vmm.control_socket, READY).unwrap(), "postmigrate", "paused after the save");
+    Qemu.resume(&vmm.control_socket, READY).expect("resumed");
+    assert_eq!(Qemu.vm_state(&vmm.control_socket, READY).unwrap(), "running");
+    stop(&Qemu, &vmm.identity, &vmm.control_socket, no_graceful(Duration::from_secs(5)), BOOT).unwrap();
+
+    let mut spec = confined("b");
+    spec.incoming = Some(saved.clone());
+    assert!(Qemu.command_line(&spec).unwrap().windows(2).any(|w| w == ["-incoming", "defer"]));
+    let vmm = spawn(&spec, BOOT, READY).expect("QEMU loads the saved state");
+    assert_eq!(Qemu.vm_state(&vmm.control_socket, READY).unwrap(), "running");
+    stop(&Qemu, &vmm.identity, &vmm.control_socket, no_graceful(Duration::from_secs(5)), BOOT).unwrap();
+
+    // A state that is not one: the start fails, naming the file.
+    std::fs::write(&saved, b"not a migration stream").unwrap();
+    let mut spec = confined("c");
+    spec.incoming = Some(saved.clone());
+    let e = spawn(&spec, BOOT, READY).unwrap_err();
+    assert!(e.to_string().contains("saved state") || format!("{e:?}").contains("saved state"), "{e:?}");
+}

@@ -4,7 +4,7 @@
 //! failure is logged once per instance until it succeeds again.
 
 use super::Manager;
-use crate::hypervisor::{HypervisorKind, SERIAL_LOG};
+use crate::hypervisor::SERIAL_LOG;
 use crate::sync::lock;
 
 impl Manager {
@@ -24,9 +24,9 @@ impl Manager {
             else {
                 continue;
             };
-            // Only QEMU appends (logappend=on, O_APPEND): truncating another writer's file
-            // would leave it writing past the new end.
-            if rec.hypervisor != HypervisorKind::Qemu {
+            // Only a VMM that appends (QEMU's logappend=on, O_APPEND): truncating another
+            // writer's file would leave it writing past the new end.
+            if !rec.hypervisor.driver().serial_log_appends() {
                 continue;
             }
             let mut failing = lock(&self.console_rotation_failures);

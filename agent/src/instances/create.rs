@@ -45,10 +45,8 @@ impl Manager {
         let devices: Vec<String> = whole.iter().filter_map(|w| w.address.clone()).collect();
         let hypervisor =
             self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework, &devices)?;
-        if hypervisor == crate::hypervisor::HypervisorKind::CloudHypervisor
-            && (!req.nics.is_empty() || req.cloud_init.is_some())
-        {
-            return Err(ApiError::invalid_request(crate::hypervisor::cloud_hypervisor::NO_NICS_OR_SEED));
+        if let Some(why) = hypervisor.cannot_connect(!req.nics.is_empty(), req.cloud_init.is_some()) {
+            return Err(ApiError::invalid_request(why));
         }
         let boot = self.check_disk_request(&image, hypervisor, req.boot, req.disk_gib)?;
         let profile = match &gpu {
@@ -116,7 +114,7 @@ impl Manager {
             (None, None, None) => "-".into(),
         };
         tracing::info!(instance.id = %id, instance.name = %rec.name, profile = %gpu, "creating instance");
-        let rec = self.boot(rec, Rollback::Remove)?;
+        let rec = self.boot(rec, Rollback::Remove, None)?;
         Ok(self.view_after(&rec))
     }
 
@@ -172,7 +170,12 @@ impl Manager {
     /// Disk, claim, configure, spawn for a `starting` record; on failure roll back as `mode`
     /// says. The disk step (overlay, UEFI variable store: [`Manager::prepare_disk`]) comes
     /// first, so a failing `qemu-img` never touches a GPU.
-    pub(crate) fn boot(&self, mut rec: InstanceRecord, mode: Rollback) -> Result<InstanceRecord, ApiError> {
+    pub(crate) fn boot(
+        &self,
+        mut rec: InstanceRecord,
+        mode: Rollback,
+        incoming: Option<std::path::PathBuf>,
+    ) -> Result<InstanceRecord, ApiError> {
         if let Err(e) = self.prepare_disk(&rec) {
             self.undo_record(&mut rec, mode, &e);
             return Err(e);
@@ -188,7 +191,7 @@ impl Manager {
                     return Err(e);
                 }
             };
-            return match self.spawn(&mut rec, Some(&borrowed)) {
+            return match self.spawn(&mut rec, Some(&borrowed), None) {
                 Ok(()) => Ok(rec),
                 Err(e) => Err(self.rollback(rec, None, mode, e)),
             };
@@ -207,7 +210,7 @@ impl Manager {
         } else {
             None
         };
-        match self.spawn(&mut rec, claim.as_ref()) {
+        match self.spawn(&mut rec, claim.as_ref(), incoming) {
             Ok(()) => Ok(rec),
             Err(e) => Err(self.rollback(rec, claim, mode, e)),
         }

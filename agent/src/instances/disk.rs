@@ -95,15 +95,14 @@ impl Manager {
             }
             _ => {}
         }
-        if hypervisor == HypervisorKind::CloudHypervisor && (image.disk.is_some() || boot != BootMode::Direct) {
+        if let Some(why) = hypervisor.cannot_boot(image.disk.is_some(), boot != BootMode::Direct) {
             return Err(ApiError::hypervisor_unsupported(
                 format!(
-                    "cloud-hypervisor instances boot their kernel directly and get no disk in this version \
-                     (image {} has a disk or boot \"{}\" was asked for): use hypervisor \"qemu\"",
+                    "{why} (image {} has a disk or boot \"{}\" was asked for): use hypervisor \"qemu\"",
                     image.name,
                     boot.as_str()
                 ),
-                Some(HypervisorKind::CloudHypervisor.name()),
+                Some(hypervisor.name()),
                 None,
             ));
         }
@@ -200,12 +199,18 @@ impl Manager {
     /// Fork: copies the source's overlay and variable store (those that are the agent's own
     /// files) into the fork's VMM directory, so the fork starts from the source's disk state
     /// and its own writes never reach the source. The source must not run (the caller
-    /// checks); a link or any other plant in its directory is never followed.
-    pub(crate) fn copy_disk_state(&self, src: &InstanceRecord, dst: &InstanceRecord) -> Result<(), ApiError> {
-        let from = if src.state() == crate::store::InstanceState::Stopped {
-            self.vmm_dir_ready(src)?
-        } else {
-            self.store.vmm_dir(src.id)
+    /// checks) unless the copy is of its snapshot at `snapshot` (the directory); a link or any
+    /// other plant in its directory is never followed.
+    pub(crate) fn copy_disk_state(
+        &self,
+        src: &InstanceRecord,
+        snapshot: Option<&std::path::Path>,
+        dst: &InstanceRecord,
+    ) -> Result<(), ApiError> {
+        let from = match snapshot {
+            Some(dir) => dir.to_path_buf(),
+            None if src.state() == crate::store::InstanceState::Stopped => self.vmm_dir_ready(src)?,
+            None => self.store.vmm_dir(src.id),
         };
         let mut to = None;
         for f in [OVERLAY, EFIVARS] {

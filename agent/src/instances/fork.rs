@@ -1,57 +1,39 @@
-//! `instance.fork` and the saved-state operations (`standby`, `snapshot`, `restore`).
+//! `instance.fork`.
 //!
 //! A fork never inherits a claim or a VMM identity: it keeps the GPU *profile* and claims
 //! its own device when it starts. A fork of an instance with a disk copies its overlay
-//! (and UEFI variable store): the source must be stopped, so the copy is consistent.
+//! (and UEFI variable store): the source must be stopped, so the copy is consistent — or
+//! the fork is made from one of its snapshots (`saves`), whose disk state it copies.
 //! `cleanup_pending` instances refuse all of these.
 
 use super::request::check_instance_name;
 use super::view::InstanceView;
-use super::vmm::OwnedClaim;
 use super::{now_rfc3339, Manager};
 use crate::error::ApiError;
 use crate::store::{InstanceDefinition, InstanceRecord, InstanceState, Listing, StoreError};
 use uuid::Uuid;
 
-/// The saved-state operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SaveStateOp {
-    Standby,
-    Snapshot,
-    Restore,
-}
-
-impl SaveStateOp {
-    /// `standby`, `snapshot`, `restore`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SaveStateOp::Standby => "standby",
-            SaveStateOp::Snapshot => "snapshot",
-            SaveStateOp::Restore => "restore",
-        }
-    }
-}
-
 impl Manager {
     /// `instance.fork`: a new stopped instance with the source's definition (image, vCPUs,
     /// memory, labels, hypervisor, GPU *profile*, boot mode, disk size) and a copy of its
     /// disk state. Errors: `invalid_state` when the source has a disk and is not stopped.
-    pub fn fork(&self, r: &str, name: &str) -> Result<InstanceView, ApiError> {
-        self.on_instance("fork", r, |src| self.fork_of(src, name))
+    pub fn fork(&self, r: &str, name: &str, snapshot: Option<&str>) -> Result<InstanceView, ApiError> {
+        self.on_instance("fork", r, |src| self.fork_of(src, name, snapshot))
     }
 
-    fn fork_of(&self, src: &InstanceRecord, name: &str) -> Result<InstanceView, ApiError> {
+    fn fork_of(&self, src: &InstanceRecord, name: &str, snapshot: Option<&str>) -> Result<InstanceView, ApiError> {
         if src.state() == InstanceState::CleanupPending {
             return Err(ApiError::instance_cleanup_pending(src.id, &src.name));
         }
         check_instance_name(name)?;
+        let from_snapshot = snapshot.map(|s| self.snapshot_dir_of(src, s)).transpose()?;
         let has_disk = self.image_of(src).map(|i| i.disk.is_some()).unwrap_or(false)
             || !matches!(
                 crate::own_file::inspect(&self.store.vmm_dir(src.id), super::disk::OVERLAY),
                 Ok(crate::own_file::Entry::Missing) | Err(_)
             )
             || self.store.instance_dir(src.id).join(super::disk::OVERLAY).exists();
-        if has_disk && src.state() != InstanceState::Stopped {
+        if has_disk && from_snapshot.is_none() && src.state() != InstanceState::Stopped {
             return Err(ApiError::invalid_state(
                 format!(
                     "instance {} is {}: stop it before forking it (its disk is copied, and a running VM \
@@ -100,32 +82,14 @@ impl Manager {
         }
         // The record first, then the disk copy: a failure or a crash leaves nothing that
         // deleting the fork does not remove (its instance directory).
-        if let Err(e) = self.copy_disk_state(src, &rec) {
+        if let Err(e) = self.copy_disk_state(src, from_snapshot.as_deref(), &rec) {
             let _a = self.alloc();
             let _ = self.store.remove_instance(rec.id);
             let _ = self.store.release_name(name, rec.id);
             return Err(e);
         }
-        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, source = %src.id, "instance forked");
+        tracing::info!(instance.id = %rec.id, instance.name = %rec.name, source = %src.id, snapshot = ?snapshot,
+            "instance forked");
         Ok(self.view(&rec, &Listing::default()))
-    }
-
-    /// `instance.standby` / `instance.snapshot` / `instance.restore`: refused for
-    /// `cleanup_pending` instances (`instance_cleanup_pending`) and, for standby and
-    /// snapshot, for running instances with a VFIO device (`unsupported_with_gpu`: device
-    /// state cannot be saved). Plain instances: not implemented in this version.
-    pub fn save_state_op(&self, r: &str, op: SaveStateOp) -> Result<InstanceView, ApiError> {
-        self.on_instance(op.as_str(), r, |rec| self.save_state_of(rec, op))
-    }
-
-    fn save_state_of(&self, rec: &InstanceRecord, op: SaveStateOp) -> Result<InstanceView, ApiError> {
-        if rec.state() == InstanceState::CleanupPending {
-            return Err(ApiError::instance_cleanup_pending(rec.id, &rec.name));
-        }
-        let has_gpu = rec.wants_gpu() || !matches!(self.claim_of(rec)?, OwnedClaim::None);
-        if op != SaveStateOp::Restore && has_gpu && rec.state() == InstanceState::Running {
-            return Err(ApiError::unsupported_with_gpu(op.as_str(), &rec.name));
-        }
-        Err(ApiError::invalid_request(format!("instance.{} is not implemented in this version", op.as_str())))
     }
 }

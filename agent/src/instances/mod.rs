@@ -15,6 +15,7 @@
 //! | [`vmm`] | VMM liveness, spawn, stop and the kill-path accounting |
 //! | [`vmm_ids`] | the uid/gid of its own every instance's VMM runs under |
 //! | [`create`], [`start`], [`stop`], [`delete`], [`fork`] | one operation each |
+//! | [`saves`] | saved VM states: snapshots (taken, listed, deleted, restored), standby and its resume |
 //! | [`rollback`] | rollback and retention after a failed create or start |
 //! | [`supervise`] | the restart policy and autostart: a VMM that died without a stop started again through start |
 //! | [`layout`] | the instance directory (the agent's) and its VMM directory (the VMM's), and the move from the old layout |
@@ -60,6 +61,7 @@ pub mod reconcile;
 pub mod release;
 pub mod request;
 pub mod rollback;
+pub mod saves;
 pub mod seed;
 pub mod start;
 pub mod stop;

@@ -257,10 +257,7 @@ impl Manager {
 
     /// The configured binary of `kind`.
     pub(crate) fn hypervisor_binary(&self, kind: HypervisorKind) -> &std::path::Path {
-        match kind {
-            HypervisorKind::Qemu => &self.cfg.qemu_binary,
-            HypervisorKind::CloudHypervisor => &self.cfg.cloud_hypervisor_binary,
-        }
+        kind.binary(&self.cfg)
     }
 
     /// Each hypervisor as probed (not yet probed: unavailable, saying so).

@@ -160,6 +160,14 @@ impl Manager {
                 Err(e) => tracing::warn!(leftover = %l, error = %e, "cannot remove what an interrupted operation left"),
             }
         }
+        // Saves a kill interrupted: their partial files, and a VM left paused by them.
+        match self.store().list_instances() {
+            Ok(records) => {
+                self.sweep_saved_states(&records);
+                self.resume_interrupted_saves(&records);
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot look for what interrupted saves left"),
+        }
         removed
     }
 
@@ -309,8 +317,12 @@ impl Manager {
         report: &mut PassReport,
     ) {
         for rec in instances {
-            if rec.state() == InstanceState::Stopped {
+            if rec.state() == InstanceState::Stopped || (rec.state() == InstanceState::Standby && rec.vmm.is_none()) {
                 self.stop_unrecorded_vmm(rec, boot_id, report);
+                continue;
+            }
+            if rec.state() == InstanceState::Standby {
+                self.finish_standby(rec, report);
                 continue;
             }
             if !matches!(rec.state(), InstanceState::Starting | InstanceState::Running | InstanceState::Stopping) {
@@ -391,7 +403,8 @@ impl Manager {
             return;
         };
         let Ok(Some(mut rec)) = self.store().read_instance(rec.id) else { return };
-        if rec.state() != InstanceState::Stopped || rec.vmm.is_some() {
+        let from = rec.state();
+        if !matches!(from, InstanceState::Stopped | InstanceState::Standby) || rec.vmm.is_some() {
             return;
         }
         let reason = format!(
@@ -408,8 +421,8 @@ impl Manager {
                 report.records.push(RecordChange {
                     instance: rec.id.to_string(),
                     name: rec.name.clone(),
-                    from: InstanceState::Stopped,
-                    to: InstanceState::Stopped,
+                    from,
+                    to: from,
                     reason,
                 });
             }
@@ -418,6 +431,41 @@ impl Manager {
                     "the unrecorded VMM could not be stopped");
                 report.keep_instance(rec.id, format!("an unrecorded VMM {pid} could not be stopped: {}", e.message));
             }
+        }
+    }
+
+    /// A `standby` record that still names its VMM: the agent was killed between recording
+    /// the standby and the kill path (the VM's state is saved; its VMM waits paused). The
+    /// VMM is stopped through the kill path and forgotten; the standby stays.
+    fn finish_standby(&self, rec: &InstanceRecord, report: &mut PassReport) {
+        let ilock = self.instance_lock(rec.id);
+        let Ok(_i) = ilock.try_lock() else {
+            report.keep_instance(rec.id, "operation in progress");
+            return;
+        };
+        let Ok(Some(mut rec)) = self.store().read_instance(rec.id) else { return };
+        if rec.state() != InstanceState::Standby || rec.vmm.is_none() {
+            return;
+        }
+        match self.stop_vmm(&rec, false) {
+            Ok(_) => {
+                self.remove_taps(&rec);
+                rec.vmm = None;
+                let reason = "the agent restarted before the standby's VMM was stopped: stopped through the kill path";
+                if let Err(e) = self.store().write_instance(&rec) {
+                    report.fail(PassStage::Records, format!("cannot record the standby of {}: {e}", rec.name));
+                    return;
+                }
+                tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, "{reason}");
+                report.records.push(RecordChange {
+                    instance: rec.id.to_string(),
+                    name: rec.name.clone(),
+                    from: InstanceState::Standby,
+                    to: InstanceState::Standby,
+                    reason: reason.to_string(),
+                });
+            }
+            Err(e) => report.keep_instance(rec.id, format!("the standby's VMM could not be stopped: {}", e.message)),
         }
     }
 

@@ -234,7 +234,8 @@ impl GpuRequest {
 }
 
 fn hypervisor_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    schemars::json_schema!({ "type": "string", "enum": ["qemu", "cloud-hypervisor"] })
+    let names: Vec<&str> = crate::hypervisor::HypervisorKind::ALL.iter().map(|k| k.name()).collect();
+    schemars::json_schema!({ "type": "string", "enum": names })
 }
 
 impl CreateRequest {
@@ -254,9 +255,9 @@ impl CreateRequest {
         }
         if let Some(h) = &self.hypervisor {
             if crate::hypervisor::HypervisorKind::from_name(h).is_none() {
-                return Err(ApiError::invalid_request(format!(
-                    "hypervisor {h:?} is not one of \"qemu\", \"cloud-hypervisor\""
-                )));
+                let names: Vec<String> =
+                    crate::hypervisor::HypervisorKind::ALL.iter().map(|k| format!("{:?}", k.name())).collect();
+                return Err(ApiError::invalid_request(format!("hypervisor {h:?} is not one of {}", names.join(", "))));
             }
         }
         if let Some(g) = self.disk_gib {
@@ -354,16 +355,22 @@ pub struct ForkParams {
     /// The new instance's name.
     #[schemars(schema_with = "name_schema")]
     pub name: String,
+    /// Fork from this snapshot of the source (its disk state) instead of the source's
+    /// current disk; the source may then be running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
-/// `instance.standby` / `instance.snapshot` / `instance.restore` parameters.
+/// `instance.snapshot` / `instance.restore` / `instance.snapshot_delete` parameters.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SaveStateParams {
     /// Instance id or name.
     #[serde(alias = "id", alias = "name", rename = "ref")]
     pub reference: String,
-    /// The snapshot to restore (`instance.restore`).
+    /// The snapshot: its name for `instance.snapshot` (default `snap-<UTC time>`), the one
+    /// to restore (`instance.restore`; absent: resume a standby instance) or to delete
+    /// (`instance.snapshot_delete`, required).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<String>,
 }

@@ -25,13 +25,31 @@ impl Manager {
         self.on_instance("restart", &r, |rec| self.start_found(rec.id, &r, true))
     }
 
-    fn start_found(&self, id: uuid::Uuid, r: &str, restarting: bool) -> Result<InstanceView, ApiError> {
+    pub(crate) fn start_found(&self, id: uuid::Uuid, r: &str, restarting: bool) -> Result<InstanceView, ApiError> {
         let ilock = self.instance_lock(id);
         let _i = lock(&ilock);
-        let mut rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
+        let rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
+        self.start_locked(rec, restarting, None)
+    }
+
+    /// The start path under the instance lock. `incoming`: a saved memory state to resume
+    /// (a running snapshot's restore); a `standby` instance resumes its own, which this
+    /// start consumes (`standby` → `starting`: a failed or interrupted resume leaves the
+    /// instance `stopped`, never resumed twice from the same memory, `saves`).
+    pub(crate) fn start_locked(
+        &self,
+        mut rec: crate::store::InstanceRecord,
+        restarting: bool,
+        mut incoming: Option<std::path::PathBuf>,
+    ) -> Result<InstanceView, ApiError> {
+        let mut resuming_standby = false;
         match rec.state() {
             InstanceState::CleanupPending => return Err(ApiError::instance_cleanup_pending(rec.id, &rec.name)),
             InstanceState::Stopped => {}
+            InstanceState::Standby => {
+                incoming = Some(self.standby_memory(&rec)?);
+                resuming_standby = true;
+            }
             // A VMM that exited behind the agent's back (the next reconcile pass would record
             // it): with its recorded identity provably dead and the instance lock ours, the
             // record is stale — record it stopped and start.
@@ -81,6 +99,7 @@ impl Manager {
             }
             OwnedClaim::None => {}
         }
+        let id = rec.id;
         rec.vmm = None;
         rec.transition(InstanceState::Starting)?;
         rec.last_error = None;
@@ -89,7 +108,11 @@ impl Manager {
         }
         self.store.write_instance(&rec)?;
         crate::crash_point!("start_after_clear_identity");
-        let rec = self.boot(rec, Rollback::Stopped)?;
-        Ok(self.view_after(&rec))
+        let name = rec.name.clone();
+        let booted = self.boot(rec, Rollback::Stopped, incoming);
+        if resuming_standby {
+            self.drop_standby_state(id, &name);
+        }
+        Ok(self.view_after(&booted?))
     }
 }

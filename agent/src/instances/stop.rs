@@ -2,7 +2,7 @@
 //! mark `stopping`, guest power-off or the kill path until the VMM is provably dead, release
 //! the device (a failed release keeps the claim `release_pending`; the stop still
 //! succeeds and says so), then `stopped`. Stopping a stopped instance retries a pending
-//! release.
+//! release; stopping a `standby` instance discards its saved state.
 
 use super::release::Release;
 use super::view::{InstanceView, QuarantinedDevice};
@@ -24,8 +24,21 @@ impl Manager {
         let ilock = self.instance_lock(id);
         let _i = lock(&ilock);
         let mut rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
+        let was_standby = rec.state() == InstanceState::Standby;
         let dead = match rec.state() {
             InstanceState::CleanupPending => return Err(ApiError::instance_cleanup_pending(rec.id, &rec.name)),
+            // A standby's VMM is stopped already (unless the agent died before its kill
+            // path, which this finishes); its saved state is discarded below.
+            InstanceState::Standby if rec.vmm.is_some() => self.stop_vmm(&rec, false)?,
+            InstanceState::Standby => {
+                let boot_id = self.boot_id()?;
+                self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
+                    ApiError::vmm_liveness_unknown(
+                        &rec.name,
+                        &format!("a standby instance's VMM is not provably dead ({l})"),
+                    )
+                })?
+            }
             InstanceState::Deleting => {
                 return Err(ApiError::invalid_state(
                     format!("instance {} is being deleted; retry the delete", rec.name),
@@ -87,6 +100,9 @@ impl Manager {
         rec.transition(InstanceState::Stopped)?;
         self.store.write_instance(&rec)?;
         crate::crash_point!("stop_after_stopped");
+        if was_standby {
+            self.drop_standby_state(rec.id, &rec.name);
+        }
         let mut view = self.view_after(&rec);
         view.released_device_quarantined = quarantined;
         Ok(view)

@@ -168,10 +168,7 @@ impl Manager {
                 })
             }
         };
-        let binary = match rec.hypervisor {
-            hypervisor::HypervisorKind::Qemu => self.cfg.qemu_binary.clone(),
-            hypervisor::HypervisorKind::CloudHypervisor => self.cfg.cloud_hypervisor_binary.clone(),
-        };
+        let binary = rec.hypervisor.binary(&self.cfg).to_path_buf();
         view.executables = hypervisor::confine::binary_paths(&binary);
         Ok(hypervisor::VmSpec {
             hypervisor: rec.hypervisor,
@@ -199,6 +196,7 @@ impl Manager {
             seed: None,
             disk,
             uefi,
+            incoming: None,
         })
     }
 
@@ -209,9 +207,15 @@ impl Manager {
     /// brought up to date and the NICs' taps are opened and attached (`seed`, `nics`); the
     /// agent's tap fds are closed once the VMM holds its own copies (or failed to start,
     /// which removes the taps).
-    pub(crate) fn spawn(&self, rec: &mut InstanceRecord, claim: Option<&Claim>) -> Result<(), ApiError> {
+    pub(crate) fn spawn(
+        &self,
+        rec: &mut InstanceRecord,
+        claim: Option<&Claim>,
+        incoming: Option<std::path::PathBuf>,
+    ) -> Result<(), ApiError> {
         let vmm_id = self.vmm_id(rec)?;
         let mut spec = self.vm_spec(rec, claim, vmm_id)?;
+        spec.incoming = incoming;
         if let Some(cg) = self.vm_cgroups() {
             let limit = crate::host::cgroup::memory_limit_bytes(rec.memory_mib, self.cfg.cgroup_memory_overhead_mib);
             spec.cgroup_procs =

@@ -16,7 +16,6 @@ pub mod metrics;
 pub mod openrpc;
 
 use crate::error::ApiError;
-use crate::instances::fork::SaveStateOp;
 use crate::instances::request::*;
 use crate::instances::Manager;
 use jsonrpsee::types::ErrorObjectOwned;
@@ -115,13 +114,16 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     with_params!(module, "instance.start", |m, r: RefParams| m.start(&r.reference));
     with_params!(module, "instance.stop", |m, r: StopParams| m.stop(&r.reference, r.force));
     with_params!(module, "instance.delete", |m, r: RefParams| m.delete(&r.reference));
-    with_params!(module, "instance.fork", |m, f: ForkParams| m.fork(&f.reference, &f.name));
-    with_params!(module, "instance.standby", |m, s: SaveStateParams| m
-        .save_state_op(&s.reference, SaveStateOp::Standby));
-    with_params!(module, "instance.snapshot", |m, s: SaveStateParams| m
-        .save_state_op(&s.reference, SaveStateOp::Snapshot));
-    with_params!(module, "instance.restore", |m, s: SaveStateParams| m
-        .save_state_op(&s.reference, SaveStateOp::Restore));
+    with_params!(module, "instance.fork", |m, f: ForkParams| m.fork(&f.reference, &f.name, f.snapshot.as_deref()));
+    with_params!(module, "instance.standby", |m, s: RefParams| m.standby(&s.reference));
+    with_params!(module, "instance.snapshot", |m, s: SaveStateParams| m.snapshot(&s.reference, s.snapshot.as_deref()));
+    with_params!(module, "instance.snapshots", |m, s: RefParams| m.snapshots(&s.reference));
+    with_params!(module, "instance.snapshot_delete", |m, s: SaveStateParams| s
+        .snapshot
+        .as_deref()
+        .ok_or_else(|| ApiError::invalid_request("instance.snapshot_delete needs the snapshot's name (snapshot)"))
+        .and_then(|n| m.delete_snapshot(&s.reference, n)));
+    with_params!(module, "instance.restore", |m, s: SaveStateParams| m.restore(&s.reference, s.snapshot.as_deref()));
     without_params!(module, "resources.get", |m| m.resources());
     without_params!(module, "gpu.list", |m| m.gpus());
     with_params!(module, "claim.prepare", |m, p: crate::instances::owners::PrepareParams| m.prepare(p));

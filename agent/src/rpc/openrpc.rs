@@ -5,6 +5,7 @@
 
 use crate::error::ErrorCode;
 use crate::instances::request::*;
+use crate::instances::saves::{SavedState, SnapshotDeleted, SnapshotList};
 use crate::instances::view::*;
 use schemars::generate::SchemaSettings;
 use schemars::{JsonSchema, Schema, SchemaGenerator};
@@ -68,12 +69,21 @@ pub fn methods() -> Vec<Method> {
             errors: [NotFound, VmmLivenessUnknown, VmmKillFailed, VgpuCleanupPending, Internal]),
         method!("instance.fork", "A new stopped instance with the source's definition and GPU profile, and a copy of its disk overlay (the source must then be stopped); never its claim or VMM.",
             params: ForkParams, result: InstanceView, errors: [NotFound, InvalidRequest, InvalidState, NameTaken, InstanceCleanupPending, Internal]),
-        method!("instance.standby", "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
-            params: SaveStateParams, result: InstanceView, errors: [NotFound, InstanceCleanupPending, UnsupportedWithGpu, InvalidRequest]),
-        method!("instance.snapshot", "Refused for cleanup_pending instances and running vGPU instances; not implemented for plain instances yet.",
-            params: SaveStateParams, result: InstanceView, errors: [NotFound, InstanceCleanupPending, UnsupportedWithGpu, InvalidRequest]),
-        method!("instance.restore", "Refused for cleanup_pending instances; not implemented yet (a restore never brings back a claim or VMM identity).",
-            params: SaveStateParams, result: InstanceView, errors: [NotFound, InstanceCleanupPending, InvalidRequest]),
+        method!("instance.standby", "Save a running VM without a GPU (memory, device state; its disk stays) and stop its VMM: state standby, no VMM, no device; instance.start resumes it.",
+            params: RefParams, result: InstanceView,
+            errors: [NotFound, InvalidState, InstanceCleanupPending, UnsupportedWithGpu, HypervisorUnsupported, VmmKillFailed, Internal]),
+        method!("instance.snapshot", "A named snapshot: of a running VM without a GPU its memory, device state and disk (paused for the save, then resumed); of a stopped VM its disk.",
+            params: SaveStateParams, result: SavedState,
+            errors: [NotFound, InvalidRequest, InvalidState, InstanceCleanupPending, UnsupportedWithGpu, HypervisorUnsupported, Internal]),
+        method!("instance.snapshots", "An instance's snapshots, oldest first, with their sizes.", params: RefParams, result: SnapshotList,
+            errors: [NotFound, Internal]),
+        method!("instance.snapshot_delete", "Remove one snapshot.", params: SaveStateParams, result: SnapshotDeleted,
+            errors: [NotFound, InvalidRequest, Internal]),
+        method!("instance.restore", "Back to a snapshot (its disk replaces the instance's, then it starts: resumed where it was for a running snapshot, booted with a fresh device claim for a stopped one), or, without one, resume a standby instance. Never a claim or VMM identity of the time of the snapshot.",
+            params: SaveStateParams, result: InstanceView,
+            errors: [NotFound, InvalidRequest, InvalidState, InstanceCleanupPending, UnsupportedWithGpu, HypervisorUnsupported,
+                NoCapacity, DeviceUnhealthy, NotReady, PolicyFailed, VmmStartFailed, VmmKillFailed, VmmLivenessUnknown,
+                GpuReleasePending, VgpuCleanupPending, Internal]),
         method!("resources.get", "GPU mode, device counts, placeable count per profile (one observation).", result: Resources, errors: []),
         method!("gpu.list", "Every GPU and device: current type (or unknown), claim owner, health marks, what cannot be read.",
             result: GpuList, errors: [NotReady]),

@@ -496,6 +496,48 @@ impl Agent {
     }
 }
 
+/// The serial log of an instance (`serial_log` of its view).
+pub fn serial_of(v: &Value) -> PathBuf {
+    PathBuf::from(v["serial_log"].as_str().expect("serial_log"))
+}
+
+/// The serial log's text (read lossily: firmware writes bytes that are not UTF-8).
+pub fn serial_text(v: &Value) -> String {
+    String::from_utf8_lossy(&std::fs::read(serial_of(v)).unwrap_or_default()).into_owned()
+}
+
+/// The serial log's length now: where the next lines start (the log is appended across
+/// boots).
+pub fn serial_len(v: &Value) -> usize {
+    std::fs::metadata(serial_of(v)).map(|m| m.len() as usize).unwrap_or(0)
+}
+
+/// Waits until `needle` appears in the serial log after byte offset `from`; panics with the
+/// log's tail when it does not within `timeout`.
+pub fn wait_serial_after(v: &Value, from: usize, needle: &str, timeout: Duration) {
+    wait_for(timeout, || {
+        let t = std::fs::read(serial_of(v)).unwrap_or_default();
+        let t = String::from_utf8_lossy(t.get(from..).unwrap_or_default()).into_owned();
+        t.contains(needle).then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!("{needle:?} never appeared on the console of {}:\n{}", v["name"], tail(&serial_text(v), 30))
+    });
+}
+
+/// Types `cmd` on the guest's console shell (its `console_socket`) and waits for `expect`
+/// in the output. Commands print a marker built at run time (`X:$(...):X`), so the echo of
+/// the typed line never matches by itself.
+pub fn console_run(v: &Value, cmd: &str, expect: &str, timeout: Duration) {
+    use std::io::Write;
+    let from = serial_len(v);
+    let sock = v["console_socket"].as_str().expect("console_socket");
+    let mut s = std::os::unix::net::UnixStream::connect(sock).expect("console socket");
+    // A fresh line first: the shell may be mid-prompt.
+    s.write_all(format!("\r{cmd}\r").as_bytes()).unwrap();
+    wait_serial_after(v, from, expect, timeout);
+}
+
 /// The state-dump entry of a VF.
 pub fn vf_entry(state: &Value, vf: &str) -> Value {
     for g in state["gpus"].as_array().cloned().unwrap_or_default() {

@@ -3,10 +3,11 @@
 //!
 //! - create → guest ready through the agent (vGPU claimed, configured, QEMU spawned with
 //!   hold-fd) vs a bare QEMU launch of the same image and command line shape;
+//! - a running snapshot and its restore (512 MiB) vs a bare QEMU save and load;
 //! - one reconcile pass over many instance and claim records.
 
 use gpuvisor_e2e::*;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -19,25 +20,8 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 fn bare_qemu_to_ready(image: &std::path::Path) -> Duration {
     let dir = tempfile::tempdir().unwrap();
-    let serial = dir.path().join("serial.log");
-    let cmdline = std::fs::read_to_string(image.join("cmdline")).unwrap();
     let t0 = Instant::now();
-    let mut child = Command::new("qemu-system-x86_64")
-        .args(["-machine", "q35,accel=tcg", "-cpu", "max", "-m", "256", "-smp", "1", "-nodefaults", "-no-user-config"])
-        .args(["-display", "none", "-uuid", &uuid_like(), "-name", "bare"])
-        .arg("-kernel")
-        .arg(image.join("vmlinuz"))
-        .arg("-initrd")
-        .arg(image.join("initrd.img"))
-        .args(["-append", cmdline.trim()])
-        .arg("-serial")
-        .arg(format!("file:{}", serial.display()))
-        .spawn()
-        .unwrap();
-    wait_for(Duration::from_secs(120), || {
-        std::fs::read_to_string(&serial).ok().filter(|t| t.contains("gpuvisor-guest: ready")).map(|_| ())
-    })
-    .expect("bare guest ready");
+    let mut child = bare_qemu(image, dir.path(), 256, None);
     let d = t0.elapsed();
     let _ = child.kill();
     let _ = child.wait();
@@ -323,5 +307,131 @@ fn bench_create_with_a_sleeping_plugin_in_another_slot_and_a_call_past_its_deadl
     println!(
         "bench a call past its deadline: recorded duration / deadline (500 ms) = {:.3} (median of 3; goal <= 2)",
         median(ratios).as_secs_f64()
+    );
+}
+
+/// A QMP exchange on a bare QEMU's socket: one command, its `return` (events skipped).
+fn qmp(sock: &std::path::Path, cmds: &[Value]) -> Vec<Value> {
+    use std::io::{BufRead, BufReader, Write};
+    let s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    let mut r = BufReader::new(s.try_clone().unwrap());
+    let mut w = s;
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap(); // the greeting
+    let mut out = Vec::new();
+    for c in std::iter::once(&json!({"execute": "qmp_capabilities"})).chain(cmds) {
+        writeln!(w, "{c}").unwrap();
+        loop {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            let v: Value = serde_json::from_str(line.trim()).unwrap();
+            if v.get("event").is_none() {
+                assert!(v.get("error").is_none(), "{c} -> {v}");
+                out.push(v["return"].clone());
+                break;
+            }
+        }
+    }
+    out.remove(0);
+    out
+}
+
+/// A bare QEMU of the demo image with `mib` MiB, QMP on `dir/qmp.sock`, booted to `ready`
+/// (`incoming`: loads that saved state instead, and is running when this returns).
+fn bare_qemu(
+    image: &std::path::Path,
+    dir: &std::path::Path,
+    mib: u64,
+    incoming: Option<&std::path::Path>,
+) -> std::process::Child {
+    let cmdline = std::fs::read_to_string(image.join("cmdline")).unwrap();
+    let sock = dir.join("qmp.sock");
+    let _ = std::fs::remove_file(&sock);
+    let serial = dir.join("serial.log");
+    let mut c = Command::new("qemu-system-x86_64");
+    c.args(["-machine", "q35,accel=tcg", "-cpu", "max", "-m", &mib.to_string(), "-smp", "1", "-nodefaults"])
+        .args(["-no-user-config", "-display", "none", "-uuid", &uuid_like(), "-name", "bare"])
+        .arg("-kernel")
+        .arg(image.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(image.join("initrd.img"))
+        .args(["-append", cmdline.trim()])
+        .arg("-serial")
+        .arg(format!("file:{}", serial.display()))
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", sock.display()));
+    if let Some(state) = incoming {
+        c.arg("-incoming").arg(format!("exec:cat {}", state.display()));
+    }
+    let child = c.spawn().unwrap();
+    wait_for(Duration::from_secs(60), || sock.exists().then_some(())).expect("QMP socket");
+    match incoming {
+        None => wait_for(Duration::from_secs(120), || {
+            std::fs::read_to_string(&serial).ok().filter(|t| t.contains("gpuvisor-guest: ready")).map(|_| ())
+        })
+        .expect("bare guest ready"),
+        Some(_) => wait_for(Duration::from_secs(120), || {
+            (qmp(&sock, &[json!({"execute": "query-status"})])[0]["status"] == "running").then_some(())
+        })
+        .expect("bare guest restored"),
+    }
+    child
+}
+
+/// Issue 22: a snapshot (running, memory + device state) and its restore of a 512 MiB guest
+/// through the agent against a bare QEMU saving the same guest (`stop`, `migrate` to a file,
+/// `query-migrate` until completed) and loading it (`-incoming`, until `running`).
+#[test]
+#[ignore]
+fn bench_snapshot_and_restore_vs_bare_qemu_save_and_load() {
+    let image = demo_image();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut bare_save, mut bare_load) = (Vec::new(), Vec::new());
+    for _ in 0..RUNS {
+        let mut q = bare_qemu(&image, dir.path(), 512, None);
+        let sock = dir.path().join("qmp.sock");
+        let state = dir.path().join("state");
+        let _ = std::fs::remove_file(&state);
+        let t0 = Instant::now();
+        qmp(
+            &sock,
+            &[
+                json!({"execute": "stop"}),
+                json!({"execute": "migrate-set-parameters", "arguments": {"max-bandwidth": 1u64 << 40}}),
+                json!({"execute": "migrate", "arguments": {"uri": format!("exec:cat > {}", state.display())}}),
+            ],
+        );
+        wait_for(Duration::from_secs(120), || {
+            (qmp(&sock, &[json!({"execute": "query-migrate"})])[0]["status"] == "completed").then_some(())
+        })
+        .expect("bare save");
+        qmp(&sock, &[json!({"execute": "cont"})]);
+        bare_save.push(t0.elapsed());
+        let _ = q.kill();
+        let _ = q.wait();
+        let t0 = Instant::now();
+        let mut q = bare_qemu(&image, dir.path(), 512, Some(&state));
+        bare_load.push(t0.elapsed());
+        let _ = q.kill();
+        let _ = q.wait();
+    }
+    let a = Agent::start("l40s-2x16").unwrap();
+    let v = a.ok("instance.create", json!({"name": "b", "image": "demo", "memory_mib": 512}));
+    a.wait_serial(&v, "gpuvisor-guest: ready", Duration::from_secs(120)).unwrap();
+    let (mut save, mut load) = (Vec::new(), Vec::new());
+    for i in 0..RUNS {
+        let t0 = Instant::now();
+        a.ok("instance.snapshot", json!({"ref": "b", "snapshot": format!("s{i}")}));
+        save.push(t0.elapsed());
+        a.ok("instance.stop", json!({"ref": "b", "force": true}));
+        let t0 = Instant::now();
+        a.ok("instance.restore", json!({"ref": "b", "snapshot": format!("s{i}")}));
+        load.push(t0.elapsed());
+    }
+    let r = |a: &[Duration], b: &[Duration]| median(a.to_vec()).as_secs_f64() / median(b.to_vec()).as_secs_f64();
+    println!(
+        "bench snapshot 512 MiB: agent median {:?} vs bare QEMU save {:?}: ratio {:.2} (goal <= 1.2); restore: agent {:?} vs bare load {:?}: ratio {:.2} (goal <= 1.2)",
+        median(save.clone()), median(bare_save.clone()), r(&save, &bare_save),
+        median(load.clone()), median(bare_load.clone()), r(&load, &bare_load)
     );
 }

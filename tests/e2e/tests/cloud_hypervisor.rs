@@ -124,8 +124,9 @@ fn availability_comes_from_running_the_binary() {
     let ch = h["hypervisors"].as_array().unwrap().iter().find(|x| x["name"] == "cloud-hypervisor").unwrap().clone();
     assert_eq!(ch["available"], true, "{ch}");
     assert!(ch["version"].as_str().unwrap().starts_with("cloud-hypervisor 53."), "{ch}");
-    // Under the harness's vfio_attach = "hold-fd" it cannot be handed a device.
-    assert_eq!(ch["capabilities"], json!(["standby", "snapshot"]));
+    // Under the harness's vfio_attach = "hold-fd" it cannot be handed a device, and it
+    // saves no VM state in this version (snapshots and standby are QEMU's).
+    assert_eq!(ch["capabilities"], json!([]));
     // The probe's throw-away VMM is gone.
     assert!(fake.requests().iter().any(|r| r["path"].as_str().unwrap_or("").ends_with("vmm.shutdown")));
 }
@@ -237,4 +238,24 @@ fn a_guest_that_ignores_the_power_button_is_asked_to_exit_and_one_that_ignores_s
     assert_eq!(a.ok("instance.stop", json!({"ref": "i", "force": true}))["state"], "stopped");
     assert!(wait_reaped(pid) || !alive(pid));
     assert_eq!(metric0(&a.metrics(), "gpuvisor_vmm_kill_escalations_total", &[("signal", "SIGKILL")]), 1.0);
+}
+
+/// Snapshots and standby save QEMU VMs only in this version: a Cloud Hypervisor VM refuses
+/// them (`hypervisor_unsupported`, naming the reason), runs on, and its API never sees a
+/// pause; a stopped one without a disk has nothing to snapshot.
+#[test]
+fn a_cloud_hypervisor_vm_refuses_standby_and_a_running_snapshot() {
+    let ch = ChWrapper::fake();
+    let a = agent(&ch, &[]);
+    a.ok("instance.create", plain_ch("s"));
+    for m in ["instance.standby", "instance.snapshot"] {
+        let e = a.err(m, json!({"ref": "s"}));
+        assert_eq!((e.code, e.data_code.as_str()), (400, "hypervisor_unsupported"), "{m}: {e}");
+        assert!(e.message.contains("snapshots and standby are QEMU's"), "{m}: {e}");
+    }
+    assert_eq!(a.ok("instance.get", json!({"ref": "s"}))["state"], "running");
+    assert!(!ch.requests().iter().any(|r| r["path"].as_str().unwrap_or("").contains("vm.pause")));
+    a.ok("instance.stop", json!({"ref": "s", "force": true}));
+    let e = a.err("instance.snapshot", json!({"ref": "s"}));
+    assert_eq!(e.data_code, "invalid_request", "{e}");
 }

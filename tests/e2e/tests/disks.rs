@@ -7,8 +7,6 @@
 
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};
-use std::io::Write;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -21,54 +19,21 @@ fn import_demo_disk(a: &Agent) -> Value {
     a.ok("image.import", json!({"name": "demo-disk", "disk": dir.join("disk.qcow2")}))
 }
 
-fn serial(v: &Value) -> PathBuf {
-    PathBuf::from(v["serial_log"].as_str().expect("serial_log"))
-}
-
-/// The serial log (OVMF writes bytes that are not UTF-8: read it lossily).
-fn log_text(v: &Value) -> String {
-    String::from_utf8_lossy(&std::fs::read(serial(v)).unwrap_or_default()).into_owned()
-}
-
-/// Waits until `needle` appears in the serial log after byte offset `from` (the log is
-/// appended across boots).
-fn wait_line_after(v: &Value, from: usize, needle: &str, timeout: Duration) {
-    wait_for(timeout, || {
-        let t = std::fs::read(serial(v)).unwrap_or_default();
-        let t = String::from_utf8_lossy(t.get(from..).unwrap_or_default()).into_owned();
-        t.contains(needle).then_some(())
-    })
-    .unwrap_or_else(|| {
-        panic!("{needle:?} never appeared on the console of {}:\n{}", v["name"], tail(&log_text(v), 30))
-    });
-}
-
-fn log_len(v: &Value) -> usize {
-    std::fs::metadata(serial(v)).map(|m| m.len() as usize).unwrap_or(0)
-}
-
 /// Boots (`create` or `start` answered `v`) and waits for the disk lines and `ready`.
 fn wait_booted(v: &Value, from: usize, mode: &str) {
-    wait_line_after(v, from, &format!("gpuvisor-guest: boot {mode}"), BOOT);
-    wait_line_after(v, from, "gpuvisor-guest: disk /data", BOOT);
-    wait_line_after(v, from, "gpuvisor-guest: ready", BOOT);
+    wait_serial_after(v, from, &format!("gpuvisor-guest: boot {mode}"), BOOT);
+    wait_serial_after(v, from, "gpuvisor-guest: disk /data", BOOT);
+    wait_serial_after(v, from, "gpuvisor-guest: ready", BOOT);
 }
 
 /// Types `cmd` on the guest's console shell and waits for `expect` in the output.
-/// Commands print a marker built at run time (`X:$(...):X`), so the echo of the typed line
-/// never matches by itself.
 fn console(v: &Value, cmd: &str, expect: &str) {
-    let from = log_len(v);
-    let sock = v["console_socket"].as_str().expect("console_socket");
-    let mut s = UnixStream::connect(sock).expect("console socket");
-    // A fresh line first: the shell may be mid-prompt.
-    s.write_all(format!("\r{cmd}\r").as_bytes()).unwrap();
-    wait_line_after(v, from, expect, ANSWER);
+    console_run(v, cmd, expect, ANSWER);
 }
 
 fn start(a: &Agent, name: &str, mode: &str) -> Value {
     let before = a.ok("instance.get", json!({"ref": name}));
-    let from = log_len(&before);
+    let from = serial_len(&before);
     let v = a.ok("instance.start", json!({"ref": name}));
     wait_booted(&v, from, mode);
     v

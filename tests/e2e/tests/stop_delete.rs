@@ -222,6 +222,9 @@ fn s024_a_cleanup_pending_instance_accepts_only_delete() {
         ("instance.start", json!({"ref": "a"})),
         ("instance.fork", json!({"ref": "a", "name": "k"})),
         ("instance.snapshot", json!({"ref": "a"})),
+        ("instance.standby", json!({"ref": "a"})),
+        ("instance.restore", json!({"ref": "a"})),
+        ("instance.restore", json!({"ref": "a", "snapshot": "s1"})),
     ] {
         let e = a.err(m, p);
         assert_eq!((e.code, e.data_code.as_str()), (409, "instance_cleanup_pending"), "{m}: {e}");
