@@ -310,6 +310,21 @@ fn bench_create_with_a_sleeping_plugin_in_another_slot_and_a_call_past_its_deadl
     );
 }
 
+/// [`wait_for`] at a 2 ms step: the bare side's timings are not rounded up to the harness's
+/// 50 ms polling.
+fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// A QMP exchange on a bare QEMU's socket: one command, its `return` (events skipped).
 fn qmp(sock: &std::path::Path, cmds: &[Value]) -> Vec<Value> {
     use std::io::{BufRead, BufReader, Write};
@@ -364,16 +379,22 @@ fn bare_qemu(
         c.arg("-incoming").arg(format!("exec:cat {}", state.display()));
     }
     let child = c.spawn().unwrap();
-    wait_for(Duration::from_secs(60), || sock.exists().then_some(())).expect("QMP socket");
+    poll(Duration::from_secs(60), || sock.exists().then_some(())).expect("QMP socket");
     match incoming {
-        None => wait_for(Duration::from_secs(120), || {
+        None => poll(Duration::from_secs(120), || {
             std::fs::read_to_string(&serial).ok().filter(|t| t.contains("gpuvisor-guest: ready")).map(|_| ())
         })
         .expect("bare guest ready"),
-        Some(_) => wait_for(Duration::from_secs(120), || {
-            (qmp(&sock, &[json!({"execute": "query-status"})])[0]["status"] == "running").then_some(())
-        })
-        .expect("bare guest restored"),
+        // The state was saved paused (stop first, as the agent does): loaded paused, then
+        // resumed.
+        Some(_) => {
+            poll(Duration::from_secs(120), || {
+                let st = qmp(&sock, &[json!({"execute": "query-status"})])[0]["status"].clone();
+                (st == "paused" || st == "running").then_some(())
+            })
+            .expect("bare guest restored");
+            qmp(&sock, &[json!({"execute": "cont"})]);
+        }
     }
     child
 }
@@ -401,7 +422,7 @@ fn bench_snapshot_and_restore_vs_bare_qemu_save_and_load() {
                 json!({"execute": "migrate", "arguments": {"uri": format!("exec:cat > {}", state.display())}}),
             ],
         );
-        wait_for(Duration::from_secs(120), || {
+        poll(Duration::from_secs(120), || {
             (qmp(&sock, &[json!({"execute": "query-migrate"})])[0]["status"] == "completed").then_some(())
         })
         .expect("bare save");
