@@ -80,6 +80,7 @@ fn a_running_snapshot_restores_the_vm_where_it_was_and_standby_resumes_it() {
     mark(&v, "before-snapshot");
 
     let s = a.ok("instance.snapshot", json!({"ref": "p", "snapshot": "s1"}));
+    println!("instance.snapshot {{ref: p, snapshot: s1}} -> {s}");
     assert_eq!(s["name"], "s1", "{s}");
     assert_eq!(s["kind"], "running", "{s}");
     assert_eq!(s["files"], json!(["memory"]), "no disk on the demo image: {s}");
@@ -102,9 +103,11 @@ fn a_running_snapshot_restores_the_vm_where_it_was_and_standby_resumes_it() {
     assert_eq!(a.ok("instance.stop", json!({"ref": "p", "force": true}))["state"], "stopped");
     let booted = boots(&v);
     let r = a.ok("instance.restore", json!({"ref": "p", "snapshot": "s1"}));
+    println!("instance.restore {{ref: p, snapshot: s1}} -> state {}", r["state"]);
     assert_eq!(r["state"], "running", "{r}");
     has_mark(&v, "before-snapshot");
     assert_eq!(boots(&v), booted, "resumed, not booted:\n{}", tail(&serial_text(&v), 20));
+    println!("guest console after the restore (boots so far: {booted}):\n{}", tail(&serial_text(&v), 8));
     // A snapshot restores any number of times (its memory is loaded over its own disk).
     mark(&v, "scribbled");
     a.ok("instance.stop", json!({"ref": "p", "force": true}));
