@@ -25,20 +25,22 @@ impl Manager {
         let _i = lock(&ilock);
         let mut rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
         let was_standby = rec.state() == InstanceState::Standby;
+        // A stopped or standby instance has no VMM to stop: it must be provably dead.
+        let proven_dead = |rec: &crate::store::InstanceRecord| {
+            let boot_id = self.boot_id()?;
+            self.prove_dead(rec.id, Some(rec), &boot_id).map_err(|l| {
+                ApiError::vmm_liveness_unknown(
+                    &rec.name,
+                    &format!("a {} instance's VMM is not provably dead ({l})", rec.state()),
+                )
+            })
+        };
         let dead = match rec.state() {
             InstanceState::CleanupPending => return Err(ApiError::instance_cleanup_pending(rec.id, &rec.name)),
             // A standby's VMM is stopped already (unless the agent died before its kill
             // path, which this finishes); its saved state is discarded below.
             InstanceState::Standby if rec.vmm.is_some() => self.stop_vmm(&rec, false)?,
-            InstanceState::Standby => {
-                let boot_id = self.boot_id()?;
-                self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
-                    ApiError::vmm_liveness_unknown(
-                        &rec.name,
-                        &format!("a standby instance's VMM is not provably dead ({l})"),
-                    )
-                })?
-            }
+            InstanceState::Standby => proven_dead(&rec)?,
             InstanceState::Deleting => {
                 return Err(ApiError::invalid_state(
                     format!("instance {} is being deleted; retry the delete", rec.name),
@@ -51,13 +53,7 @@ impl Manager {
                     rec.restarts.due_ms = None;
                     self.store.write_instance(&rec)?;
                 }
-                let boot_id = self.boot_id()?;
-                self.prove_dead(rec.id, Some(&rec), &boot_id).map_err(|l| {
-                    ApiError::vmm_liveness_unknown(
-                        &rec.name,
-                        &format!("a stopped instance's VMM is not provably dead ({l})"),
-                    )
-                })?
+                proven_dead(&rec)?
             }
             _ => {
                 if let Liveness::MaybeAlive { reason } = self.liveness(&rec)? {

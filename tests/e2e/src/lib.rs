@@ -631,7 +631,12 @@ pub fn tail(s: &str, n: usize) -> String {
 }
 
 /// Polls `f` until it returns `Some`, for at most `timeout`.
-pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+pub fn wait_for<T>(timeout: Duration, f: impl FnMut() -> Option<T>) -> Option<T> {
+    wait_for_every(Duration::from_millis(50), timeout, f)
+}
+
+/// [`wait_for`], asking every `step` (a benchmark's bare side, timed to the millisecond).
+pub fn wait_for_every<T>(step: Duration, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = f() {
@@ -640,7 +645,7 @@ pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Optio
         if Instant::now() > deadline {
             return None;
         }
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(step);
     }
 }
 

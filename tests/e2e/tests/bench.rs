@@ -312,17 +312,8 @@ fn bench_create_with_a_sleeping_plugin_in_another_slot_and_a_call_past_its_deadl
 
 /// [`wait_for`] at a 2 ms step: the bare side's timings are not rounded up to the harness's
 /// 50 ms polling.
-fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
+fn poll<T>(timeout: Duration, f: impl FnMut() -> Option<T>) -> Option<T> {
+    wait_for_every(Duration::from_millis(2), timeout, f)
 }
 
 /// A QMP exchange on a bare QEMU's socket: one command, its `return` (events skipped).
