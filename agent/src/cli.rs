@@ -204,6 +204,10 @@ pub enum Command {
         /// Size of the disk overlay, GiB (at least the image disk's size).
         #[arg(long)]
         disk_gib: Option<u64>,
+        /// Define the instance only: checked and recorded stopped, nothing claimed or started
+        /// (`gpuvisor start` boots it).
+        #[arg(long)]
+        no_start: bool,
     },
     /// List instances.
     Ps,
@@ -236,6 +240,10 @@ pub enum Command {
         /// Skip the guest power-off.
         #[arg(long)]
         force: bool,
+        /// Seconds to wait for the guest to power off before the kill path (1-3600; default:
+        /// the agent's stop_timeout_s).
+        #[arg(long, value_name = "SECONDS", conflicts_with = "force")]
+        timeout: Option<u64>,
     },
     /// Delete an instance.
     Rm {
@@ -699,6 +707,7 @@ pub async fn run_client(cli: &Cli) -> i32 {
             network_config,
             boot,
             disk_gib,
+            no_start,
         } => {
             let read = |p: &Option<std::path::PathBuf>| -> Result<Option<String>, String> {
                 p.as_ref()
@@ -728,13 +737,16 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 cloud_init,
                 boot: boot.map(BootArg::mode),
                 disk_gib: *disk_gib,
+                start: no_start.then_some(false),
             };
             ("instance.create", to_params(&req))
         }
         Command::Ps => ("instance.list", json!({})),
         Command::Show { name } => ("instance.get", json!({ "ref": name })),
         Command::Start { name } => ("instance.start", json!({ "ref": name })),
-        Command::Stop { name, force } => ("instance.stop", json!({ "ref": name, "force": force })),
+        Command::Stop { name, force, timeout } => {
+            ("instance.stop", json!({ "ref": name, "force": force, "timeout_s": timeout }))
+        }
         Command::Rm { name } => ("instance.delete", json!({ "ref": name })),
         Command::Fork { name, new_name, snapshot } => {
             ("instance.fork", json!({ "ref": name, "name": new_name, "snapshot": snapshot }))

@@ -94,7 +94,8 @@ pub fn stop(
                     report.graceful_exit = true;
                     return Ok(report);
                 }
-                tracing::info!(pid = identity.pid, hypervisor = %hv, "the guest did not power off in time; asking the VMM to exit");
+                tracing::info!(pid = identity.pid, hypervisor = %hv, stop_timeout_s = opts.stop_timeout.as_secs(),
+                    "the guest did not power off in time; asking the VMM to exit");
             }
             Err(e) => {
                 tracing::info!(pid = identity.pid, hypervisor = %hv, error = %e, "the power button failed; asking the VMM to exit")

@@ -53,6 +53,7 @@ impl Manager {
             Some(GpuWant::Profile(p)) => Some(self.known_profile(p)?),
             _ => None,
         };
+        let define_only = req.start == Some(false);
         let rec = InstanceRecord::new(
             InstanceDefinition {
                 id,
@@ -77,7 +78,7 @@ impl Manager {
                 boot,
                 disk_gib: req.disk_gib,
             },
-            InstanceState::Starting,
+            if define_only { InstanceState::Stopped } else { InstanceState::Starting },
         );
         // The instance lock is taken before the record exists, so the reconciler never sees
         // a `starting` record whose operation is not holding it (lock order: instance, then
@@ -113,6 +114,10 @@ impl Manager {
             (None, None, Some(rc)) => format!("resource claim {rc}"),
             (None, None, None) => "-".into(),
         };
+        if define_only {
+            tracing::info!(instance.id = %id, instance.name = %rec.name, profile = %gpu, "instance defined (not started)");
+            return Ok(self.view_after(&rec));
+        }
         tracing::info!(instance.id = %id, instance.name = %rec.name, profile = %gpu, "creating instance");
         let rec = self.boot(rec, Rollback::Remove, None)?;
         Ok(self.view_after(&rec))

@@ -108,6 +108,10 @@ pub struct CreateRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = DISK_GIB_MAX))]
     pub disk_gib: Option<u64>,
+    /// `false`: define the instance only — checked and recorded `stopped`, nothing claimed,
+    /// nothing started (`instance.start` boots it). Default `true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<bool>,
 }
 
 /// The largest `disk_gib`: 64 TiB.
@@ -343,6 +347,23 @@ pub struct StopParams {
     /// Skip the guest power-off: SIGTERM first, then the kill path.
     #[serde(default)]
     pub force: bool,
+    /// How long this stop waits for the guest to power off before the kill path, seconds
+    /// (1..=3600; default: the agent's `stop_timeout_s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub timeout_s: Option<u64>,
+}
+
+impl StopParams {
+    /// The power-off wait this stop asked for, checked (`invalid_request` outside 1..=3600).
+    pub fn timeout(&self) -> Result<Option<std::time::Duration>, ApiError> {
+        match self.timeout_s {
+            Some(t) if !(1..=3600).contains(&t) => {
+                Err(ApiError::invalid_request(format!("timeout_s must be 1..=3600, not {t}")))
+            }
+            t => Ok(t.map(std::time::Duration::from_secs)),
+        }
+    }
 }
 
 /// `instance.fork` parameters.

@@ -15,12 +15,19 @@ use crate::sync::lock;
 use std::time::Duration;
 
 impl Manager {
-    /// `instance.stop`. `force` skips the guest power-off.
-    pub fn stop(&self, r: &str, force: bool) -> Result<InstanceView, ApiError> {
-        self.on_instance("stop", r, |rec| self.stop_found(rec.id, r, force))
+    /// `instance.stop`. `force` skips the guest power-off; `timeout` bounds the wait for it
+    /// (default `stop_timeout_s`).
+    pub fn stop(&self, r: &str, force: bool, timeout: Option<Duration>) -> Result<InstanceView, ApiError> {
+        self.on_instance("stop", r, |rec| self.stop_found(rec.id, r, force, timeout))
     }
 
-    fn stop_found(&self, id: uuid::Uuid, r: &str, force: bool) -> Result<InstanceView, ApiError> {
+    fn stop_found(
+        &self,
+        id: uuid::Uuid,
+        r: &str,
+        force: bool,
+        timeout: Option<Duration>,
+    ) -> Result<InstanceView, ApiError> {
         let ilock = self.instance_lock(id);
         let _i = lock(&ilock);
         let mut rec = self.store.read_instance(id)?.ok_or_else(|| ApiError::not_found(r))?;
@@ -62,7 +69,7 @@ impl Manager {
                 rec.transition(InstanceState::Stopping)?;
                 self.store.write_instance(&rec)?;
                 crate::crash_point!("stop_after_stopping_mark");
-                let dead = self.stop_vmm(&rec, !force)?;
+                let dead = self.stop_vmm_within(&rec, !force, timeout)?;
                 crate::crash_point!("stop_after_vmm_dead");
                 dead
             }

@@ -290,10 +290,10 @@ impl Manager {
         }
     }
 
-    fn stop_options(&self, graceful: bool) -> hypervisor::StopOptions {
+    fn stop_options(&self, graceful: bool, timeout: Option<Duration>) -> hypervisor::StopOptions {
         hypervisor::StopOptions {
             graceful,
-            stop_timeout: Duration::from_secs(self.cfg.stop_timeout_s),
+            stop_timeout: timeout.unwrap_or(Duration::from_secs(self.cfg.stop_timeout_s)),
             term_grace: Duration::from_secs(self.cfg.vfio_term_grace_s),
         }
     }
@@ -301,6 +301,17 @@ impl Manager {
     /// Stops the VMM of `rec` (graceful, or the kill path) until it is provably dead.
     /// Errors: `vmm_liveness_unknown`, `vmm_kill_failed` (nothing may be torn down).
     pub(crate) fn stop_vmm(&self, rec: &InstanceRecord, graceful: bool) -> Result<Dead, ApiError> {
+        self.stop_vmm_within(rec, graceful, None)
+    }
+
+    /// [`Manager::stop_vmm`], the guest given `timeout` (default `stop_timeout_s`) to power
+    /// off.
+    pub(crate) fn stop_vmm_within(
+        &self,
+        rec: &InstanceRecord,
+        graceful: bool,
+        timeout: Option<Duration>,
+    ) -> Result<Dead, ApiError> {
         let boot_id = self.boot_id()?;
         let found;
         let vmm = match &rec.vmm {
@@ -321,7 +332,13 @@ impl Manager {
             },
         };
         let driver = rec.hypervisor.driver();
-        match hypervisor::stop(driver, &vmm.identity, &vmm.control_socket, self.stop_options(graceful), &boot_id) {
+        match hypervisor::stop(
+            driver,
+            &vmm.identity,
+            &vmm.control_socket,
+            self.stop_options(graceful, timeout),
+            &boot_id,
+        ) {
             Ok(report) => {
                 if !report.escalations.is_empty() {
                     for sig in &report.escalations {

@@ -112,7 +112,11 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     with_params!(module, "instance.get", |m, r: RefParams| m.get(&r.reference));
     without_params!(module, "instance.list", |m| m.list());
     with_params!(module, "instance.start", |m, r: RefParams| m.start(&r.reference));
-    with_params!(module, "instance.stop", |m, r: StopParams| m.stop(&r.reference, r.force));
+    with_params!(module, "instance.stop", |m, r: StopParams| r.timeout().and_then(|t| m.stop(
+        &r.reference,
+        r.force,
+        t
+    )));
     with_params!(module, "instance.delete", |m, r: RefParams| m.delete(&r.reference));
     with_params!(module, "instance.fork", |m, f: ForkParams| m.fork(&f.reference, &f.name, f.snapshot.as_deref()));
     with_params!(module, "instance.standby", |m, s: RefParams| m.standby(&s.reference));

@@ -236,6 +236,33 @@ fn conflicts_answer_409_name_taken_and_invalid_state_and_missing_instances_404()
     assert_nothing_left(&a);
 }
 
+/// Define only (`start: false`, `gpuvisor create --no-start`): every check of a create, a
+/// `stopped` record, nothing claimed, written or started until `instance.start`.
+#[test]
+fn a_create_that_does_not_start_checks_everything_and_claims_nothing() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let e = a.err("instance.create", json!({"name": "d", "image": "demo", "gpu": "L40S-7Q", "start": false}));
+    assert_api_error(&e, 400, "unknown_profile");
+    let v = a.ok("instance.create", json!({"name": "d", "image": "demo", "gpu": "L40S-2Q", "start": false}));
+    assert_eq!(v["state"], "stopped", "{v}");
+    assert!(v["vmm"].is_null(), "{v}");
+    assert_eq!(v["gpu"]["profile"], "L40S-2Q", "{v}");
+    assert!(a.claims().is_empty(), "nothing claimed: {:?}", a.claims());
+    assert!(a.sim_writes().is_empty(), "nothing written: {:?}", a.sim_writes());
+    assert!(a.qemu_pids().is_empty(), "nothing started");
+    let out = a.cli(&["create", "e", "--image", "demo", "--no-start"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(a.ok("instance.get", json!({"ref": "e"}))["state"], "stopped");
+
+    let v = a.ok("instance.start", json!({"ref": "d"}));
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(v["gpu"]["device"], "0000:41:00.4", "{v}");
+    for n in ["d", "e"] {
+        a.ok("instance.delete", json!({"ref": n}));
+    }
+    assert_nothing_left(&a);
+}
+
 #[test]
 fn the_socket_is_mode_0600() {
     let a = Agent::start(ONE_GPU).unwrap();

@@ -259,3 +259,28 @@ fn a_cloud_hypervisor_vm_refuses_standby_and_a_running_snapshot() {
     let e = a.err("instance.snapshot", json!({"ref": "s"}));
     assert_eq!(e.data_code, "invalid_request", "{e}");
 }
+
+/// `instance.stop {timeout_s}` bounds this stop's wait for the guest's power-off, whatever
+/// the agent's `stop_timeout_s` (here 600 s: a stop that ignored the parameter would not
+/// answer within the test's RPC timeout); out of range is refused.
+#[test]
+fn a_stop_waits_for_the_power_off_as_long_as_it_asks() {
+    let ch = ChWrapper::fake();
+    let a = agent(&ch, &[("stop_timeout_s", "600")]);
+    a.ok("instance.create", plain_ch("t"));
+    for bad in [0, 3601] {
+        let e = a.err("instance.stop", json!({"ref": "t", "timeout_s": bad}));
+        assert_eq!(e.data_code, "invalid_request", "{e}");
+    }
+    ch.control(json!({"ignore_power_button": true}));
+    assert_eq!(a.ok("instance.stop", json!({"ref": "t", "timeout_s": 1}))["state"], "stopped");
+    let log = a.log();
+    assert!(
+        log.lines().any(|l| l.contains("did not power off in time")
+            && l.split_whitespace().any(|w| w.trim_matches('"') == "stop_timeout_s=1")),
+        "the wait was the stop's own:\n{}",
+        tail(&log, 20)
+    );
+    let out = a.cli(&["stop", "t", "--timeout", "5", "--force"]);
+    assert!(!out.status.success(), "--timeout and --force conflict");
+}
