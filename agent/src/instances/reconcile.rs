@@ -435,8 +435,9 @@ impl Manager {
     }
 
     /// A `standby` record that still names its VMM: the agent was killed between recording
-    /// the standby and the kill path (the VM's state is saved; its VMM waits paused). The
-    /// VMM is stopped through the kill path and forgotten; the standby stays.
+    /// the standby and the kill path, or that kill path failed (the VM's state is saved; its
+    /// VMM waits paused). The VMM is stopped through the kill path and forgotten; the standby
+    /// stays.
     fn finish_standby(&self, rec: &InstanceRecord, report: &mut PassReport) {
         let ilock = self.instance_lock(rec.id);
         let Ok(_i) = ilock.try_lock() else {
@@ -451,7 +452,8 @@ impl Manager {
             Ok(_) => {
                 self.remove_taps(&rec);
                 rec.vmm = None;
-                let reason = "the agent restarted before the standby's VMM was stopped: stopped through the kill path";
+                let reason = "the standby's VMM was still running (the agent restarted, or its kill path failed): \
+                              stopped through the kill path";
                 if let Err(e) = self.store().write_instance(&rec) {
                     report.fail(PassStage::Records, format!("cannot record the standby of {}: {e}", rec.name));
                     return;

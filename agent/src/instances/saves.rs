@@ -612,11 +612,15 @@ impl Manager {
     /// `postmigrate`, `finish-migrate`) was left so by an agent killed during a snapshot or
     /// a standby: it is resumed (WARN). Nothing else pauses a VM.
     pub(crate) fn resume_interrupted_saves(&self, records: &[InstanceRecord]) {
-        for rec in records.iter().filter(|r| r.state() == InstanceState::Running) {
+        // Only a hypervisor that saves states pauses for one; each is asked within 1 s, so a
+        // wedged VMM delays the start-up by that at most.
+        let running =
+            records.iter().filter(|r| r.state() == InstanceState::Running && r.hypervisor.cannot_save().is_none());
+        for rec in running {
             let Some(vmm) = &rec.vmm else { continue };
             let driver = rec.hypervisor.driver();
             let io = crate::hypervisor::qmp::DEFAULT_IO_TIMEOUT;
-            let Ok(state) = driver.vm_state(&vmm.control_socket, io) else { continue };
+            let Ok(state) = driver.vm_state(&vmm.control_socket, std::time::Duration::from_secs(1)) else { continue };
             if !matches!(state.as_str(), "paused" | "postmigrate" | "finish-migrate") {
                 continue;
             }
