@@ -190,17 +190,33 @@ fn ch_plain_logs_why_it_overrides_a_request_at_info() {
 
 type Lines = Vec<(tracing::Level, String)>;
 
-/// Runs `f` with a tracing subscriber on this thread (a plugin call runs on the caller's
-/// thread) and returns what it returned and the `gpuvisor.log` lines of hypervisor-ch-plain.
+thread_local! {
+    /// Where [`Capture`] puts this thread's lines while [`logged`] runs.
+    static CAPTURED: std::cell::RefCell<Option<Arc<Mutex<Lines>>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` capturing the `gpuvisor.log` lines of hypervisor-ch-plain that this thread logs
+/// (a plugin call runs on the caller's thread); returns what it returned and the lines.
+///
+/// The capturing subscriber is the process's global default, installed once, and keeps
+/// the lines of the threads inside `logged` only. A per-test scoped subscriber
+/// (`with_default`) lost lines when tests ran in parallel: a callsite first reached on a
+/// thread with no subscriber could cache "never interested" after another test's scoped
+/// subscriber had rebuilt the interest cache (seen once in CI on a busy machine).
 fn logged<T>(f: impl FnOnce() -> T) -> (T, Lines) {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| tracing::subscriber::set_global_default(Capture).expect("no other global subscriber"));
     let lines = Arc::new(Mutex::new(Vec::new()));
-    let out = tracing::subscriber::with_default(Capture(lines.clone()), f);
+    CAPTURED.with(|c| *c.borrow_mut() = Some(lines.clone()));
+    let out = f();
+    CAPTURED.with(|c| *c.borrow_mut() = None);
     let lines = lines.lock().unwrap().clone();
     (out, lines)
 }
 
-/// Keeps the message of every event whose `plugin` field is `hypervisor-ch-plain`.
-struct Capture(Arc<Mutex<Lines>>);
+/// Keeps the message of every event whose `plugin` field is `hypervisor-ch-plain`, in the
+/// lines of the thread's [`logged`] call.
+struct Capture;
 
 impl tracing::Subscriber for Capture {
     fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
@@ -229,7 +245,11 @@ impl tracing::Subscriber for Capture {
         let mut fields = Fields::default();
         event.record(&mut fields);
         if fields.plugin == "hypervisor-ch-plain" {
-            self.0.lock().unwrap().push((*event.metadata().level(), fields.message));
+            CAPTURED.with(|c| {
+                if let Some(lines) = &*c.borrow() {
+                    lines.lock().unwrap().push((*event.metadata().level(), fields.message.clone()));
+                }
+            });
         }
     }
     fn enter(&self, _: &tracing::span::Id) {}
