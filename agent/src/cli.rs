@@ -245,6 +245,71 @@ pub enum Command {
         #[arg(long, value_name = "SECONDS", conflicts_with = "force")]
         timeout: Option<u64>,
     },
+    /// Change an instance: labels, restart and autostart at once; vCPUs, memory, NICs and
+    /// cloud-init inputs at its next start (`gpuvisor reboot` applies them).
+    Update {
+        /// Instance name or id.
+        name: String,
+        /// vCPUs, 1..=64.
+        #[arg(long)]
+        vcpus: Option<u32>,
+        /// Guest memory, MiB, 64..=1048576.
+        #[arg(long)]
+        memory_mib: Option<u64>,
+        /// key=value (repeatable): the labels, all of them (the old set is replaced).
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        /// Remove every label.
+        #[arg(long, conflicts_with = "labels")]
+        no_labels: bool,
+        /// When the VMM dies without a stop: no, on-failure, always.
+        #[arg(long, value_enum)]
+        restart: Option<RestartArg>,
+        /// Start it again when the agent starts after a host reboot: true or false.
+        #[arg(long, value_name = "BOOL")]
+        autostart: Option<bool>,
+        /// A virtio-net NIC (repeatable, in guest order; as `create --nic`): the NICs, all of
+        /// them (the old ones are replaced).
+        #[arg(long = "nic", value_parser = crate::network::parse_nic_flag)]
+        nics: Vec<crate::network::Nic>,
+        /// Remove every NIC.
+        #[arg(long, conflicts_with = "nics")]
+        no_nics: bool,
+        /// A file whose content is the cloud-init `user-data` (with --network-config: the
+        /// cloud-init inputs, all of them).
+        #[arg(long)]
+        user_data: Option<std::path::PathBuf>,
+        /// A file whose content is the cloud-init `network-config`.
+        #[arg(long)]
+        network_config: Option<std::path::PathBuf>,
+        /// Remove the cloud-init inputs.
+        #[arg(long, conflicts_with_all = ["user_data", "network_config"])]
+        no_cloud_init: bool,
+    },
+    /// Stop a running instance (the guest powers off; its GPU device is released) and start
+    /// it again: the definition as it is now applies.
+    Reboot {
+        /// Instance name or id.
+        name: String,
+        /// Skip the guest power-off.
+        #[arg(long)]
+        force: bool,
+        /// Seconds to wait for the guest to power off before the kill path (1-3600; default:
+        /// the agent's stop_timeout_s).
+        #[arg(long, value_name = "SECONDS", conflicts_with = "force")]
+        timeout: Option<u64>,
+    },
+    /// Reset a running VM in place, like its reset button: the guest starts over without
+    /// shutting down; the VMM and its GPU device stay.
+    Reset {
+        /// Instance name or id.
+        name: String,
+    },
+    /// What a running VM uses now: CPU time, memory, disk and NIC counters.
+    Stats {
+        /// Instance name or id.
+        name: String,
+    },
     /// Delete an instance.
     Rm {
         /// Instance name or id.
@@ -675,7 +740,9 @@ pub fn manpages(dir: &std::path::Path) -> i32 {
 
 /// Runs a client subcommand; returns the process exit code.
 pub async fn run_client(cli: &Cli) -> i32 {
-    if let Command::Create { labels, .. } | Command::DryRun { labels, .. } = &cli.command {
+    if let Command::Create { labels, .. } | Command::DryRun { labels, .. } | Command::Update { labels, .. } =
+        &cli.command
+    {
         if let Some(k) = duplicate_label(labels) {
             eprintln!("error: label {k:?} is given more than once");
             return exit::USAGE;
@@ -709,20 +776,13 @@ pub async fn run_client(cli: &Cli) -> i32 {
             disk_gib,
             no_start,
         } => {
-            let read = |p: &Option<std::path::PathBuf>| -> Result<Option<String>, String> {
-                p.as_ref()
-                    .map(|p| std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display())))
-                    .transpose()
-            };
-            let (user_data, network_config) = match (read(user_data), read(network_config)) {
-                (Ok(u), Ok(n)) => (u, n),
-                (Err(e), _) | (_, Err(e)) => {
+            let cloud_init = match read_cloud_init(user_data, network_config) {
+                Ok(c) => c,
+                Err(e) => {
                     eprintln!("error: {e}");
                     return exit::USAGE;
                 }
             };
-            let cloud_init = (user_data.is_some() || network_config.is_some())
-                .then_some(crate::network::CloudInit { user_data, network_config });
             let req = CreateRequest {
                 name: name.clone(),
                 image: image.clone(),
@@ -747,6 +807,44 @@ pub async fn run_client(cli: &Cli) -> i32 {
         Command::Stop { name, force, timeout } => {
             ("instance.stop", json!({ "ref": name, "force": force, "timeout_s": timeout }))
         }
+        Command::Update {
+            name,
+            vcpus,
+            memory_mib,
+            labels,
+            no_labels,
+            restart,
+            autostart,
+            nics,
+            no_nics,
+            user_data,
+            network_config,
+            no_cloud_init,
+        } => {
+            let cloud_init = match read_cloud_init(user_data, network_config) {
+                Ok(c) => c.or_else(|| no_cloud_init.then(crate::network::CloudInit::default)),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return exit::USAGE;
+                }
+            };
+            let req = crate::instances::update::UpdateRequest {
+                reference: name.clone(),
+                vcpus: *vcpus,
+                memory_mib: *memory_mib,
+                labels: (!labels.is_empty() || *no_labels).then(|| labels.iter().cloned().collect()),
+                restart: restart.map(RestartArg::policy),
+                autostart: *autostart,
+                nics: (!nics.is_empty() || *no_nics).then(|| nics.clone()),
+                cloud_init,
+            };
+            ("instance.update", to_params(&req))
+        }
+        Command::Reboot { name, force, timeout } => {
+            ("instance.reboot", json!({ "ref": name, "force": force, "timeout_s": timeout }))
+        }
+        Command::Reset { name } => ("instance.reset", json!({ "ref": name })),
+        Command::Stats { name } => ("instance.stats", json!({ "ref": name })),
         Command::Rm { name } => ("instance.delete", json!({ "ref": name })),
         Command::Fork { name, new_name, snapshot } => {
             ("instance.fork", json!({ "ref": name, "name": new_name, "snapshot": snapshot }))
@@ -1188,6 +1286,60 @@ fn decode<T: DeserializeOwned>(v: &Value) -> Option<T> {
 }
 
 /// Prints one instance after create/start/stop; says so when its GPU release is pending.
+/// The cloud-init inputs of `--user-data` and `--network-config` (files), `None` when neither
+/// is given. Errors: a file that cannot be read.
+fn read_cloud_init(
+    user_data: &Option<std::path::PathBuf>,
+    network_config: &Option<std::path::PathBuf>,
+) -> Result<Option<crate::network::CloudInit>, String> {
+    let read = |p: &Option<std::path::PathBuf>| -> Result<Option<String>, String> {
+        p.as_ref()
+            .map(|p| std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display())))
+            .transpose()
+    };
+    let (user_data, network_config) = (read(user_data)?, read(network_config)?);
+    Ok((user_data.is_some() || network_config.is_some())
+        .then_some(crate::network::CloudInit { user_data, network_config }))
+}
+
+/// `gpuvisor stats NAME`: one line per source; what could not be read says so.
+fn print_stats(s: &crate::instances::stats::InstanceStats) {
+    let or_unknown = |v: Option<u64>| v.map_or_else(|| "unknown".to_string(), |v| v.to_string());
+    println!("{} ({}) at {}: VMM pid {}", s.name, s.id, s.at, s.vmm_pid);
+    println!(
+        "cpu: {} ms ({} vCPUs)   memory: {} bytes resident ({} MiB guest)",
+        or_unknown(s.cpu_ms),
+        s.vcpus,
+        or_unknown(s.rss_bytes),
+        s.memory_mib
+    );
+    match &s.disks {
+        Some(disks) => {
+            for d in disks {
+                println!(
+                    "disk {}: read {} bytes ({} ops), written {} bytes ({} ops)",
+                    d.id, d.read_bytes, d.read_ops, d.write_bytes, d.write_ops
+                );
+            }
+        }
+        None => println!("disks: unknown"),
+    }
+    for (i, n) in s.nics.iter().enumerate() {
+        println!(
+            "nic {i} ({}{}): received {} bytes ({} packets), sent {} bytes ({} packets)",
+            n.mode,
+            n.tap.as_deref().map(|t| format!(" {t}")).unwrap_or_default(),
+            or_unknown(n.rx_bytes),
+            or_unknown(n.rx_packets),
+            or_unknown(n.tx_bytes),
+            or_unknown(n.tx_packets)
+        );
+    }
+    for u in &s.unavailable {
+        println!("unavailable: {u}");
+    }
+}
+
 fn print_instance(i: &InstanceView) -> i32 {
     let gpu = i.gpu.as_ref();
     println!(
@@ -1393,10 +1545,31 @@ fn print_result(cli: &Cli, v: &Value) -> i32 {
         Command::Create { .. }
         | Command::Start { .. }
         | Command::Stop { .. }
+        | Command::Reboot { .. }
+        | Command::Reset { .. }
         | Command::Standby { .. }
         | Command::Restore { .. } => {
             let Some(i) = decode::<InstanceView>(v) else { return exit::OK };
             return print_instance(&i);
+        }
+        Command::Update { .. } => {
+            let Some(u) = decode::<crate::instances::update::UpdateResult>(v) else { return exit::OK };
+            if u.changed.is_empty() {
+                println!("{}: nothing changed", u.instance.name);
+            } else {
+                println!("{}: changed {}", u.instance.name, u.changed.join(", "));
+            }
+            if !u.at_next_start.is_empty() {
+                println!(
+                    "at its next start (gpuvisor reboot {} applies them now): {}",
+                    u.instance.name,
+                    u.at_next_start.join(", ")
+                );
+            }
+        }
+        Command::Stats { .. } => {
+            let Some(s) = decode::<crate::instances::stats::InstanceStats>(v) else { return exit::OK };
+            print_stats(&s);
         }
         Command::Snapshot { .. } => {
             let Some(s) = decode::<crate::instances::saves::SavedState>(v) else { return exit::OK };

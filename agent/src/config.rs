@@ -305,7 +305,7 @@ config_keys! {
         default: Some(r#""console=ttyS0 panic=-1""#), unit: None, serve_flag: false,
     },
     console_log_max_bytes: u64 {
-        help: "The largest a QEMU instance's serial.log grows before it is rotated to serial.log.1 (8 MiB; at least 4096)",
+        help: "The largest an instance's serial.log grows before it is rotated to serial.log.1 (8 MiB; at least 4096)",
         default: Some("8388608"), unit: Bytes, serve_flag: false,
     },
     restart_backoff_s: u64 {
@@ -380,6 +380,10 @@ config_keys! {
         help: "The UEFI variable store template, copied once per instance (pflash unit 1); must match ovmf_code (4M or 2M)",
         default: Some(r#""/usr/share/OVMF/OVMF_VARS_4M.fd""#), unit: None, serve_flag: false,
     },
+    cloud_hypervisor_firmware: Option<PathBuf> {
+        help: "Cloud Hypervisor's UEFI firmware for boot = \"uefi\" (CLOUDHV.fd, an OVMF build for Cloud Hypervisor, or rust-hypervisor-firmware; not packaged by Debian); unset: Cloud Hypervisor instances boot only direct",
+        default: None, unit: None, serve_flag: false,
+    },
 }
 
 impl Default for Config {
@@ -426,6 +430,7 @@ impl Default for Config {
             qemu_img_binary: PathBuf::from("qemu-img"),
             ovmf_code: PathBuf::from("/usr/share/OVMF/OVMF_CODE_4M.fd"),
             ovmf_vars: PathBuf::from("/usr/share/OVMF/OVMF_VARS_4M.fd"),
+            cloud_hypervisor_firmware: None,
         }
     }
 }

@@ -29,5 +29,6 @@ pub mod network;
 pub mod own_file;
 pub mod policies;
 pub mod rpc;
+pub mod serial_relay;
 pub mod store;
 pub mod sync;

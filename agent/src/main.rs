@@ -142,11 +142,12 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
                 .await;
         }
     });
-    // Twice a second: the console logs' cap; and the restart supervisor (a restart runs
+    // Twice a second: the console logs' cap and the serial relays; and the restart supervisor (a restart runs
     // the whole start path, so it has its own thread).
     let cm = manager.clone();
     std::thread::Builder::new().name("console-logs".into()).spawn(move || loop {
         std::thread::sleep(gpuvisor::console::ROTATE_EVERY);
+        cm.relay_serial_ports();
         cm.rotate_console_logs();
     })?;
     let sm = manager.clone();

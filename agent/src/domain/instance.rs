@@ -210,6 +210,12 @@ impl InstanceRecord {
         InstanceRecord { def, state, vmm: None, vmm_id: None, last_error: None, restarts: RestartState::default() }
     }
 
+    /// The definition, to change (`instance.update`); the state stays behind
+    /// [`InstanceRecord::transition`].
+    pub fn definition_mut(&mut self) -> &mut InstanceDefinition {
+        &mut self.def
+    }
+
     /// The lifecycle state.
     pub fn state(&self) -> InstanceState {
         self.state

@@ -157,6 +157,43 @@ pub fn list_taps() -> Result<Vec<TapLink>, NetError> {
         .collect())
 }
 
+/// A link's traffic counters, as the host sees it (`ip -s -j link show dev <name>`,
+/// `stats64`): for a tap, `rx` is what the guest sent and `tx` what it received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LinkCounters {
+    /// Bytes the host received on the link.
+    pub rx_bytes: u64,
+    /// Packets the host received on the link.
+    pub rx_packets: u64,
+    /// Bytes the host sent on the link.
+    pub tx_bytes: u64,
+    /// Packets the host sent on the link.
+    pub tx_packets: u64,
+}
+
+/// The counters of the interface `name`.
+///
+/// Errors: [`NetError::Ip`] (the link does not exist, or the answer has no counters).
+pub fn link_counters(name: &str) -> Result<LinkCounters, NetError> {
+    let args = format!("-s -j link show dev {name}");
+    let out = ip(&["-s", "-j", "link", "show", "dev", name])?;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).map_err(|e| NetError::Ip { args: args.clone(), message: e.to_string() })?;
+    let s = &v[0]["stats64"];
+    let n = |dir: &str, what: &str| {
+        s[dir][what].as_u64().ok_or_else(|| NetError::Ip {
+            args: args.clone(),
+            message: format!("the answer has no stats64.{dir}.{what}"),
+        })
+    };
+    Ok(LinkCounters {
+        rx_bytes: n("rx", "bytes")?,
+        rx_packets: n("rx", "packets")?,
+        tx_bytes: n("tx", "bytes")?,
+        tx_packets: n("tx", "packets")?,
+    })
+}
+
 /// Removes the interface `name` (`ip link delete dev <name>`); an interface already gone
 /// is success.
 ///

@@ -214,6 +214,45 @@ pub fn identity_of(pid: i32, boot_id: &str) -> Result<Option<ProcessIdentity>, P
     }))
 }
 
+/// What a process has used: CPU time (user + system, all its threads) and resident memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessUsage {
+    /// User plus system CPU time, in milliseconds.
+    pub cpu_ms: u64,
+    /// Resident set size (`VmRSS`), in bytes.
+    pub rss_bytes: u64,
+}
+
+/// What the process `identity` names has used, read from `/proc/<pid>/stat` and `status`:
+/// `Ok(None)` when that pid is gone or is another process now (its start time differs).
+/// Errors: the files exist but cannot be read or parsed.
+pub fn usage_of(identity: &ProcessIdentity) -> Result<Option<ProcessUsage>, ProcError> {
+    let pid = identity.pid;
+    let process = match procfs::process::Process::new(pid) {
+        Ok(p) => p,
+        Err(e) if proc_vanished(&e) => return Ok(None),
+        Err(source) => return Err(ProcError::Process { pid, source }),
+    };
+    let stat = match process.stat() {
+        Ok(s) => s,
+        Err(e) if proc_vanished(&e) => return Ok(None),
+        Err(source) => return Err(ProcError::Process { pid, source }),
+    };
+    if stat.starttime != identity.start_time {
+        return Ok(None);
+    }
+    let status = match process.status() {
+        Ok(s) => s,
+        Err(e) if proc_vanished(&e) => return Ok(None),
+        Err(source) => return Err(ProcError::Process { pid, source }),
+    };
+    let ticks = procfs::ticks_per_second().max(1);
+    Ok(Some(ProcessUsage {
+        cpu_ms: (stat.utime + stat.stime).saturating_mul(1000) / ticks,
+        rss_bytes: status.vmrss.unwrap_or(0).saturating_mul(1024),
+    }))
+}
+
 /// Liveness of the recorded identity alone (the first half of "provably dead"): cheap (no
 /// scan of `/proc`), used by views and to tell which process a live control socket belongs to.
 pub fn identity_liveness(rec: &ProcessIdentity, current_boot_id: &str) -> Liveness {

@@ -8,6 +8,10 @@
 //!
 //! Any answer outside 2xx is an [`ApiFailure`] carrying the error array the VMM sent
 //! (a JSON array of strings, outermost error first) verbatim.
+//!
+//! A request can carry file descriptors ([`ChApi::put_with_fds`]): they go as `SCM_RIGHTS`
+//! with the request's first bytes, which is how Cloud Hypervisor takes a tap for
+//! `vm.add-net` (fds named in a JSON body are ignored by it).
 
 use std::path::Path;
 use std::time::Duration;
@@ -70,10 +74,33 @@ impl<'a> ChApi<'a> {
         self.call(Method::PUT, endpoint, body)
     }
 
+    /// `PUT /api/v1/<endpoint>` with `body` as JSON, and `fds` passed with the request
+    /// (`SCM_RIGHTS`): the answer body of a 2xx answer. The VMM gets its own copies.
+    pub fn put_with_fds(
+        &self,
+        endpoint: &str,
+        body: &serde_json::Value,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<Bytes, ApiFailure> {
+        use std::os::fd::AsRawFd;
+        let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        self.call_with(Method::PUT, endpoint, Some(serde_json::to_vec(body).unwrap_or_default()), raw)
+    }
+
     fn call(&self, method: Method, endpoint: &str, body: Option<Vec<u8>>) -> Result<Bytes, ApiFailure> {
+        self.call_with(method, endpoint, body, Vec::new())
+    }
+
+    fn call_with(
+        &self,
+        method: Method,
+        endpoint: &str,
+        body: Option<Vec<u8>>,
+        fds: Vec<i32>,
+    ) -> Result<Bytes, ApiFailure> {
         let request = format!("{method} {endpoint}");
         let sent = body.as_deref().map(String::from_utf8_lossy).map(|b| b.into_owned()).unwrap_or_default();
-        let answer = self.exchange(method, endpoint, body);
+        let answer = self.exchange(method, endpoint, body, fds);
         match &answer {
             Ok((status, got)) => tracing::debug!(socket = %self.socket.display(), %request, body = %sent, status,
                 answer = %String::from_utf8_lossy(got), "cloud-hypervisor API"),
@@ -90,18 +117,30 @@ impl<'a> ChApi<'a> {
     /// One request on its own current-thread runtime. A caller on a thread that is inside
     /// a tokio runtime (which may not start another one there: "Cannot start a runtime from
     /// within a runtime") gets the exchange run on a thread of its own.
-    fn exchange(&self, method: Method, endpoint: &str, body: Option<Vec<u8>>) -> Result<(u16, Bytes), String> {
+    fn exchange(
+        &self,
+        method: Method,
+        endpoint: &str,
+        body: Option<Vec<u8>>,
+        fds: Vec<i32>,
+    ) -> Result<(u16, Bytes), String> {
         if tokio::runtime::Handle::try_current().is_ok() {
             return std::thread::scope(|s| {
-                s.spawn(|| self.exchange_here(method, endpoint, body))
+                s.spawn(|| self.exchange_here(method, endpoint, body, fds))
                     .join()
                     .unwrap_or_else(|_| Err("the request's thread panicked".to_string()))
             });
         }
-        self.exchange_here(method, endpoint, body)
+        self.exchange_here(method, endpoint, body, fds)
     }
 
-    fn exchange_here(&self, method: Method, endpoint: &str, body: Option<Vec<u8>>) -> Result<(u16, Bytes), String> {
+    fn exchange_here(
+        &self,
+        method: Method,
+        endpoint: &str,
+        body: Option<Vec<u8>>,
+        fds: Vec<i32>,
+    ) -> Result<(u16, Bytes), String> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -118,6 +157,7 @@ impl<'a> ChApi<'a> {
                     .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
                 crate::own_file::check_peer(&socket, owner, &stream)
                     .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
+                let stream = FdPassing { stream, fds };
                 let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
                     .await
                     .map_err(|e| format!("HTTP handshake failed: {e}"))?;
@@ -146,6 +186,78 @@ impl<'a> ChApi<'a> {
                 Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
             }
         })
+    }
+}
+
+/// A connection that passes `fds` (`SCM_RIGHTS`) with the first bytes it writes, then is a
+/// plain stream. The fds stay the caller's (the kernel gives the receiver its own copies).
+struct FdPassing {
+    stream: tokio::net::UnixStream,
+    /// Still to be sent: emptied by the first write.
+    fds: Vec<i32>,
+}
+
+impl tokio::io::AsyncRead for FdPassing {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for FdPassing {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::os::fd::AsRawFd;
+        use std::task::Poll;
+        if self.fds.is_empty() || buf.is_empty() {
+            return std::pin::Pin::new(&mut self.stream).poll_write(cx, buf);
+        }
+        loop {
+            if let Err(e) = std::task::ready!(self.stream.poll_write_ready(cx)) {
+                return Poll::Ready(Err(e));
+            }
+            let fd = self.stream.as_raw_fd();
+            let fds = self.fds.clone();
+            let sent = self.stream.try_io(tokio::io::Interest::WRITABLE, || {
+                let rights = [nix::sys::socket::ControlMessage::ScmRights(&fds)];
+                nix::sys::socket::sendmsg::<()>(
+                    fd,
+                    &[std::io::IoSlice::new(buf)],
+                    &rights,
+                    nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+                    None,
+                )
+                .map_err(std::io::Error::from)
+            });
+            match sent {
+                Ok(n) => {
+                    self.fds.clear();
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
 

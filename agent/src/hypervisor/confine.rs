@@ -116,7 +116,7 @@ pub fn give_to_group(dir: &Path, name: &str, gid: u32, mode: u32) -> std::io::Re
 }
 
 /// Sets a directory of the agent's (not a link) to `uid:gid` `mode`, making it when missing.
-fn own_dir(path: &Path, gid: u32, mode: u32) -> std::io::Result<()> {
+pub fn own_dir(path: &Path, gid: u32, mode: u32) -> std::io::Result<()> {
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

@@ -103,8 +103,7 @@ impl HypervisorKind {
                 Capability::Standby,
                 Capability::Snapshot,
             ],
-            // Saved states are QEMU's in this version (cloud_hypervisor::NO_SAVED_STATE).
-            HypervisorKind::CloudHypervisor => &[Capability::Passthrough],
+            HypervisorKind::CloudHypervisor => &[Capability::Passthrough, Capability::Standby, Capability::Snapshot],
         }
     }
 
@@ -116,30 +115,46 @@ impl HypervisorKind {
         }
     }
 
-    /// Why this kind cannot boot an instance with a disk or through its firmware (`bios`,
-    /// `uefi`), or `None` when it can.
-    pub fn cannot_boot(self, disk: bool, firmware: bool) -> Option<&'static str> {
-        match self {
-            HypervisorKind::CloudHypervisor if disk || firmware => {
-                Some("cloud-hypervisor instances boot their kernel directly and get no disk in this version")
+    /// Why this kind cannot boot an instance through its firmware the way `firmware` asks
+    /// (on an agent configured as `cfg`), or `None` when it can. A disk is attached under
+    /// every kind.
+    pub fn cannot_boot(self, firmware: Option<FirmwareBoot>, cfg: &crate::config::Config) -> Option<&'static str> {
+        match (self, firmware) {
+            (HypervisorKind::CloudHypervisor, Some(FirmwareBoot::Bios)) => Some(cloud_hypervisor::NO_BIOS),
+            (HypervisorKind::CloudHypervisor, Some(FirmwareBoot::Uefi)) if cfg.cloud_hypervisor_firmware.is_none() => {
+                Some(cloud_hypervisor::NO_UEFI_FIRMWARE)
             }
             _ => None,
         }
     }
 
-    /// Why this kind cannot save a running VM's memory and device state (snapshots,
-    /// standby), or `None`. The kinds that can list [`Capability::Snapshot`].
-    pub fn cannot_save(self) -> Option<&'static str> {
+    /// The UEFI firmware this kind boots (`boot = "uefi"`): its code, read-only, and the
+    /// template of the instance's own variable store when the firmware keeps one (QEMU's
+    /// OVMF pflash pair; Cloud Hypervisor's firmware payload has none), each with its config
+    /// key. `None`: not configured ([`HypervisorKind::cannot_boot`] refuses it).
+    pub fn uefi_firmware(self, cfg: &crate::config::Config) -> Option<UefiFirmware<'_>> {
         match self {
-            HypervisorKind::Qemu => None,
-            HypervisorKind::CloudHypervisor => Some(cloud_hypervisor::NO_SAVED_STATE),
+            HypervisorKind::Qemu => {
+                Some(UefiFirmware { code: ("ovmf_code", &cfg.ovmf_code), vars: Some(("ovmf_vars", &cfg.ovmf_vars)) })
+            }
+            HypervisorKind::CloudHypervisor => cfg
+                .cloud_hypervisor_firmware
+                .as_deref()
+                .map(|f| UefiFirmware { code: ("cloud_hypervisor_firmware", f), vars: None }),
         }
     }
 
-    /// Why this kind cannot give an instance NICs or a cloud-init seed, or `None`.
-    pub fn cannot_connect(self, nics: bool, seed: bool) -> Option<&'static str> {
+    /// Why this kind cannot save a running VM's memory and device state (snapshots,
+    /// standby), or `None`: the kinds that can list [`Capability::Snapshot`].
+    pub fn cannot_save(self) -> Option<String> {
+        (!self.capabilities().contains(&Capability::Snapshot))
+            .then(|| format!("{self} VMs cannot be saved (snapshots and standby) by this version of gpuvisor"))
+    }
+
+    /// Why this kind cannot give an instance a `user` NIC (user-mode networking), or `None`.
+    pub fn cannot_connect(self, user_nic: bool) -> Option<&'static str> {
         match self {
-            HypervisorKind::CloudHypervisor if nics || seed => Some(cloud_hypervisor::NO_NICS_OR_SEED),
+            HypervisorKind::CloudHypervisor if user_nic => Some(cloud_hypervisor::NO_USER_NIC),
             _ => None,
         }
     }
@@ -215,14 +230,12 @@ pub trait Driver: Sync {
     /// The file name, in the instance directory, that takes the VMM's stdout and stderr.
     fn log_name(&self) -> &'static str;
 
-    /// The serial console's socket in the VMM directory, which `gpuvisor console` attaches
-    /// to ([`CONSOLE_SOCKET`]), or `None` when this driver gives the console no socket.
-    fn console_socket_name(&self) -> Option<&'static str>;
+    /// How the guest's serial console reaches its log and `gpuvisor console`.
+    fn serial_port(&self) -> SerialPort;
 
-    /// Whether the VMM writes its serial log ([`SERIAL_LOG`]) appending (`O_APPEND`), so the
-    /// agent may rotate it under the running VMM; a writer at its own offset would go on
-    /// writing past a truncated file's end.
-    fn serial_log_appends(&self) -> bool;
+    /// Whether the VMM inherits the taps of its NICs across exec (on [`tap_fd`]`(i)`); when
+    /// not, [`Driver::bring_up`] hands them over through its API.
+    fn taps_at_exec(&self) -> bool;
 
     /// The arguments (without the binary) that start the VMM for `spec`. Pure.
     ///
@@ -245,12 +258,27 @@ pub trait Driver: Sync {
     /// `state`).
     fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, String>;
 
-    /// Pauses the VM and saves its memory and device state into `out` (QEMU: `stop`, then
-    /// its migration stream to the fd), within `timeout`. The disks are flushed and
-    /// consistent with the saved state once this returns; the VM stays paused until
-    /// [`Driver::resume`] (or the VMM is stopped). On `Err` the VM may be paused: the caller
-    /// resumes it.
-    fn save(&self, socket: &Path, out: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<(), String>;
+    /// Pauses the VM and saves its memory and device state at `memory`, a path of the
+    /// agent's that does not exist yet, on the filesystem of the VMM directory `run_dir`
+    /// (QEMU: a file, its migration stream through an fd the agent opened; Cloud Hypervisor:
+    /// the directory `vm.snapshot` writes inside `run_dir`, its view, moved to `memory`),
+    /// within `timeout`. The disks are flushed and consistent with the saved state once this
+    /// returns; the VM stays paused until [`Driver::resume`] (or the VMM is stopped). On
+    /// `Err` the VM may be paused: the caller resumes it, and removes whatever is at
+    /// `memory`.
+    fn save(&self, socket: &Path, run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), String>;
+
+    /// Whether `vm_state` (as [`Driver::vm_state`] reports it) is a VM left paused by a
+    /// [`Driver::save`] (the agent died before resuming it).
+    fn paused_by_save(&self, vm_state: &str) -> bool;
+
+    /// Resets the VM in place, like its reset button (QMP `system_reset`; `vm.reboot`): the
+    /// VMM process and its devices stay, the guest starts over without shutting down.
+    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
+
+    /// The I/O counters of the VM's disks ([`DISK_ID`], [`SEED_ID`]) as the VMM reports them
+    /// (QMP `query-blockstats`; `vm.counters`), in that order, those it has.
+    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<DiskCounters>, String>;
 
     /// Resumes a VM paused by [`Driver::save`] (QMP `cont`).
     fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
@@ -282,10 +310,81 @@ impl From<ApiFailure> for StartFailure {
     }
 }
 
-/// The serial log's file name in the instance directory.
+/// The serial log's file name in the VMM directory.
 pub const SERIAL_LOG: &str = "serial.log";
-/// The console socket's file name in the instance directory (QEMU).
+/// The console socket's file name `gpuvisor console` connects to ([`SerialPort::console_socket`]).
 pub const CONSOLE_SOCKET: &str = "console.sock";
+/// The socket in the VMM directory on which a [`SerialPort::Relayed`] VMM serves the serial
+/// port to the agent.
+pub const SERIAL_SOCKET: &str = "serial.sock";
+
+/// The id, in the VM, of the instance's disk (its overlay).
+pub const DISK_ID: &str = "disk0";
+/// The id, in the VM, of the cloud-init seed's disk.
+pub const SEED_ID: &str = "seed";
+
+/// One disk's I/O counters since the VMM started, as the VMM reports them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+pub struct DiskCounters {
+    /// [`DISK_ID`] or [`SEED_ID`].
+    pub id: String,
+    /// Bytes the guest read.
+    pub read_bytes: u64,
+    /// Bytes the guest wrote.
+    pub write_bytes: u64,
+    /// Read requests.
+    pub read_ops: u64,
+    /// Write requests.
+    pub write_ops: u64,
+}
+
+/// A boot through the firmware from the instance's disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirmwareBoot {
+    /// Legacy BIOS (QEMU's SeaBIOS).
+    Bios,
+    /// UEFI.
+    Uefi,
+}
+
+/// A kind's UEFI firmware files ([`HypervisorKind::uefi_firmware`]): `(config key, path)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UefiFirmware<'a> {
+    /// The firmware code.
+    pub code: (&'static str, &'a Path),
+    /// The template of the instance's variable store, when the firmware keeps one.
+    pub vars: Option<(&'static str, &'a Path)>,
+}
+
+/// The name prefix, in the VMM directory, of the directories a VMM saves a state into or
+/// restores one from (Cloud Hypervisor's `vm.snapshot`/`vm.restore`); an agent start-up
+/// removes those an interrupted operation left.
+pub const VM_STATE_STAGING: &str = ".vmstate-";
+
+/// How a driver serves the guest's serial console: its log (appended, so that the agent can
+/// cap it, [`crate::console::rotate`]) and the socket `gpuvisor console` attaches to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SerialPort {
+    /// The VMM serves the console on `<run_dir>/`[`CONSOLE_SOCKET`] and appends everything
+    /// to `<run_dir>/`[`SERIAL_LOG`] itself (QEMU's socket chardev with `logappend=on`).
+    Served,
+    /// The VMM serves the serial port to one client on `<run_dir>/`[`SERIAL_SOCKET`] and the
+    /// agent relays it ([`crate::serial_relay`]): it appends the output to
+    /// `<run_dir>/`[`SERIAL_LOG`] and serves `<instance dir>/`[`CONSOLE_SOCKET`] (Cloud
+    /// Hypervisor, whose file serial is not opened `O_APPEND` and so could not be capped).
+    Relayed,
+}
+
+impl SerialPort {
+    /// The socket `gpuvisor console` connects to, for an instance whose VMM directory is
+    /// `run_dir` and whose (agent-only) instance directory is `instance_dir`.
+    pub fn console_socket(self, run_dir: &Path, instance_dir: &Path) -> PathBuf {
+        match self {
+            SerialPort::Served => run_dir.join(CONSOLE_SOCKET),
+            SerialPort::Relayed => instance_dir.join(CONSOLE_SOCKET),
+        }
+    }
+}
 
 /// How the VM gets its VFIO device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -359,9 +458,10 @@ pub struct VmSpec {
     pub disk: Option<PathBuf>,
     /// Boot through UEFI (OVMF) instead of SeaBIOS. QEMU only.
     pub uefi: Option<UefiPflash>,
-    /// Resume a saved VM instead of booting it: the file (agent side, never in the VMM's
-    /// view) that [`Driver::save`] wrote. The VMM waits for it (QEMU `-incoming defer`),
-    /// [`Driver::bring_up`] hands it over and the VM runs on from where it was saved.
+    /// Resume a saved VM instead of booting it: the memory state (agent side, never in the
+    /// VMM's view) that [`Driver::save`] wrote. [`Driver::bring_up`] hands it over (QEMU:
+    /// `-incoming defer`, then an fd; Cloud Hypervisor: a copy in the VMM directory and
+    /// `vm.restore`) and the VM runs on from where it was saved.
     pub incoming: Option<PathBuf>,
 }
 
@@ -403,14 +503,16 @@ pub fn tap_fd(index: usize) -> i32 {
     TAP_FD_BASE + index as i32
 }
 
-/// The two pflash units of a UEFI boot (OVMF's split firmware).
+/// The firmware of a UEFI boot ([`HypervisorKind::uefi_firmware`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UefiPflash {
-    /// The firmware code, read-only (`ovmf_code`, e.g. `/usr/share/OVMF/OVMF_CODE_4M.fd`).
+    /// The firmware code, read-only (QEMU: `ovmf_code`, e.g.
+    /// `/usr/share/OVMF/OVMF_CODE_4M.fd`, pflash unit 0; Cloud Hypervisor:
+    /// `cloud_hypervisor_firmware`, its `payload.firmware`).
     pub code: PathBuf,
     /// The instance's own writable variable store (`<run_dir>/efivars.fd`, a copy of
-    /// `ovmf_vars`).
-    pub vars: PathBuf,
+    /// `ovmf_vars`; QEMU's pflash unit 1), when the firmware keeps one.
+    pub vars: Option<PathBuf>,
 }
 
 #[cfg(test)]
@@ -459,10 +561,14 @@ impl VmSpec {
         self.run_dir.join(SERIAL_LOG)
     }
 
-    /// `<run_dir>/console.sock`: the serial console as a Unix socket (QEMU), for
-    /// `gpuvisor console`.
+    /// The socket `gpuvisor console` connects to ([`SerialPort::console_socket`]).
     pub fn console_socket(&self) -> PathBuf {
-        self.run_dir.join(CONSOLE_SOCKET)
+        self.hypervisor.driver().serial_port().console_socket(&self.run_dir, &self.log_dir)
+    }
+
+    /// `<run_dir>/serial.sock`: where a [`SerialPort::Relayed`] VMM serves its serial port.
+    pub fn serial_socket(&self) -> PathBuf {
+        self.run_dir.join(SERIAL_SOCKET)
     }
 
     /// The VMM's stdout and stderr: `<log_dir>/qemu.log` or `<log_dir>/cloud-hypervisor.log`.
@@ -478,7 +584,7 @@ impl VmSpec {
         let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let mut files = vec![(SERIAL_LOG.to_string(), true)];
         files.extend(self.disk.iter().map(|d| (name(d), false)));
-        files.extend(self.uefi.iter().map(|u| (name(&u.vars), false)));
+        files.extend(self.uefi.iter().filter_map(|u| u.vars.as_deref()).map(|v| (name(v), false)));
         files
     }
 }
@@ -591,11 +697,32 @@ mod tests {
     }
 
     #[test]
-    fn only_a_kind_with_a_console_socket_and_an_appending_serial_log_is_attached_and_rotated() {
-        assert_eq!(HypervisorKind::Qemu.driver().console_socket_name(), Some(CONSOLE_SOCKET));
-        assert!(HypervisorKind::Qemu.driver().serial_log_appends());
-        assert_eq!(HypervisorKind::CloudHypervisor.driver().console_socket_name(), None);
-        assert!(!HypervisorKind::CloudHypervisor.driver().serial_log_appends());
+    fn qemu_serves_its_console_and_cloud_hypervisor_s_is_relayed_from_the_instance_directory() {
+        let (run, inst) = (Path::new("/i/vmm"), Path::new("/i"));
+        assert_eq!(HypervisorKind::Qemu.driver().serial_port(), SerialPort::Served);
+        assert_eq!(SerialPort::Served.console_socket(run, inst), run.join(CONSOLE_SOCKET));
+        assert_eq!(HypervisorKind::CloudHypervisor.driver().serial_port(), SerialPort::Relayed);
+        assert_eq!(SerialPort::Relayed.console_socket(run, inst), inst.join(CONSOLE_SOCKET));
+    }
+
+    #[test]
+    fn cloud_hypervisor_refuses_bios_uefi_without_its_firmware_and_user_nics() {
+        let ch = HypervisorKind::CloudHypervisor;
+        let mut cfg = crate::config::Config::default();
+        assert!(ch.cannot_boot(Some(FirmwareBoot::Bios), &cfg).unwrap().contains("no legacy BIOS"));
+        assert!(ch.cannot_boot(Some(FirmwareBoot::Uefi), &cfg).unwrap().contains("cloud_hypervisor_firmware"));
+        assert_eq!(ch.uefi_firmware(&cfg), None);
+        assert_eq!(ch.cannot_boot(None, &cfg), None);
+        cfg.cloud_hypervisor_firmware = Some("/fw/CLOUDHV.fd".into());
+        assert_eq!(ch.cannot_boot(Some(FirmwareBoot::Uefi), &cfg), None);
+        let fw = ch.uefi_firmware(&cfg).unwrap();
+        assert_eq!((fw.code.1, fw.vars), (Path::new("/fw/CLOUDHV.fd"), None), "no variable store");
+        assert!(ch.cannot_connect(true).unwrap().contains("bridge"));
+        assert_eq!(ch.cannot_connect(false), None);
+        let q = HypervisorKind::Qemu;
+        assert_eq!(q.cannot_boot(Some(FirmwareBoot::Bios), &cfg), None);
+        assert_eq!(q.uefi_firmware(&cfg).unwrap().vars.map(|v| v.0), Some("ovmf_vars"));
+        assert_eq!(q.cannot_connect(true), None);
     }
 
     #[test]

@@ -272,8 +272,11 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
     };
     let control_socket = spec.control_socket();
     take_control_socket(&control_socket)?;
-    // The console socket of an earlier boot (the control socket's check proved its VMM gone).
-    remove_name(&spec.console_socket())?;
+    // The console sockets of an earlier boot (the control socket's check proved its VMM gone).
+    match driver.serial_port() {
+        super::SerialPort::Served => remove_name(&spec.console_socket())?,
+        super::SerialPort::Relayed => remove_name(&spec.serial_socket())?,
+    }
 
     let log_path = spec.vmm_log();
     let log = open_vmm_log(&spec.log_dir, driver.log_name())?;
@@ -282,7 +285,9 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
 
     let mut cmd = Command::new(&spec.binary);
     cmd.args(&args).stdin(Stdio::null()).stdout(Stdio::from(log)).stderr(Stdio::from(log_err)).process_group(0);
-    add_tap_fds(&mut cmd, spec);
+    if driver.taps_at_exec() {
+        add_tap_fds(&mut cmd, spec);
+    }
     if let Some(VfioAttach::HoldFd { node }) = &spec.vfio {
         add_hold_fd(&mut cmd, node)?;
     }

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use super::process::{wait_answering, RunningVmm, HOLD_FD_FDSET};
 use super::qmp::QmpClient;
-use super::{Driver, HypervisorError, HypervisorKind, NicBackend, StartFailure, UefiPflash, VfioAttach, VmSpec};
+use super::{
+    DiskCounters, Driver, HypervisorError, HypervisorKind, NicBackend, StartFailure, UefiPflash, VfioAttach, VmSpec,
+};
 
 /// The QEMU driver.
 #[derive(Debug, Clone, Copy)]
@@ -50,15 +52,17 @@ fn disk_args(spec: &VmSpec) -> Vec<String> {
     if let Some(UefiPflash { code, vars }) = &spec.uefi {
         a.push("-drive".to_string());
         a.push(format!("if=pflash,format=raw,unit=0,readonly=on,file={}", opt_escape(&path_str(code))));
-        a.push("-drive".to_string());
-        a.push(format!("if=pflash,format=raw,unit=1,file={}", opt_escape(&path_str(vars))));
+        if let Some(vars) = vars {
+            a.push("-drive".to_string());
+            a.push(format!("if=pflash,format=raw,unit=1,file={}", opt_escape(&path_str(vars))));
+        }
     }
     if let Some(disk) = &spec.disk {
         a.push("-drive".to_string());
-        a.push(format!("file={},format=qcow2,if=none,id=disk0", opt_escape(&path_str(disk))));
+        a.push(format!("file={},format=qcow2,if=none,id={}", opt_escape(&path_str(disk)), super::DISK_ID));
         let boot = if spec.kernel.is_none() { ",bootindex=0" } else { "" };
         a.push("-device".to_string());
-        a.push(format!("virtio-blk-pci,drive=disk0{boot}"));
+        a.push(format!("virtio-blk-pci,drive={}{boot}", super::DISK_ID));
     }
     a
 }
@@ -198,12 +202,13 @@ impl Driver for Qemu {
         "qemu.log"
     }
 
-    fn console_socket_name(&self) -> Option<&'static str> {
-        Some(super::CONSOLE_SOCKET)
+    /// A socket chardev on `console.sock` with `logfile=serial.log,logappend=on`.
+    fn serial_port(&self) -> super::SerialPort {
+        super::SerialPort::Served
     }
 
-    /// `logappend=on` on the serial chardev.
-    fn serial_log_appends(&self) -> bool {
+    /// `-netdev tap,fd=N`.
+    fn taps_at_exec(&self) -> bool {
         true
     }
 
@@ -258,9 +263,44 @@ impl Driver for Qemu {
         QmpClient::connect(socket, io_timeout).and_then(|mut c| c.query_status()).map_err(|e| e.to_string())
     }
 
-    fn save(&self, socket: &Path, out: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<(), String> {
+    /// `stop`, then the migration stream into the file `memory`, created by the agent and
+    /// handed over as an fd (`getfd`, `migrate fd:`): it never enters the VMM's view.
+    fn save(&self, socket: &Path, _run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), String> {
+        let out = std::fs::File::create_new(memory).map_err(|e| format!("{}: {e}", memory.display()))?;
         let mut q = QmpClient::connect(socket, super::qmp::DEFAULT_IO_TIMEOUT).map_err(|e| e.to_string())?;
-        q.stop().and_then(|()| q.save_to(out, timeout)).map_err(|e| e.to_string())
+        q.stop().and_then(|()| q.save_to(std::os::fd::AsFd::as_fd(&out), timeout)).map_err(|e| e.to_string())?;
+        out.sync_all().map_err(|e| format!("{}: {e}", memory.display()))
+    }
+
+    /// `paused` (stopped for the save), `postmigrate`, `finish-migrate`.
+    fn paused_by_save(&self, vm_state: &str) -> bool {
+        matches!(vm_state, "paused" | "postmigrate" | "finish-migrate")
+    }
+
+    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
+        QmpClient::connect(socket, io_timeout).and_then(|mut c| c.system_reset()).map_err(|e| e.to_string())
+    }
+
+    /// `query-blockstats`: the entries whose `device` (the `-drive` id) is the disk or the
+    /// seed; `rd_bytes`, `wr_bytes`, `rd_operations`, `wr_operations`.
+    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<DiskCounters>, String> {
+        let v = QmpClient::connect(socket, io_timeout)
+            .and_then(|mut c| c.execute("query-blockstats", None))
+            .map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        for id in [super::DISK_ID, super::SEED_ID] {
+            let Some(e) = v.as_array().into_iter().flatten().find(|e| e["device"] == id) else { continue };
+            let n =
+                |k: &str| e["stats"][k].as_u64().ok_or_else(|| format!("query-blockstats gave {id} no stats.{k}: {e}"));
+            out.push(DiskCounters {
+                id: id.to_string(),
+                read_bytes: n("rd_bytes")?,
+                write_bytes: n("wr_bytes")?,
+                read_ops: n("rd_operations")?,
+                write_ops: n("wr_operations")?,
+            });
+        }
+        Ok(out)
     }
 
     fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
@@ -471,7 +511,8 @@ mod tests {
         let mut s = spec(None);
         s.kernel = None;
         s.disk = Some("/d/x/disk.qcow2".into());
-        s.uefi = Some(UefiPflash { code: "/usr/share/OVMF/OVMF_CODE_4M.fd".into(), vars: "/d/x/efivars.fd".into() });
+        s.uefi =
+            Some(UefiPflash { code: "/usr/share/OVMF/OVMF_CODE_4M.fd".into(), vars: Some("/d/x/efivars.fd".into()) });
 
         let args = qemu_command_line(&s);
 

@@ -184,6 +184,11 @@ impl QmpClient {
         self.execute("cont", None).map(|_| ())
     }
 
+    /// `system_reset`: resets the machine in place (the reset button).
+    pub fn system_reset(&mut self) -> Result<(), QmpError> {
+        self.execute("system_reset", None).map(|_| ())
+    }
+
     /// `stop`: pauses the vCPUs; QEMU drains and flushes every disk before it answers, so
     /// the disk files are consistent with the paused VM.
     pub fn stop(&mut self) -> Result<(), QmpError> {

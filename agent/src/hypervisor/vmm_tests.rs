@@ -355,9 +355,8 @@ fn a_saved_qemu_state_loads_into_a_new_qemu_that_runs_on() {
     let spec = confined("a");
     let vmm = spawn(&spec, BOOT, READY).expect("QEMU starts");
     let saved = base.path().join("state");
-    let out = std::fs::File::create_new(&saved).unwrap();
-    Qemu.save(&vmm.control_socket, std::os::fd::AsFd::as_fd(&out), READY).expect("saved");
-    drop(out);
+    Qemu.save(&vmm.control_socket, &spec.run_dir, &saved, READY).expect("saved");
+    assert!(Qemu.paused_by_save(&Qemu.vm_state(&vmm.control_socket, READY).unwrap()));
     assert!(std::fs::metadata(&saved).unwrap().len() > 0);
     assert_eq!(Qemu.vm_state(&vmm.control_socket, READY).unwrap(), "postmigrate", "paused after the save");
     Qemu.resume(&vmm.control_socket, READY).expect("resumed");

@@ -1,10 +1,15 @@
-//! The console logs' cap: every [`crate::console::ROTATE_EVERY`] the agent checks each
-//! instance's `serial.log` (in its VMM directory) and rotates the QEMU ones larger than
-//! `console_log_max_bytes` into its instance directory ([`crate::console::rotate`]). A
-//! failure is logged once per instance until it succeeds again.
+//! The serial consoles: every [`crate::console::ROTATE_EVERY`] the agent checks each
+//! instance's `serial.log` (in its VMM directory) and rotates the ones larger than
+//! `console_log_max_bytes` into its instance directory ([`crate::console::rotate`]), and
+//! keeps a serial relay ([`crate::serial_relay`]) on every running VMM that serves its
+//! serial port on a socket ([`crate::hypervisor::SerialPort::Relayed`]) — started right
+//! after the VMM, and again after an agent restart. A failure is logged once per instance
+//! until it succeeds again.
 
 use super::Manager;
-use crate::hypervisor::SERIAL_LOG;
+use crate::domain::InstanceState;
+use crate::hypervisor::{SerialPort, SERIAL_LOG, SERIAL_SOCKET};
+use crate::store::InstanceRecord;
 use crate::sync::lock;
 
 impl Manager {
@@ -24,11 +29,6 @@ impl Manager {
             else {
                 continue;
             };
-            // Only a VMM that appends (QEMU's logappend=on, O_APPEND): truncating another
-            // writer's file would leave it writing past the new end.
-            if !rec.hypervisor.driver().serial_log_appends() {
-                continue;
-            }
             let mut failing = lock(&self.console_rotation_failures);
             match crate::console::rotate(&vmm, &e.path(), max) {
                 Ok(true) => {
@@ -42,6 +42,61 @@ impl Manager {
                         tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, error = %err,
                             "the console log cannot be rotated");
                     }
+                }
+            }
+        }
+    }
+}
+
+impl Manager {
+    /// One check of the serial relays: a running instance whose VMM serves its serial port
+    /// on a socket and has no live relay gets one. Cheap for the others: only a VMM
+    /// directory with a serial socket costs a record read.
+    pub fn relay_serial_ports(&self) {
+        let Ok(entries) = std::fs::read_dir(self.store.root().join("instances")) else { return };
+        for e in entries.flatten() {
+            let vmm = e.path().join(crate::hypervisor::confine::VMM_DIR);
+            if std::fs::symlink_metadata(vmm.join(SERIAL_SOCKET)).is_err() {
+                continue;
+            }
+            let Some(id) = uuid::Uuid::parse_str(&e.file_name().to_string_lossy()).ok() else { continue };
+            if lock(&self.serial_relays).get(&id).is_some_and(|r| !r.is_done()) {
+                continue;
+            }
+            if let Ok(Some(rec)) = self.store.read_instance(id) {
+                self.relay_serial(&rec);
+            }
+        }
+    }
+
+    /// Starts the serial relay of `rec` when its VMM runs, serves its serial port on a
+    /// socket and has no live relay yet. A failure is logged (once until a relay starts).
+    pub(crate) fn relay_serial(&self, rec: &InstanceRecord) {
+        if rec.state() != InstanceState::Running || rec.hypervisor.driver().serial_port() != SerialPort::Relayed {
+            return;
+        }
+        let mut relays = lock(&self.serial_relays);
+        relays.retain(|_, r| !r.is_done());
+        if relays.contains_key(&rec.id) {
+            return;
+        }
+        let who = format!("{} ({})", rec.name, rec.id);
+        match crate::serial_relay::start(
+            &self.store.vmm_dir(rec.id),
+            &self.store.instance_dir(rec.id),
+            self.cfg.console_log_max_bytes,
+            &who,
+        ) {
+            Ok(relay) => {
+                relays.insert(rec.id, relay);
+                if lock(&self.serial_relay_failures).remove(&rec.id) {
+                    tracing::info!(instance.id = %rec.id, instance.name = %rec.name, "the serial console is relayed again");
+                }
+            }
+            Err(err) => {
+                if lock(&self.serial_relay_failures).insert(rec.id) {
+                    tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, error = %err,
+                        "the VMM's serial port cannot be relayed: no console log and no console until it can");
                 }
             }
         }

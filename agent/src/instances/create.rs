@@ -45,7 +45,8 @@ impl Manager {
         let devices: Vec<String> = whole.iter().filter_map(|w| w.address.clone()).collect();
         let hypervisor =
             self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework, &devices)?;
-        if let Some(why) = hypervisor.cannot_connect(!req.nics.is_empty(), req.cloud_init.is_some()) {
+        let user_nic = req.nics.iter().any(|n| matches!(n, crate::network::Nic::User { .. }));
+        if let Some(why) = hypervisor.cannot_connect(user_nic) {
             return Err(ApiError::invalid_request(why));
         }
         let boot = self.check_disk_request(&image, hypervisor, req.boot, req.disk_gib)?;

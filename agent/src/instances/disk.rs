@@ -17,7 +17,7 @@ use super::view::ImageDeleted;
 use super::Manager;
 use crate::disks::{self, DiskError, GIB};
 use crate::error::{ApiError, ErrorCode};
-use crate::hypervisor::{HypervisorKind, UefiPflash};
+use crate::hypervisor::{FirmwareBoot, HypervisorKind, UefiPflash};
 use crate::images::{self, Image};
 use crate::store::{BootMode, InstanceRecord};
 use std::path::PathBuf;
@@ -67,9 +67,10 @@ impl Manager {
 
     /// The boot mode of a new instance of `image` on `hypervisor`, checked: `direct` needs a
     /// kernel and is the default when the image has one; `bios` and `uefi` need a disk,
-    /// `bios` is the default for a disk-only image; `uefi` needs the OVMF files; `disk_gib`
-    /// needs a disk and at least its virtual size; Cloud Hypervisor instances get no disk
-    /// and no firmware boot. Errors: `invalid_request` naming the field,
+    /// `bios` is the default for a disk-only image; `uefi` needs the hypervisor's UEFI
+    /// firmware files ([`HypervisorKind::uefi_firmware`]); `disk_gib`
+    /// needs a disk and at least its virtual size; the hypervisor must boot that way
+    /// ([`HypervisorKind::cannot_boot`]). Errors: `invalid_request` naming the field,
     /// `hypervisor_unsupported`.
     pub(crate) fn check_disk_request(
         &self,
@@ -95,13 +96,14 @@ impl Manager {
             }
             _ => {}
         }
-        if let Some(why) = hypervisor.cannot_boot(image.disk.is_some(), boot != BootMode::Direct) {
+        let firmware = match boot {
+            BootMode::Direct => None,
+            BootMode::Bios => Some(FirmwareBoot::Bios),
+            BootMode::Uefi => Some(FirmwareBoot::Uefi),
+        };
+        if let Some(why) = hypervisor.cannot_boot(firmware, &self.cfg) {
             return Err(ApiError::hypervisor_unsupported(
-                format!(
-                    "{why} (image {} has a disk or boot \"{}\" was asked for): use hypervisor \"qemu\"",
-                    image.name,
-                    boot.as_str()
-                ),
+                format!("boot \"{}\" (image {}): {why}", boot.as_str(), image.name),
                 Some(hypervisor.name()),
                 None,
             ));
@@ -124,32 +126,38 @@ impl Manager {
             _ => {}
         }
         if boot == BootMode::Uefi {
-            self.uefi_firmware()?;
+            self.uefi_firmware(hypervisor)?;
         }
         Ok(boot)
     }
 
-    /// The OVMF code and variable template (`ovmf_code`, `ovmf_vars`). Errors:
+    /// The UEFI firmware of `hypervisor` ([`HypervisorKind::uefi_firmware`]): its code and,
+    /// when it keeps one, its variable store template, each checked to be there. Errors:
     /// `invalid_request` naming the missing file and its config key.
-    fn uefi_firmware(&self) -> Result<(PathBuf, PathBuf), ApiError> {
-        for (key, p) in [("ovmf_code", &self.cfg.ovmf_code), ("ovmf_vars", &self.cfg.ovmf_vars)] {
+    fn uefi_firmware(&self, hypervisor: HypervisorKind) -> Result<(PathBuf, Option<PathBuf>), ApiError> {
+        let fw = hypervisor.uefi_firmware(&self.cfg).ok_or_else(|| {
+            ApiError::invalid_request(format!("boot \"uefi\" has no firmware configured for {hypervisor}"))
+        })?;
+        for (key, p) in std::iter::once(fw.code).chain(fw.vars) {
             if !p.is_file() {
                 return Err(ApiError::invalid_request(format!(
-                    "boot \"uefi\" needs the UEFI firmware {} (config key {key}; Debian package ovmf), which is missing",
+                    "boot \"uefi\" needs the UEFI firmware {} (config key {key}), which is missing",
                     p.display()
                 )));
             }
         }
-        Ok((self.cfg.ovmf_code.clone(), self.cfg.ovmf_vars.clone()))
+        Ok((fw.code.1.to_path_buf(), fw.vars.map(|v| v.1.to_path_buf())))
     }
 
     /// The disk and firmware of the VM spec: the overlay when the image has a disk, the
-    /// pflash pair for `uefi`.
+    /// firmware for `uefi` (with the instance's variable store when the firmware keeps one).
     pub(crate) fn disk_spec(&self, rec: &InstanceRecord, image: &Image) -> (Option<PathBuf>, Option<UefiPflash>) {
         let dir = self.store.vmm_dir(rec.id);
         let disk = image.disk.as_ref().map(|_| dir.join(OVERLAY));
         let uefi = (rec.boot == BootMode::Uefi)
-            .then(|| UefiPflash { code: self.cfg.ovmf_code.clone(), vars: dir.join(EFIVARS) });
+            .then(|| rec.hypervisor.uefi_firmware(&self.cfg))
+            .flatten()
+            .map(|fw| UefiPflash { code: fw.code.1.to_path_buf(), vars: fw.vars.map(|_| dir.join(EFIVARS)) });
         (disk, uefi)
     }
 
@@ -171,9 +179,10 @@ impl Manager {
             }
         }
         if rec.boot == BootMode::Uefi {
-            let (_, vars) = self.uefi_firmware()?;
-            if !self.own_or_cleared(rec, &dir, EFIVARS)? {
-                disks::copy_file(&vars, &dir.join(EFIVARS)).map_err(disk_error)?;
+            if let (_, Some(vars)) = self.uefi_firmware(rec.hypervisor)? {
+                if !self.own_or_cleared(rec, &dir, EFIVARS)? {
+                    disks::copy_file(&vars, &dir.join(EFIVARS)).map_err(disk_error)?;
+                }
             }
         }
         crate::crash_point!("boot_after_disk");

@@ -649,6 +649,7 @@ impl Manager {
                 })
                 .collect();
             if let (true, Some(p)) = (managed, profile) {
+                let offered = obs.candidates.len();
                 for d in &devices {
                     let legal = match d.state {
                         DeviceState::Free => d.creatable.iter().any(|c| gpuvisor_sdk::profile_matches(p, c)),
@@ -670,6 +671,11 @@ impl Manager {
                             dirty: d.state == DeviceState::Dirty,
                             offer: Offer::Vf,
                         });
+                    }
+                }
+                if obs.candidates.len() == offered {
+                    if let Some(why) = equal_size_note(p, want_fb, &active) {
+                        obs.notes.push(format!("GPU {}: {why}", g.bdf));
                     }
                 }
             }
@@ -1034,5 +1040,41 @@ impl Manager {
             }
             Err(e) => tracing::warn!(error = %e.message, "initial GPU inventory failed"),
         }
+    }
+}
+
+/// Why a GPU offers no device for `profile` (of `want_fb` MiB) when the vGPUs it runs
+/// (`active`: device, framebuffer) are of another size: the driver runs each GPU in
+/// equal-size mode, so the answer says which size it runs and that the profile fits once
+/// they are released. `None` when the sizes are not what stands in the way.
+fn equal_size_note(profile: &str, want_fb: Option<u64>, active: &[(&str, Option<u64>)]) -> Option<String> {
+    let want = want_fb?;
+    let sizes: BTreeSet<u64> = active.iter().filter_map(|(_, fb)| *fb).collect();
+    if active.is_empty() || sizes.iter().all(|fb| *fb == want) {
+        return None;
+    }
+    let sizes: Vec<String> = sizes.iter().map(|fb| format!("{fb} MiB")).collect();
+    Some(format!(
+        "it runs {} vGPU(s) of {} each, and the driver puts vGPUs of only one framebuffer size on a GPU \
+         (equal-size rule): {profile} ({want} MiB) fits there once those are released",
+        active.len(),
+        sizes.join(" / ")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::equal_size_note;
+
+    #[test]
+    fn the_note_names_the_size_a_gpu_runs_only_when_it_differs() {
+        let two = [("0000:41:00.4", Some(2048)), ("0000:41:00.5", Some(2048))];
+        let n = equal_size_note("L40S-8Q", Some(8192), &two).unwrap();
+        assert!(n.contains("2 vGPU(s) of 2048 MiB each") && n.contains("L40S-8Q (8192 MiB)"), "{n}");
+        assert!(n.contains("equal-size rule"), "{n}");
+        // The same size (the GPU is full), nothing running, or an unknown profile size: no note.
+        assert_eq!(equal_size_note("L40S-2Q", Some(2048), &two), None);
+        assert_eq!(equal_size_note("L40S-2Q", Some(2048), &[]), None);
+        assert_eq!(equal_size_note("X", None, &two), None);
     }
 }

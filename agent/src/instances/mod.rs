@@ -14,7 +14,8 @@
 //! | [`health`] | suspect and quarantine marks, strike accounting, unquarantine |
 //! | [`vmm`] | VMM liveness, spawn, stop and the kill-path accounting |
 //! | [`vmm_ids`] | the uid/gid of its own every instance's VMM runs under |
-//! | [`create`], [`start`], [`stop`], [`delete`], [`fork`] | one operation each |
+//! | [`create`], [`start`], [`stop`], [`delete`], [`fork`], [`update`] | one operation each |
+//! | [`power`] | reset in place and reboot (a stop, then a start) of a running VM |
 //! | [`saves`] | saved VM states: snapshots (taken, listed, deleted, restored), standby and its resume |
 //! | [`rollback`] | rollback and retention after a failed create or start |
 //! | [`supervise`] | the restart policy and autostart: a VMM that died without a stop started again through start |
@@ -22,7 +23,8 @@
 //! | [`disk`] | boot modes, the disk overlay and UEFI variable store, image import and delete |
 //! | [`seed`] | the cloud-init NoCloud seed (`seed.iso`) of an instance |
 //! | [`nics`] | an instance's NICs on the host: bridges checked, taps opened right before the spawn |
-//! | [`console_logs`] | the console logs' cap: `serial.log` rotation |
+//! | [`console_logs`] | the serial consoles: `serial.log` rotation, the serial relays of VMMs that serve their port on a socket |
+//! | [`stats`] | `instance.stats`: a running VM's CPU, memory, disk and NIC counters |
 //! | [`view`] | the typed views the core returns (serialised only by `rpc`) |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
 //!
@@ -57,6 +59,7 @@ pub mod layout;
 pub mod nics;
 pub mod owners;
 pub mod policy_calls;
+pub mod power;
 pub mod reconcile;
 pub mod release;
 pub mod request;
@@ -64,8 +67,10 @@ pub mod rollback;
 pub mod saves;
 pub mod seed;
 pub mod start;
+pub mod stats;
 pub mod stop;
 pub mod supervise;
+pub mod update;
 pub mod view;
 pub mod vmm;
 pub mod vmm_ids;
@@ -119,6 +124,10 @@ pub struct Manager {
     hypervisor_probes: Mutex<Option<Vec<view::HypervisorView>>>,
     /// Instances whose console log rotation failed (logged once until it works again).
     console_rotation_failures: Mutex<std::collections::HashSet<Uuid>>,
+    /// The serial relays of running VMMs that serve their serial port on a socket.
+    serial_relays: Mutex<std::collections::HashMap<Uuid, crate::serial_relay::Relay>>,
+    /// Instances whose serial relay failed to start (logged once until it starts).
+    serial_relay_failures: Mutex<std::collections::HashSet<Uuid>>,
     /// The restart supervisor's watches and due restarts.
     supervise: supervise::SuperviseState,
     /// The VMs' cgroups, once detected (`None` inside: none on this host).
@@ -159,6 +168,8 @@ impl Manager {
             metrics,
             hypervisor_probes: Mutex::new(None),
             console_rotation_failures: Mutex::new(Default::default()),
+            serial_relays: Mutex::new(Default::default()),
+            serial_relay_failures: Mutex::new(Default::default()),
             supervise: Default::default(),
             vm_cgroups: Default::default(),
             last_policy_inputs: Default::default(),

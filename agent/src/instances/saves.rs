@@ -136,11 +136,38 @@ pub(crate) fn check_snapshot_name(name: &str) -> Result<(), ApiError> {
     }
 }
 
-/// Bytes of the regular files in `dir` (not following links).
+/// Bytes of the regular files in `dir` and its directories (not following links).
 fn bytes_in(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
-        .map(|rd| rd.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok().map(|m| (e.path(), m)))
+                .map(|(p, m)| {
+                    if m.is_dir() {
+                        bytes_in(&p)
+                    } else if m.is_file() {
+                        m.len()
+                    } else {
+                        0
+                    }
+                })
+                .sum()
+        })
         .unwrap_or(0)
+}
+
+/// Syncs a saved memory state: a file, or a directory's regular files and the directory.
+fn sync_tree(path: &Path) -> std::io::Result<()> {
+    let meta = std::fs::symlink_metadata(path)?;
+    if meta.is_dir() {
+        for e in std::fs::read_dir(path)?.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                std::fs::File::open(e.path())?.sync_all()?;
+            }
+        }
+        return sync_dir(path);
+    }
+    std::fs::File::open(path)?.sync_all()
 }
 
 /// Syncs a directory (its entries are durable).
@@ -491,15 +518,14 @@ impl Manager {
         let mut files = Vec::new();
         if memory {
             let path = partial.join(MEMORY);
-            let out = std::fs::File::create_new(&path).map_err(|e| io(&path, e))?;
             let vmm =
                 rec.vmm.as_ref().ok_or_else(|| ApiError::internal(format!("instance {} has no VMM", rec.name)))?;
             let timeout = Duration::from_secs(self.cfg.vmm_ready_timeout_s);
             rec.hypervisor
                 .driver()
-                .save(&vmm.control_socket, std::os::fd::AsFd::as_fd(&out), timeout)
+                .save(&vmm.control_socket, &self.store.vmm_dir(rec.id), &path, timeout)
                 .map_err(|e| ApiError::internal(format!("the state of {} was not saved: {e}", rec.name)))?;
-            out.sync_all().map_err(|e| io(&path, e))?;
+            sync_tree(&path).map_err(|e| io(&path, e))?;
             files.push(MEMORY.to_string());
             crate::crash_point!("save_after_memory");
         }
@@ -594,6 +620,17 @@ impl Manager {
                 .filter(|e| e.file_name().to_string_lossy().starts_with(PARTIAL))
                 .map(|e| e.path())
                 .collect();
+            // What a VMM saved into or restored from in its own directory (never a link:
+            // `remove_dir_all` does not follow one, and only directories are taken).
+            doomed.extend(
+                std::fs::read_dir(self.store.vmm_dir(rec.id))
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(crate::hypervisor::VM_STATE_STAGING))
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
             if rec.state() != InstanceState::Standby && self.standby_dir(rec).exists() {
                 doomed.push(self.standby_dir(rec));
             }
@@ -608,8 +645,8 @@ impl Manager {
         }
     }
 
-    /// Start-up: a `running` VM whose VMM reports it paused by a save (`paused`,
-    /// `postmigrate`, `finish-migrate`) was left so by an agent killed during a snapshot or
+    /// Start-up: a `running` VM whose VMM reports it paused by a save
+    /// ([`crate::hypervisor::Driver::paused_by_save`]) was left so by an agent killed during a snapshot or
     /// a standby: it is resumed (WARN). Nothing else pauses a VM.
     pub(crate) fn resume_interrupted_saves(&self, records: &[InstanceRecord]) {
         // Only a hypervisor that saves states pauses for one; each is asked within 1 s, so a
@@ -621,7 +658,7 @@ impl Manager {
             let driver = rec.hypervisor.driver();
             let io = crate::hypervisor::qmp::DEFAULT_IO_TIMEOUT;
             let Ok(state) = driver.vm_state(&vmm.control_socket, std::time::Duration::from_secs(1)) else { continue };
-            if !matches!(state.as_str(), "paused" | "postmigrate" | "finish-migrate") {
+            if !driver.paused_by_save(&state) {
                 continue;
             }
             match driver.resume(&vmm.control_socket, io) {

@@ -818,11 +818,14 @@ impl Manager {
             serial_log: self.store.vmm_dir(rec.id).join(crate::hypervisor::SERIAL_LOG).display().to_string(),
             serial_log_rotated: self.store.instance_dir(rec.id).join(crate::console::ROTATED_LOG).display().to_string(),
             vmm_id: rec.vmm_id,
-            console_socket: rec
-                .hypervisor
-                .driver()
-                .console_socket_name()
-                .map(|n| self.store.vmm_dir(rec.id).join(n).display().to_string()),
+            console_socket: Some(
+                rec.hypervisor
+                    .driver()
+                    .serial_port()
+                    .console_socket(&self.store.vmm_dir(rec.id), &self.store.instance_dir(rec.id))
+                    .display()
+                    .to_string(),
+            ),
             gpu,
             restart: rec.restart,
             autostart: rec.autostart,

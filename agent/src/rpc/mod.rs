@@ -118,6 +118,14 @@ pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
         t
     )));
     with_params!(module, "instance.delete", |m, r: RefParams| m.delete(&r.reference));
+    with_params!(module, "instance.reset", |m, r: RefParams| m.reset(&r.reference));
+    with_params!(module, "instance.stats", |m, r: RefParams| m.stats(&r.reference));
+    with_params!(module, "instance.update", |m, r: crate::instances::update::UpdateRequest| m.update(r));
+    with_params!(module, "instance.reboot", |m, r: StopParams| r.timeout().and_then(|t| m.reboot(
+        &r.reference,
+        r.force,
+        t
+    )));
     with_params!(module, "instance.fork", |m, f: ForkParams| m.fork(&f.reference, &f.name, f.snapshot.as_deref()));
     with_params!(module, "instance.standby", |m, s: RefParams| m.standby(&s.reference));
     with_params!(module, "instance.snapshot", |m, s: SaveStateParams| m.snapshot(&s.reference, s.snapshot.as_deref()));

@@ -123,6 +123,8 @@ fn the_fake_answers_as_the_real_binary_does() {
         ("PUT", "vm.shutdown"),
         ("PUT", "vm.pause"),
         ("PUT", "vm.resume"),
+        ("PUT", "vm.reboot"),
+        ("GET", "vm.counters"),
     ] {
         p.exact(method, endpoint, None);
     }
@@ -153,6 +155,11 @@ fn the_fake_answers_as_the_real_binary_does() {
         r#"{"net":[{"mac":"zz"}]}"#,
         r#"{"cpus":{"boot_vcpus":"x","max_vcpus":1}}"#,
         r#"{"disks":[{"path":"x","readonly":"yes"}]}"#,
+        r#"{"disks":[{"path":"x","image_type":"Vhd"}]}"#,
+        r#"{"disks":[{"path":"x","image_type":"qcow2"}]}"#,
+        r#"{"disks":[{"path":"x","image_type":5}]}"#,
+        r#"{"disks":[{"path":"x","backing_files":"yes"}]}"#,
+        r#"{"net":[{"fds":"x"}]}"#,
     ] {
         p.exact("PUT", "vm.create", Some(body));
     }
@@ -169,6 +176,21 @@ fn the_fake_answers_as_the_real_binary_does() {
     let missing = scratch.path().join("missing");
     let m = missing.to_string_lossy();
     let created = json!({"payload": {"kernel": format!("{m}/vmlinuz")}, "memory": {"size": 134217728u64}});
+    // The serial socket is bound at vm.create: a stale file or a missing directory fails it
+    // (the VM is kept), and vm.boot tries again. Done before any vm.create succeeds: after
+    // one has, the real binary keeps its console devices across vm.delete and does not try
+    // again at boot (its VM then boots without the socket); the fake always tries again.
+    let stale = scratch.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    for socket in [stale.clone(), missing.join("s.sock")] {
+        let mut config = created.clone();
+        config["serial"] = json!({"mode": "Socket", "socket": socket});
+        p.exact("PUT", "vm.create", Some(&config.to_string()));
+        p.state("Created");
+        p.exact("PUT", "vm.boot", None);
+        p.exact("PUT", "vm.delete", None);
+    }
+
     p.exact("PUT", "vm.create", Some(&created.to_string()));
     p.exact("PUT", "vm.create", Some(&created.to_string()));
     p.state("Created");
@@ -209,6 +231,103 @@ fn the_fake_answers_as_the_real_binary_does() {
     p.step(Compare::Errors, "PUT", "vm.remove-device", Some(r#"{"id":"gpu0"}"#));
     p.exact("PUT", "vm.delete", None);
 
+    // NICs by fd (no fds passed here: the answers do not depend on them), snapshots and
+    // restores that fail, disks and the serial socket at create/boot.
+    let net0 = r#"{"mac":"52:54:00:12:34:56","id":"net0"}"#;
+    p.exact("PUT", "vm.add-net", Some(net0));
+    p.exact("PUT", "vm.add-net", None);
+    p.exact("GET", "vm.add-net", Some(net0));
+    let snap = scratch.path().join("snap");
+    std::fs::create_dir(&snap).unwrap();
+    let url = format!("file://{}", snap.display());
+    let snapshot = json!({"destination_url": url}).to_string();
+    p.exact("PUT", "vm.snapshot", Some(&snapshot));
+    p.exact("PUT", "vm.snapshot", None);
+    p.exact("GET", "vm.snapshot", Some(&snapshot));
+    p.exact("PUT", "vm.snapshot", Some("{}"));
+    p.exact("PUT", "vm.snapshot", Some(r#"{"destination_url":5}"#));
+    let restore = json!({"source_url": url}).to_string();
+    p.exact("PUT", "vm.restore", None);
+    p.exact("GET", "vm.restore", Some(&restore));
+    for body in [
+        json!({}),
+        json!({"source_url": 5}),
+        json!({"source_url": url, "prefault": "x"}),
+        json!({"source_url": url, "resume": "x"}),
+        json!({"source_url": url, "memory_restore_mode": "Bogus"}),
+        json!({"source_url": url, "net_fds": 5}),
+        json!({"source_url": url, "net_fds": [{"fds": [3]}]}),
+        json!({"source_url": url, "net_fds": [{"id": "net0", "fds": "x"}]}),
+        json!({"source_url": url, "net_fds": [{"id": "net0", "num_fds": "x"}]}),
+        // num_fds without fds passed: a bare 400 before anything else.
+        json!({"source_url": url, "net_fds": [{"id": "net0", "num_fds": 1}]}),
+        json!({"source_url": format!("file://{m}")}),
+        json!({"source_url": format!("file://{}", snap.join("x").display())}),
+        json!({"source_url": snap}),
+        json!({"source_url": "file://"}),
+        // An empty directory: no config.json.
+        json!({"source_url": url, "prefault": true, "net_fds": [{"id": "net0", "num_fds": 0}]}),
+    ] {
+        p.exact("PUT", "vm.restore", Some(&body.to_string()));
+    }
+    std::fs::write(snap.join("config.json"), "notjson").unwrap();
+    p.exact("PUT", "vm.restore", Some(&restore));
+    std::fs::write(snap.join("config.json"), created.to_string()).unwrap();
+    p.exact("PUT", "vm.restore", Some(&restore));
+    std::fs::write(snap.join("state.json"), "{}").unwrap();
+    p.exact("PUT", "vm.restore", Some(&restore));
+    p.exact("GET", "vm.info", None);
+
+    p.exact("PUT", "vm.create", Some(&created.to_string()));
+    p.step(Compare::Status, "PUT", "vm.add-net", Some("{}"));
+    p.exact("PUT", "vm.add-net", Some(r#"{"mac":"zz"}"#));
+    p.exact("PUT", "vm.add-net", Some(r#"{"fds":"x"}"#));
+    p.exact("PUT", "vm.add-net", Some(net0));
+    p.exact("PUT", "vm.add-net", Some(net0));
+    p.exact("PUT", "vm.snapshot", Some(&snapshot));
+    p.exact("PUT", "vm.restore", Some(&restore));
+    p.exact("PUT", "vm.delete", None);
+    // A NIC by fd before boot: the fd is held and its number shown in vm.info (a tap is not
+    // looked at before boot, so /dev/null does). Two fds do not fit the default 2 queues.
+    p.exact("PUT", "vm.create", Some(&created.to_string()));
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&null);
+    let both = |p: &mut Pair, endpoint: &str, body: &str, fds: &[i32]| {
+        p.steps += 1;
+        let (real, fake) = (p.real.put_fds(endpoint, body, fds), p.fake.put_fds(endpoint, body, fds));
+        assert_eq!(real.status, fake.status, "{endpoint} {body}: real {real:?} fake {fake:?}");
+        if real.status >= 400 {
+            assert_eq!(real.errors(), fake.errors(), "{endpoint} {body}");
+        }
+    };
+    both(&mut p, "vm.add-net", r#"{"mac":"52:54:00:12:34:57","id":"net1"}"#, &[fd]);
+    both(&mut p, "vm.add-net", r#"{"mac":"52:54:00:12:34:58","id":"net2"}"#, &[fd, fd]);
+    let (real_info, fake_info) = p.step(Compare::Status, "GET", "vm.info", None);
+    for (vmm, info) in [(&p.real, &real_info), (&p.fake, &fake_info)] {
+        let net = info["config"]["net"].as_array().unwrap();
+        assert_eq!(net.len(), 1, "{info}");
+        let n = net[0]["fds"][0].as_i64().unwrap_or_else(|| panic!("fds: {info}"));
+        assert_eq!(vmm.fd_target(n).as_deref(), Some(Path::new("/dev/null")));
+    }
+    p.exact("PUT", "vm.delete", None);
+    // A restore whose fd count does not match net_fds: a bare 400; without net_fds the fds
+    // are not looked at.
+    both(&mut p, "vm.restore", &restore, &[fd]);
+    let named = json!({"source_url": url, "net_fds": [{"id": "net0", "fds": [3]}]}).to_string();
+    both(&mut p, "vm.restore", &named, &[fd]);
+    let named = json!({"source_url": url, "net_fds": [{"id": "net0", "num_fds": 2}]}).to_string();
+    both(&mut p, "vm.restore", &named, &[fd]);
+
+    // fds in a vm.create body are dropped (with a warning).
+    let with_fds = json!({"payload": {"kernel": format!("{m}/vmlinuz")},
+                          "net": [{"mac": "52:54:00:12:34:56", "id": "net0", "fds": [3]}]});
+    p.exact("PUT", "vm.create", Some(&with_fds.to_string()));
+    let (real_info, fake_info) = p.step(Compare::Status, "GET", "vm.info", None);
+    assert!(real_info["config"]["net"][0].get("fds").is_none() && fake_info["config"]["net"][0].get("fds").is_none());
+    p.exact("PUT", "vm.delete", None);
+
+    println!("compared {} requests before the booting part", p.steps);
+
     // A VM that boots (the real one reports Running; its guest never runs here).
     match bootable_kernel() {
         None => println!("part skipped: no bootable kernel (CH_COMPARE_KERNEL, target/images/demo/vmlinuz)"),
@@ -216,13 +335,23 @@ fn the_fake_answers_as_the_real_binary_does() {
             let config = json!({"payload": {"kernel": kernel, "cmdline": "console=ttyS0"},
                                 "memory": {"size": 134217728u64}, "console": {"mode": "Off"}});
             p.exact("PUT", "vm.create", Some(&config.to_string()));
+            p.exact("PUT", "vm.reboot", None);
+            p.exact("GET", "vm.counters", None);
             p.exact("PUT", "vm.boot", None);
+            p.state("Running");
+            p.step(Compare::Status, "GET", "vm.counters", None);
+            p.exact("PUT", "vm.reboot", None);
             p.state("Running");
             p.exact("PUT", "vm.boot", None);
             p.exact("PUT", "vm.create", Some(&config.to_string()));
             p.exact("PUT", "vm.power-button", None);
+            let snapshot = json!({"destination_url": format!("file://{}", scratch.path().display())});
+            p.exact("PUT", "vm.snapshot", Some(&snapshot.to_string()));
             p.exact("PUT", "vm.pause", None);
             p.state("Paused");
+            p.exact("PUT", "vm.reboot", None);
+            p.state("Running");
+            p.exact("PUT", "vm.pause", None);
             p.exact("PUT", "vm.pause", None);
             p.exact("PUT", "vm.power-button", None);
             p.exact("PUT", "vm.resume", None);
@@ -230,6 +359,7 @@ fn the_fake_answers_as_the_real_binary_does() {
             p.exact("PUT", "vm.shutdown", None);
             p.state("Created");
             p.exact("PUT", "vm.delete", None);
+            disk_steps(&mut p, &config, scratch.path());
             let mut bad_uuid = config.clone();
             bad_uuid["platform"] = json!({"system_uuid": "xyz"});
             p.exact("PUT", "vm.create", Some(&bad_uuid.to_string()));
@@ -256,4 +386,73 @@ fn the_fake_answers_as_the_real_binary_does() {
     assert_eq!(real.wait_exit().code(), Some(0));
     assert_eq!(fake.wait_exit().code(), Some(0));
     println!("compared {} requests with {}", p.steps, real_bin.display());
+}
+
+/// Disks at boot (the real binary opens them: the kernel must be loadable); qcow2 files are
+/// made with `qemu-img` (the real parses the whole header), those steps are skipped without.
+fn disk_steps(p: &mut Pair, config: &Value, dir: &Path) {
+    let raw = dir.join("raw.img");
+    std::fs::write(&raw, vec![0u8; 1 << 20]).unwrap();
+    let qemu_img = |args: &[&str]| {
+        std::process::Command::new("qemu-img")
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let (base, ov, orphan) = (dir.join("base.qcow2"), dir.join("ov.qcow2"), dir.join("orphan.qcow2"));
+    let have_qcow2 = qemu_img(&["create", "-f", "qcow2", &base.to_string_lossy(), "16M"])
+        && qemu_img(&["create", "-f", "qcow2", "-F", "qcow2", "-b", &base.to_string_lossy(), &ov.to_string_lossy()])
+        && qemu_img(&[
+            "create",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            &dir.join("gone.qcow2").to_string_lossy(),
+            &orphan.to_string_lossy(),
+            "16M",
+        ]);
+    let mut disks = vec![
+        (json!([{"path": dir.join("missing.img")}]), false),
+        (json!([{"path": dir.join("missing.img"), "readonly": true}]), false),
+        (json!([{"path": raw, "image_type": "Qcow2"}]), false),
+        (json!([{"path": raw, "id": "a"}, {"path": raw, "id": "a"}]), false),
+        (json!([{"path": raw, "readonly": true, "backing_files": true, "image_type": "Raw", "id": "disk0"}]), true),
+    ];
+    if have_qcow2 {
+        disks.extend([
+            (json!([{"path": ov}]), false),
+            (json!([{"path": ov, "image_type": "Qcow2", "backing_files": false}]), false),
+            (json!([{"path": base, "image_type": "Raw"}]), false),
+            (json!([{"path": orphan, "backing_files": true}]), false),
+            (json!([{"path": ov, "image_type": "Qcow2", "backing_files": true, "id": "disk0"}]), true),
+        ]);
+    } else {
+        println!("qcow2 disk steps skipped: no qemu-img");
+    }
+    for (disks, boots) in disks {
+        let mut config = config.clone();
+        config["disks"] = disks;
+        p.exact("PUT", "vm.create", Some(&config.to_string()));
+        p.exact("PUT", "vm.boot", None);
+        if boots {
+            p.state("Running");
+            let held = |pid: u32| {
+                std::fs::read_dir(format!("/proc/{pid}/fd"))
+                    .unwrap()
+                    .flatten()
+                    .filter_map(|e| std::fs::read_link(e.path()).ok())
+                    .filter(|t| t.starts_with(dir))
+                    .collect::<std::collections::BTreeSet<_>>()
+            };
+            assert_eq!(held(p.real.pid()), held(p.fake.pid()), "the same disk files are held open");
+            p.exact("PUT", "vm.shutdown", None);
+            assert!(held(p.real.pid()).is_empty() && held(p.fake.pid()).is_empty(), "closed at vm.shutdown");
+        }
+        p.exact("PUT", "vm.delete", None);
+    }
 }

@@ -1637,3 +1637,114 @@ impl Drop for Holder {
 pub fn resource_claim(name: &str, uid: &str) -> Value {
     json!({"kind": "resource_claim", "namespace": "default", "name": name, "uid": uid})
 }
+
+/// A network namespace the test owns: held by a `sleep` inside the agent's PID namespace
+/// (so the agent can enter it by `/proc/<pid>/ns/net` there), entered from the test through
+/// the holder's root-namespace pid. Dropping it kills dnsmasq and the holder.
+pub struct NetNs {
+    holder: Child,
+    /// The holder's pid in the root PID namespace.
+    pub host_pid: i32,
+    /// The holder's pid inside the agent's PID namespace.
+    pub ns_pid: i32,
+    pub dnsmasq: Option<Child>,
+}
+
+impl NetNs {
+    pub fn new(a: &Agent) -> NetNs {
+        let holder = a.ns.command("unshare").args(["--net", "sleep", "infinity"]).stdin(Stdio::null()).spawn().unwrap();
+        let nsenter_pid = holder.id() as i32;
+        // nsenter forks the program as its child: find the sleep and its pid in the namespace.
+        let (host_pid, ns_pid) = wait_for(Duration::from_secs(10), || {
+            let pid =
+                pids_where(|c| c.starts_with("sleep infinity")).into_iter().find(|p| is_descendant(*p, nsenter_pid))?;
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let nspid = status.lines().find(|l| l.starts_with("NSpid:"))?;
+            let inner: i32 = nspid.split_whitespace().last()?.parse().ok()?;
+            let own = std::fs::read_link(format!("/proc/{pid}/ns/net")).ok()?;
+            let ours = std::fs::read_link("/proc/self/ns/net").ok()?;
+            (own != ours).then_some((pid, inner))
+        })
+        .expect("the network namespace holder runs");
+        NetNs { holder, host_pid, ns_pid, dnsmasq: None }
+    }
+
+    pub fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/proc/{}/ns/net", self.host_pid)).arg("--").arg(program);
+        c
+    }
+
+    pub fn run(&self, program: &str, args: &[&str]) -> std::process::Output {
+        self.cmd(program).args(args).stdin(Stdio::null()).output().unwrap()
+    }
+
+    pub fn ok(&self, program: &str, args: &[&str]) {
+        let o = self.run(program, args);
+        assert!(o.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+
+    pub fn link_exists(&self, name: &str) -> bool {
+        self.run("ip", &["link", "show", "dev", name]).status.success()
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.dnsmasq.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.host_pid), nix::sys::signal::Signal::SIGKILL);
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+fn is_descendant(pid: i32, ancestor: i32) -> bool {
+    let mut p = pid;
+    for _ in 0..8 {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { return false };
+        let Some(ppid) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok())
+        else {
+            return false;
+        };
+        if ppid == ancestor {
+            return true;
+        }
+        p = ppid;
+    }
+    false
+}
+
+impl Agent {
+    /// Restarts the agent inside `net`'s network namespace (its taps and bridges are there).
+    pub fn move_into(&mut self, net: &NetNs) {
+        self.kill_agent();
+        self.wrap = vec!["nsenter".into(), format!("--net=/proc/{}/ns/net", net.ns_pid), "--".into()];
+        self.spawn().unwrap();
+        self.wait_ready().unwrap();
+    }
+}
+
+impl Agent {
+    /// Arms the failpoint `fp`, runs `method` (the agent aborts there), restarts the agent
+    /// cleanly.
+    pub fn crash_at(&mut self, fp: &str, method: &str, params: Value) {
+        self.restart_with_failpoints(Some(&format!("{fp}=return"))).unwrap();
+        self.wait_ready().unwrap();
+        let e = self.call(method, params).unwrap_err();
+        assert!(is_transport(&e), "{method} reached {fp} and the agent aborted: {e}");
+        assert!(self.wait_agent_gone(Duration::from_secs(30)), "the agent is gone after {fp}");
+        self.restart_clean();
+    }
+}
+
+impl Agent {
+    /// The command line of the one live QEMU of instance `id`, its arguments joined by spaces.
+    pub fn qemu_cmdline(&self, id: &str) -> String {
+        let q: Vec<LiveQemu> = self.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
+        assert_eq!(q.len(), 1, "one QEMU for {id}");
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", q[0].pid)).unwrap()).replace('\0', " ")
+    }
+}

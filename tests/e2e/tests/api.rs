@@ -6,6 +6,7 @@ use gpuvisor_e2e::*;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
 
 /// One small L40S (4 VFs) with a short teardown lag.
 const ONE_GPU: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
@@ -195,6 +196,12 @@ fn a_profile_that_does_not_fit_is_409_no_capacity_and_leaves_nothing() {
         let e = a.err("instance.create", json!({"name": name, "image": "demo", "gpu": profile}));
         assert_api_error(&e, 409, "no_capacity");
         assert_eq!(a.instance_names(), vec!["big"], "no instance left by {name}");
+        // Another size: the answer explains the equal-size rule; the same size: the GPU is
+        // simply full.
+        let explained = e.message.contains("GPU 0000:41:00.0: it runs 1 vGPU(s) of 49152 MiB each")
+            && e.message.contains("equal-size rule")
+            && e.message.contains("fits there once those are released");
+        assert_eq!(explained, profile != "L40S-48Q", "{profile}: {}", e.message);
     }
     assert_eq!(a.claims(), claims_before, "nothing claimed");
     assert_eq!(a.sim_writes(), writes_before, "nothing written");
@@ -434,4 +441,68 @@ fn the_edges_of_the_interface_answer_clearly() {
         assert!(said.contains(&format!("\\\"{v}\\\"")) || said.contains(&format!("\"{v}\"")), "lists {v}: {said}");
     }
     assert_nothing_left(&a);
+}
+
+/// Issue 22 part 5: `instance.update` changes labels and the restart policy at once and the
+/// machine (vCPUs, memory, cloud-init) at the next start — the running QEMU keeps its
+/// command line until `instance.reboot`, which applies them; bad fields are refused, naming
+/// them, with the record unchanged; the same values again change nothing.
+#[test]
+fn an_update_applies_labels_now_and_the_machine_at_the_next_start() {
+    let a = Agent::start(ONE_GPU).unwrap();
+    let v = a.ok("instance.create", json!({"name": "u", "image": "demo", "labels": {"team": "a"}}));
+    let id = v["id"].as_str().unwrap().to_string();
+    let before = a.record(&id);
+    for (params, says) in [
+        (json!({"vcpus": 0}), "vcpus"),
+        (json!({"memory_mib": 10}), "memory_mib"),
+        (json!({"vcpus": 64000}), "vcpus"),
+        (json!({"labels": {"-bad": "x"}}), "label"),
+        (json!({"nics": [{"mode": "bridge", "bridge": "gvt-missing"}]}), "does not exist"),
+        (json!({"cloud_init": {"user_data": "x".repeat(70_000)}}), "user_data"),
+    ] {
+        let mut p = params.clone();
+        p["ref"] = json!("u");
+        let e = a.err("instance.update", p);
+        assert!(e.data_code == "invalid_request" || e.code == -32602, "{params}: {e}");
+        assert!(e.message.contains(says) || e.data.to_string().contains(says), "{params}: {e}");
+    }
+    let e = a.err("instance.update", json!({"ref": "u", "gpu": "L40S-2Q"}));
+    assert_eq!(e.code, -32602, "an unknown field: {e}");
+    assert_eq!(a.record(&id), before, "nothing written");
+    assert!(a.qemu_cmdline(&id).contains("-smp 1 "), "{}", a.qemu_cmdline(&id));
+
+    let r = a.ok(
+        "instance.update",
+        json!({"ref": "u", "vcpus": 2, "memory_mib": 320, "labels": {"team": "b"}, "restart": "always",
+               "cloud_init": {"user_data": "#cloud-config\ngpuvisor-marker: updated\n"}}),
+    );
+
+    assert_eq!(r["changed"], json!(["vcpus", "memory_mib", "labels", "restart", "cloud_init"]), "{r}");
+    assert_eq!(r["at_next_start"], json!(["vcpus", "memory_mib", "cloud_init"]), "{r}");
+    assert_eq!(r["instance"]["labels"], json!({"team": "b"}));
+    assert_eq!(r["instance"]["restart"], "always");
+    let rec = a.record(&id);
+    assert_eq!((rec["vcpus"].as_u64(), rec["memory_mib"].as_u64()), (Some(2), Some(320)), "{rec}");
+    let cmd = a.qemu_cmdline(&id);
+    assert!(cmd.contains("-smp 1 ") && cmd.contains("-m 256 "), "the running VM is unchanged: {cmd}");
+
+    let again = a.ok("instance.update", json!({"ref": "u", "vcpus": 2, "labels": {"team": "b"}}));
+    assert_eq!(again["changed"], json!([]), "{again}");
+
+    let b = a.ok("instance.reboot", json!({"ref": "u", "force": true}));
+    assert_eq!(b["state"], "running", "{b}");
+    let cmd = a.qemu_cmdline(&id);
+    assert!(cmd.contains("-smp 2 ") && cmd.contains("-m 320 "), "applied by the reboot: {cmd}");
+    a.wait_serial(&b, "gpuvisor-guest: marker updated", Duration::from_secs(120)).unwrap();
+
+    // The CLI: labels replaced by none, autostart on; a stopped instance has nothing pending.
+    a.ok("instance.stop", json!({"ref": "u", "force": true}));
+    let out = a.cli(&["update", "u", "--no-labels", "--autostart", "true", "--memory-mib", "384"]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("changed memory_mib, labels, autostart") && !text.contains("next start"), "{text}");
+    let rec = a.record(&id);
+    assert_eq!((rec["labels"].clone(), rec["autostart"].clone()), (json!({}), json!(true)), "{rec}");
+    a.ok("instance.delete", json!({"ref": "u"}));
 }

@@ -75,6 +75,13 @@ fn a_bios_guest_keeps_its_disk_across_restarts_and_a_fork_is_a_copy() {
     wait_booted(&v, 0, "bios");
 
     console(&v, "echo src-wrote >/data/f; sync; echo \"W:$(cat /data/f):W\"", "W:src-wrote:W");
+    // The disk's counters, from QEMU: the firmware and the guest read it, the guest wrote.
+    let st = a.ok("instance.stats", json!({"ref": "src"}));
+    let d = &st["disks"][0];
+    assert_eq!(d["id"], "disk0", "{st}");
+    for k in ["read_bytes", "read_ops", "write_bytes", "write_ops"] {
+        assert!(d[k].as_u64().is_some_and(|v| v > 0), "{k}: {st}");
+    }
     stop(&a, "src");
     let v = start(&a, "src", "bios");
     console(&v, "echo \"R:$(cat /data/f):R\"", "R:src-wrote:R");

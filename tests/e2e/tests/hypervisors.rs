@@ -123,6 +123,7 @@ each_driver!(
     an_agent_crash_between_spawn_and_identity_capture_finds_the_live_vmm,
     the_reconciler_leaves_a_live_vmm_running,
     a_recycled_pid_is_never_signalled,
+    a_reset_starts_the_guest_over_in_the_same_vmm_and_a_reboot_in_a_new_one,
 );
 
 fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
@@ -159,8 +160,8 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
     assert!(listed["instances"][0]["vmm"].get("vm_state").is_none(), "lists do not ask the VMMs: {listed}");
 
     if let Some(ch) = r.ch.as_ref().filter(|c| !c.real) {
-        // Exactly what the driver sent: memory in bytes, the instance id as SMBIOS UUID, the
-        // serial port to the instance's console log (the test server refuses unknown fields).
+        // Exactly what the driver sent: memory in bytes, the instance id as SMBIOS UUID (the
+        // test server refuses unknown fields).
         let creates: Vec<Value> =
             ch.requests().into_iter().filter(|q| q["path"].as_str().unwrap_or("").ends_with("vm.create")).collect();
         assert_eq!(creates.len(), 1, "{creates:?}");
@@ -168,8 +169,11 @@ fn create_runs_the_vm_and_every_view_names_its_hypervisor(hv: Hv) {
         assert_eq!(cfg["memory"]["size"], inst["memory_mib"].as_u64().unwrap() * 1024 * 1024);
         assert_eq!(cfg["cpus"]["boot_vcpus"], inst["vcpus"]);
         assert_eq!(cfg["platform"]["system_uuid"], id);
-        let serial = r.a.data_dir.join("instances").join(id).join("vmm/serial.log");
-        assert_eq!(cfg["serial"], json!({"mode": "File", "file": serial}));
+        // The serial port on a socket the agent relays (into the log, and to the console).
+        let serial = r.a.data_dir.join("instances").join(id).join("vmm/serial.sock");
+        assert_eq!(cfg["serial"], json!({"mode": "Socket", "socket": serial}));
+        let console = r.a.data_dir.join("instances").join(id).join("console.sock");
+        assert_eq!(inst["console_socket"], console.display().to_string());
         assert_eq!(cfg["console"], json!({"mode": "Off"}));
         assert!(cfg["payload"]["kernel"].as_str().unwrap().ends_with("vmlinuz"), "{cfg}");
     }
@@ -307,4 +311,42 @@ fn a_recycled_pid_is_never_signalled(hv: Hv) {
     assert_eq!(stopped["state"], "stopped", "{stopped}");
     assert!(gone(pid), "the control socket's owner, the real VMM, was stopped");
     assert!(alive(sleep_root), "the recycled pid received no signal");
+}
+
+/// Issue 22 part 5: `instance.reset` is the reset button (QMP `system_reset`; `vm.reboot`):
+/// the same VMM process, and the guest boots again; `instance.reboot` is a stop and a
+/// start: a new VMM, booted. Neither applies to a stopped instance.
+fn a_reset_starts_the_guest_over_in_the_same_vmm_and_a_reboot_in_a_new_one(hv: Hv) {
+    let Some(r) = rig(hv, &[]) else { return };
+    let inst = r.create("vm");
+    let pid = r.vmm(&inst);
+    r.wait_console(&inst);
+    let boots = |v: &Value| serial_text(v).matches("gpuvisor-guest: ready").count();
+
+    let reset = r.a.ok("instance.reset", json!({"ref": "vm"}));
+
+    assert_eq!(reset["state"], "running", "{reset}");
+    assert_eq!(r.vmm(&inst), pid, "the same VMM");
+    if hv.has_console() {
+        wait_for(Duration::from_secs(120), || (boots(&inst) >= 2).then_some(()))
+            .unwrap_or_else(|| panic!("the guest booted again after the reset:\n{}", tail(&serial_text(&inst), 10)));
+    }
+    assert!(r.a.log().contains("VM reset in place"));
+
+    let out = r.a.cli(&["reboot", "vm", "--force"]);
+    assert!(out.status.success(), "{out:?}");
+    let after = r.get("vm");
+    assert_eq!(after["state"], "running", "{after}");
+    assert!(gone(pid), "the old VMM is gone");
+    assert_ne!(r.vmm(&after), pid, "a new VMM");
+    if hv.has_console() {
+        wait_for(Duration::from_secs(120), || (boots(&inst) >= 3).then_some(()))
+            .unwrap_or_else(|| panic!("the guest booted in the new VMM:\n{}", tail(&serial_text(&inst), 10)));
+    }
+
+    r.a.ok("instance.stop", json!({"ref": "vm", "force": true}));
+    for m in ["instance.reset", "instance.reboot"] {
+        let e = r.a.err(m, json!({"ref": "vm"}));
+        assert_eq!(e.data_code, "invalid_state", "{m}: {e}");
+    }
 }

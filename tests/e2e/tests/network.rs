@@ -9,7 +9,7 @@
 use gpuvisor_e2e::*;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 const BOOT: Duration = Duration::from_secs(120);
@@ -27,12 +27,6 @@ fn http_get(port: u16) -> Option<String> {
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
     out.contains("200 OK").then_some(out)
-}
-
-fn qemu_cmdline(a: &Agent, id: &str) -> String {
-    let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
-    assert_eq!(q.len(), 1, "one QEMU for {id}");
-    String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", q[0].pid)).unwrap()).replace('\0', " ")
 }
 
 #[test]
@@ -53,98 +47,28 @@ fn a_user_nic_gets_dhcp_and_a_forwarded_port_reaches_the_guest_listener() {
     let log = a.wait_serial(&v, "gpuvisor-guest: listening 8080", BOOT).unwrap();
     assert!(log.contains("gpuvisor-guest: net eth0 10.0.2.15/24"), "{log}");
     assert!(log.contains("gpuvisor-guest: hostname web"), "the seed names it: {log}");
-    let cmd = qemu_cmdline(&a, &id);
+    let cmd = a.qemu_cmdline(&id);
     assert!(cmd.contains(&format!("user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{port}-:8080")), "{cmd}");
     assert!(cmd.contains(&format!("mac={mac}")), "{cmd}");
 
     let answer = wait_for(Duration::from_secs(30), || http_get(port)).expect("the forwarded port answers");
     assert!(answer.contains("gpuvisor-guest web"), "{answer}");
+    // A user NIC has no counters gpuvisor can read: null, never zeros.
+    let st = a.ok("instance.stats", json!({"ref": "web"}));
+    assert_eq!(
+        st["nics"],
+        json!([{"mode": "user", "tap": null, "rx_bytes": null, "tx_bytes": null,
+                                   "rx_packets": null, "tx_packets": null}]),
+        "{st}"
+    );
+    assert_eq!(st["disks"][0]["id"], "seed", "the seed is its only disk: {st}");
 
     // The MAC is stable across a restart.
     a.ok("instance.stop", json!({"ref": "web"}));
     let v = a.ok("instance.start", json!({"ref": "web"}));
     assert_eq!(v["nics"][0]["mac"], mac.as_str());
-    assert!(qemu_cmdline(&a, &id).contains(&format!("mac={mac}")));
+    assert!(a.qemu_cmdline(&id).contains(&format!("mac={mac}")));
     a.ok("instance.delete", json!({"ref": "web"}));
-}
-
-/// A network namespace the test owns: held by a `sleep` inside the agent's PID namespace
-/// (so the agent can enter it by `/proc/<pid>/ns/net` there), entered from the test through
-/// the holder's root-namespace pid. Dropping it kills dnsmasq and the holder.
-struct NetNs {
-    holder: Child,
-    /// The holder's pid in the root PID namespace.
-    host_pid: i32,
-    /// The holder's pid inside the agent's PID namespace.
-    ns_pid: i32,
-    dnsmasq: Option<Child>,
-}
-
-impl NetNs {
-    fn new(a: &Agent) -> NetNs {
-        let holder = a.ns.command("unshare").args(["--net", "sleep", "infinity"]).stdin(Stdio::null()).spawn().unwrap();
-        let nsenter_pid = holder.id() as i32;
-        // nsenter forks the program as its child: find the sleep and its pid in the namespace.
-        let (host_pid, ns_pid) = wait_for(Duration::from_secs(10), || {
-            let pid =
-                pids_where(|c| c.starts_with("sleep infinity")).into_iter().find(|p| is_descendant(*p, nsenter_pid))?;
-            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-            let nspid = status.lines().find(|l| l.starts_with("NSpid:"))?;
-            let inner: i32 = nspid.split_whitespace().last()?.parse().ok()?;
-            let own = std::fs::read_link(format!("/proc/{pid}/ns/net")).ok()?;
-            let ours = std::fs::read_link("/proc/self/ns/net").ok()?;
-            (own != ours).then_some((pid, inner))
-        })
-        .expect("the network namespace holder runs");
-        NetNs { holder, host_pid, ns_pid, dnsmasq: None }
-    }
-
-    fn cmd(&self, program: &str) -> Command {
-        let mut c = Command::new("nsenter");
-        c.arg(format!("--net=/proc/{}/ns/net", self.host_pid)).arg("--").arg(program);
-        c
-    }
-
-    fn run(&self, program: &str, args: &[&str]) -> std::process::Output {
-        self.cmd(program).args(args).stdin(Stdio::null()).output().unwrap()
-    }
-
-    fn ok(&self, program: &str, args: &[&str]) {
-        let o = self.run(program, args);
-        assert!(o.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-    }
-
-    fn link_exists(&self, name: &str) -> bool {
-        self.run("ip", &["link", "show", "dev", name]).status.success()
-    }
-}
-
-impl Drop for NetNs {
-    fn drop(&mut self) {
-        if let Some(mut d) = self.dnsmasq.take() {
-            let _ = d.kill();
-            let _ = d.wait();
-        }
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.host_pid), nix::sys::signal::Signal::SIGKILL);
-        let _ = self.holder.kill();
-        let _ = self.holder.wait();
-    }
-}
-
-fn is_descendant(pid: i32, ancestor: i32) -> bool {
-    let mut p = pid;
-    for _ in 0..8 {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { return false };
-        let Some(ppid) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok())
-        else {
-            return false;
-        };
-        if ppid == ancestor {
-            return true;
-        }
-        p = ppid;
-    }
-    false
 }
 
 fn count(text: &str, needle: &str) -> usize {
@@ -177,10 +101,7 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
             .unwrap(),
     );
     // The agent again, now inside the namespace.
-    a.kill_agent();
-    a.wrap = vec!["nsenter".into(), format!("--net=/proc/{}/ns/net", net.ns_pid), "--".into()];
-    a.spawn().unwrap();
-    a.wait_ready().unwrap();
+    a.move_into(&net);
 
     // A bridge that is missing, and an interface that is not a bridge, are refused at create
     // with nothing left behind.
@@ -216,6 +137,17 @@ fn a_bridge_nic_gets_a_lease_answers_ping_and_its_tap_never_outlives_the_vm() {
     assert!(net.link_exists(&tap), "the tap exists while the VM runs");
     let master = String::from_utf8_lossy(&net.run("ip", &["-o", "link", "show", "dev", &tap]).stdout).into_owned();
     assert!(master.contains("master gvtbr"), "{master}");
+    // The guest's traffic, from its tap (the DHCP exchange and the ping both ways), and the
+    // VMM's CPU time and memory.
+    let st = a.ok("instance.stats", json!({"ref": "b"}));
+    let n = &st["nics"][0];
+    assert_eq!((n["mode"].as_str(), n["tap"].as_str()), (Some("bridge"), Some(tap.as_str())), "{st}");
+    for k in ["rx_packets", "tx_packets", "rx_bytes", "tx_bytes"] {
+        assert!(n[k].as_u64().is_some_and(|v| v > 0), "{k}: {st}");
+    }
+    assert!(st["cpu_ms"].as_u64().is_some_and(|v| v > 0), "{st}");
+    assert!(st["rss_bytes"].as_u64().is_some_and(|v| v > 1 << 20), "{st}");
+    assert_eq!(st["unavailable"], json!([]), "{st}");
 
     // Stop: the tap is gone.
     a.ok("instance.stop", json!({"ref": "b"}));

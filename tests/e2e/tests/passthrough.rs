@@ -739,6 +739,13 @@ fn cloud_hypervisor_gets_one_device_per_function() {
         "{create}"
     );
     assert_eq!(drivers(&a, P0), pairs(&[(P0, "vfio-pci"), (P0A, "vfio-pci"), (BRIDGE, "pcieport")]));
+    // A running VM with a whole GPU saves no memory under Cloud Hypervisor either: the VFIO
+    // device's state cannot be saved; nothing is paused.
+    for m in ["instance.standby", "instance.snapshot"] {
+        let e = a.err(m, json!({"ref": "c"}));
+        assert_eq!((e.code, e.data_code.as_str()), (409, "unsupported_with_gpu"), "{m}: {e}");
+    }
+    assert!(!ch.requests().iter().any(|r| r["path"] == "/api/v1/vm.pause"), "nothing paused");
     a.ok("instance.stop", json!({"ref": "c", "force": true}));
     assert_eq!(drivers(&a, P0), boot_p0());
     assert!(a.claims().is_empty());

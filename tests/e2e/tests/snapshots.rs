@@ -211,16 +211,6 @@ fn a_gpu_vm_refuses_standby_and_running_snapshots_and_a_stopped_one_restores_ont
     assert_eq!(f["gpu"]["device"], Value::Null, "{f}");
 }
 
-/// Arms `fp`, runs `method` (the agent aborts there), restarts the agent cleanly.
-fn crash_at(a: &mut Agent, fp: &str, method: &str, params: Value) {
-    a.restart_with_failpoints(Some(&format!("{fp}=return"))).unwrap();
-    a.wait_ready().unwrap();
-    let e = a.call(method, params).unwrap_err();
-    assert!(is_transport(&e), "{method} reached {fp} and the agent aborted: {e}");
-    assert!(a.wait_agent_gone(Duration::from_secs(30)), "the agent is gone after {fp}");
-    a.restart_clean();
-}
-
 #[test]
 fn a_crash_at_each_save_step_leaves_the_old_state_or_the_new_and_no_paused_vm() {
     assert_failpoints_built();
@@ -229,27 +219,27 @@ fn a_crash_at_each_save_step_leaves_the_old_state_or_the_new_and_no_paused_vm() 
     mark(&v, "m1");
 
     // The memory is saved, the VM paused: the start-up resumes it, and nothing is listed.
-    crash_at(&mut a, "save_after_memory", "instance.snapshot", json!({"ref": "c", "snapshot": "x1"}));
+    a.crash_at("save_after_memory", "instance.snapshot", json!({"ref": "c", "snapshot": "x1"}));
     assert_eq!(states(&a, "c"), running());
     assert_eq!(snapshot_entries(&a, &v), Vec::<String>::new(), "no partial snapshot is left");
     assert!(a.log().contains("resumed"), "the resume is logged");
     has_mark(&v, "m1");
 
     // Renamed into place: the new state, whole.
-    crash_at(&mut a, "save_after_rename", "instance.snapshot", json!({"ref": "c", "snapshot": "x2"}));
+    a.crash_at("save_after_rename", "instance.snapshot", json!({"ref": "c", "snapshot": "x2"}));
     assert_eq!(states(&a, "c"), running());
     assert_eq!(snapshot_entries(&a, &v), vec!["x2".to_string()]);
     let list = a.ok("instance.snapshots", json!({"ref": "c"}));
     assert_eq!(list["snapshots"][0]["files"], json!(["memory"]), "{list}");
 
     // Standby saved but not recorded: still running (resumed), the standby state removed.
-    crash_at(&mut a, "standby_after_save", "instance.standby", json!({"ref": "c"}));
+    a.crash_at("standby_after_save", "instance.standby", json!({"ref": "c"}));
     assert_eq!(states(&a, "c"), running());
     assert!(!instance_dir(&a, &v).join("standby").exists());
     has_mark(&v, "m1");
 
     // Standby recorded, the paused VMM not stopped yet: the reconciler stops it.
-    crash_at(&mut a, "standby_after_record", "instance.standby", json!({"ref": "c"}));
+    a.crash_at("standby_after_record", "instance.standby", json!({"ref": "c"}));
     a.pass();
     let c = get(&a, "c");
     assert_eq!(c["state"], "standby", "{c}");
@@ -262,7 +252,7 @@ fn a_crash_at_each_save_step_leaves_the_old_state_or_the_new_and_no_paused_vm() 
 
     // A restore whose disks were replaced: stopped, and restored again at will.
     a.ok("instance.stop", json!({"ref": "c", "force": true}));
-    crash_at(&mut a, "restore_after_disks", "instance.restore", json!({"ref": "c", "snapshot": "x2"}));
+    a.crash_at("restore_after_disks", "instance.restore", json!({"ref": "c", "snapshot": "x2"}));
     assert_eq!(get(&a, "c")["state"], "stopped");
     assert_eq!(qemus_of(&a, &v), 0);
     a.ok("instance.restore", json!({"ref": "c", "snapshot": "x2"}));

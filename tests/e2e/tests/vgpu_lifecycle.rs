@@ -145,3 +145,32 @@ fn a_graceful_stop_powers_the_guest_off_through_acpi() {
     a.wait_serial(&inst, "gpuvisor-guest: poweroff", Duration::from_secs(5)).unwrap();
     assert!(set_vfs(&a.state()).is_empty());
 }
+
+/// A reset keeps the VMM and its vGPU (the claim is not touched, the VF's type stays); a
+/// reboot releases the device through the release guard and claims one again, like a stop
+/// and a start.
+#[test]
+fn a_reset_keeps_the_vmm_and_its_vgpu_and_a_reboot_claims_again() {
+    let a = Agent::start(HOST_V).unwrap();
+    let v = a.create_gpu("g", "L40S-2Q").unwrap();
+    let vf = v["gpu"]["device"].as_str().unwrap().to_string();
+    let claim = a.claim_file(&vf).expect("claimed");
+    let pid = v["vmm"]["pid"].as_i64().unwrap();
+    let writes = a.sim_writes().len();
+
+    let r = a.ok("instance.reset", json!({"ref": "g"}));
+
+    assert_eq!(r["vmm"]["pid"].as_i64(), Some(pid), "the same VMM: {r}");
+    assert_eq!(a.claim_file(&vf), Some(claim), "the claim untouched");
+    assert_eq!(a.sim_writes().len(), writes, "nothing written to sysfs");
+
+    let b = a.ok("instance.reboot", json!({"ref": "g", "timeout_s": 5}));
+
+    assert_eq!(b["state"], "running", "{b}");
+    assert_ne!(b["vmm"]["pid"].as_i64(), Some(pid), "a new VMM: {b}");
+    let now = b["gpu"]["device"].as_str().unwrap().to_string();
+    assert!(a.claim_file(&now).is_some(), "claimed again");
+    assert!(a.sim_writes().len() > writes, "the device was cleared and configured again");
+    assert_eq!(a.claims().len(), 1, "one claim: {:?}", a.claims());
+    a.ok("instance.delete", json!({"ref": "g"}));
+}

@@ -87,6 +87,21 @@ impl Conn {
         self.stream.write_all(req.as_bytes())
     }
 
+    /// Sends a request with `fds` passed as SCM_RIGHTS on its first (single) sendmsg.
+    pub fn send_with_fds(&mut self, method: &str, path: &str, body: &str, fds: &[i32]) -> std::io::Result<()> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        use std::os::fd::AsRawFd;
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let iov = [std::io::IoSlice::new(req.as_bytes())];
+        let cmsgs = [ControlMessage::ScmRights(fds)];
+        let sent = sendmsg::<()>(self.stream.as_raw_fd(), &iov, &cmsgs, MsgFlags::empty(), None)?;
+        assert_eq!(sent, req.len(), "short sendmsg");
+        Ok(())
+    }
+
     /// Reads one response; `timeout` bounds the whole read.
     pub fn receive(&mut self, timeout: Duration) -> std::io::Result<Resp> {
         let end = Instant::now() + timeout;
@@ -259,6 +274,38 @@ impl Vmm {
         self.req("PUT", endpoint, body)
     }
 
+    /// A PUT with `fds` passed as SCM_RIGHTS, on a fresh connection.
+    pub fn put_fds(&self, endpoint: &str, body: &str, fds: &[i32]) -> Resp {
+        let path = format!("/api/v1/{endpoint}");
+        let mut conn = self.conn();
+        conn.send_with_fds("PUT", &path, body, fds).unwrap_or_else(|e| panic!("PUT {path}: {e}"));
+        conn.receive(DEADLINE).unwrap_or_else(|e| panic!("PUT {path}: {e}"))
+    }
+
+    /// What the process's fd `n` is (the target of `/proc/<pid>/fd/<n>`).
+    pub fn fd_target(&self, n: i64) -> Option<PathBuf> {
+        std::fs::read_link(format!("/proc/{}/fd/{n}", self.pid())).ok()
+    }
+
+    /// The open fds of the process that point to `path`, with their `flags` (octal).
+    pub fn fds_on(&self, path: &Path) -> Vec<(i64, u32)> {
+        let dir = format!("/proc/{}/fd", self.pid());
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let Ok(n) = entry.file_name().to_string_lossy().parse::<i64>() else { continue };
+            if std::fs::read_link(entry.path()).ok().as_deref() == Some(path) {
+                let info = std::fs::read_to_string(format!("/proc/{}/fdinfo/{n}", self.pid())).unwrap_or_default();
+                let flags = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("flags:"))
+                    .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+                    .unwrap_or(0);
+                out.push((n, flags));
+            }
+        }
+        out
+    }
+
     pub fn try_status(&mut self) -> Option<ExitStatus> {
         if self.status.is_none() {
             self.status = self.child.try_wait().expect("try_wait");
@@ -311,4 +358,17 @@ pub fn minimal_config(dir: &Path) -> String {
         std::fs::write(&kernel, b"not really a kernel").expect("kernel");
     }
     serde_json::json!({"payload": {"kernel": kernel}, "memory": {"size": 134217728u64}}).to_string()
+}
+
+/// A minimal qcow2 file: the header's magic, version 3, and (optionally) a backing file name.
+pub fn write_qcow2(path: &Path, backing: Option<&str>) {
+    let mut bytes = vec![0u8; 1024];
+    bytes[..4].copy_from_slice(b"QFI\xfb");
+    bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
+    if let Some(name) = backing {
+        bytes[8..16].copy_from_slice(&512u64.to_be_bytes());
+        bytes[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
+        bytes[512..512 + name.len()].copy_from_slice(name.as_bytes());
+    }
+    std::fs::write(path, bytes).expect("qcow2");
 }
