@@ -1741,10 +1741,34 @@ impl Agent {
 }
 
 impl Agent {
+    /// The root-namespace pid of the one live QEMU of instance `id`.
+    pub fn qemu_pid(&self, id: &str) -> i32 {
+        let q: Vec<LiveQemu> = self.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
+        assert_eq!(q.len(), 1, "one live QEMU for {id}: {q:?}");
+        q[0].pid
+    }
+
     /// The command line of the one live QEMU of instance `id`, its arguments joined by spaces.
     pub fn qemu_cmdline(&self, id: &str) -> String {
-        let q: Vec<LiveQemu> = self.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
-        assert_eq!(q.len(), 1, "one QEMU for {id}");
-        String::from_utf8_lossy(&std::fs::read(format!("/proc/{}/cmdline", q[0].pid)).unwrap()).replace('\0', " ")
+        let pid = self.qemu_pid(id);
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap()).replace('\0', " ")
     }
 }
+
+/// The `(path, value, result)` of every sysfs write the simulator logged after `seq`.
+pub fn writes_after(a: &Agent, seq: u64) -> Vec<(String, String, String)> {
+    writes(&json!({ "log": log_after(&a.state(), seq) }))
+}
+
+/// The `device` of every entry of a reconcile report's list `key` (`released`, `kept`, ...).
+pub fn devices_in(report: &Value, key: &str) -> Vec<String> {
+    report[key]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|e| e["device"].as_str())
+        .map(String::from)
+        .collect()
+}
+

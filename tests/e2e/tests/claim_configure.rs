@@ -14,10 +14,6 @@ const HOST_V2: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\n
 const VF0: &str = "0000:41:00.4";
 const VF1: &str = "0000:41:00.5";
 
-fn type_path(vf: &str) -> String {
-    format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type")
-}
-
 /// The `(value, result)` of every write to a VF's type file, in order.
 fn type_writes(a: &Agent, vf: &str) -> Vec<(String, String)> {
     writes(&a.state()).into_iter().filter(|(p, _, _)| *p == type_path(vf)).map(|(_, v, r)| (v, r)).collect()

@@ -132,21 +132,6 @@ fn released_devices(pass: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Sysfs writes the simulator logged after `seq`: `(path, value, result)`.
-fn writes_after(a: &Agent, seq: u64) -> Vec<(String, String, String)> {
-    log_after(&a.state(), seq)
-        .iter()
-        .filter(|e| e["op"] == "write")
-        .map(|e| {
-            (
-                e["path"].as_str().unwrap_or("").to_string(),
-                e["value"].as_str().unwrap_or("").trim().to_string(),
-                e["result"].as_str().unwrap_or("").to_string(),
-            )
-        })
-        .collect()
-}
-
 /// The id of the stored instance record named `name`.
 fn record_id(a: &Agent, name: &str) -> Option<String> {
     a.instance_records().into_iter().find_map(|(id, r)| r.ok().filter(|r| r["name"] == name).map(|_| id))

@@ -80,11 +80,6 @@ fn health_record(a: &Agent, dev: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
 }
 
-/// Writes the simulator logged after `seq`: `(path, value, result)`.
-fn writes_after(a: &Agent, seq: u64) -> Vec<(String, String, String)> {
-    writes(&json!({ "log": log_after(&a.state(), seq) }))
-}
-
 fn released_devices(rep: &Value) -> Vec<String> {
     rep["released"].as_array().unwrap().iter().map(|r| r["device"].as_str().unwrap().to_string()).collect()
 }

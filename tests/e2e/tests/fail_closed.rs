@@ -60,17 +60,6 @@ fn start_set(model: &str, extra: &str, set: &[(&str, &str)]) -> (Agent, QemuWrap
     (a, w)
 }
 
-fn devices_in(report: &Value, key: &str) -> Vec<String> {
-    report[key]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|e| e["device"].as_str())
-        .map(String::from)
-        .collect()
-}
-
 /// The `kept` reasons of a pass report for `device`.
 fn kept_reasons(report: &Value, device: &str) -> Vec<String> {
     report["kept"]
@@ -80,21 +69,6 @@ fn kept_reasons(report: &Value, device: &str) -> Vec<String> {
         .iter()
         .filter(|k| k["device"] == device)
         .map(|k| k["reason"].as_str().unwrap_or("").to_string())
-        .collect()
-}
-
-/// Sysfs writes logged after `seq`: `(path, value, result)`.
-fn writes_after(a: &Agent, seq: u64) -> Vec<(String, String, String)> {
-    log_after(&a.state(), seq)
-        .into_iter()
-        .filter(|e| e["op"] == "write")
-        .map(|e| {
-            (
-                e["path"].as_str().unwrap_or("").to_string(),
-                e["value"].as_str().unwrap_or("").trim().to_string(),
-                e["result"].as_str().unwrap_or("").to_string(),
-            )
-        })
         .collect()
 }
 

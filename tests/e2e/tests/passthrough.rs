@@ -75,16 +75,6 @@ fn resources(a: &Agent) -> Value {
     a.ok("resources.get", json!({}))
 }
 
-fn qemu_of(a: &Agent, id: &str) -> i32 {
-    let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
-    assert_eq!(q.len(), 1, "one live QEMU for {id}: {q:?}");
-    q[0].pid
-}
-
-fn sigkill(pid: i32) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-}
-
 // ----------------------------------------------------------------------------- lifecycle
 
 /// S054 (main case) and the lifecycle: create moves the whole group (GPU and audio) to
@@ -118,7 +108,7 @@ fn s054_create_stop_start_delete_moves_the_whole_group_and_gives_it_back() {
     );
     assert!(w.iter().all(|(p, v, _)| !p.contains(BRIDGE) && v != BRIDGE), "the bridge is untouched: {w:?}");
     // QEMU holds the group node.
-    let pid = qemu_of(&a, v["id"].as_str().unwrap());
+    let pid = a.qemu_pid(v["id"].as_str().unwrap());
     assert!(fd_targets(pid).iter().any(|t| t.ends_with("/dev/vfio/40")), "{:?}", fd_targets(pid));
     // The instance view shows each function, its driver now and its original.
     assert_eq!(v["gpu"]["functions"][1], json!({"bdf": P0A, "driver": "vfio-pci", "original_driver": "snd_hda_intel"}));
@@ -296,7 +286,7 @@ fn s057_a_wedged_gpu_is_quarantined_after_one_reset() {
     let s = create_pt(&a, "s", Some(P1)).unwrap();
     a.sim.ctl(&["release-delay", P1, "2000"]).unwrap();
     let n = a.sim_writes().len();
-    sigkill(qemu_of(&a, s["id"].as_str().unwrap()));
+    sigkill(a.qemu_pid(s["id"].as_str().unwrap()));
     wait_for(Duration::from_secs(10), || a.live_qemus().is_empty().then_some(())).expect("QEMU gone");
     a.sim.ctl(&["wedge", P1]).unwrap();
     // Passes until the claim is gone (the first may meet the teardown lag).
@@ -367,7 +357,7 @@ fn s058_restart_with_passthrough_gpus_still_on_vfio_finishes_the_delete() {
     let mut a = agent("claim_grace_s = 2\n");
     let cc = create_pt(&a, "cc", Some(P0)).unwrap();
     let dd = create_pt(&a, "dd", Some(P1)).unwrap();
-    let cc_pid = qemu_of(&a, cc["id"].as_str().unwrap());
+    let cc_pid = a.qemu_pid(cc["id"].as_str().unwrap());
     a.restart_with_failpoints(Some("delete_after_vmm_dead=return")).unwrap();
     a.wait_ready().unwrap();
     let r = a.call("instance.delete", json!({"ref": "dd"}));
@@ -402,7 +392,7 @@ fn s058_restart_with_passthrough_gpus_still_on_vfio_finishes_the_delete() {
     assert_eq!(drivers(&a, P1), boot_p1());
     let ee = create_pt(&a, "ee", None).unwrap_or_else(|e| panic!("EE: {e}\n{}", tail(&a.log(), 30)));
     assert_eq!(ee["gpu"]["device"], P1, "{ee}");
-    assert_eq!(qemu_of(&a, cc["id"].as_str().unwrap()), cc_pid, "CC untouched");
+    assert_eq!(a.qemu_pid(cc["id"].as_str().unwrap()), cc_pid, "CC untouched");
     assert_eq!(drivers(&a, P0)[1..], pairs(&[(P0, "vfio-pci"), (P0A, "vfio-pci")])[..]);
 }
 
@@ -612,7 +602,7 @@ fn crash_case(fp: &str, op: Op) {
     assert_failpoints_built();
     let mut a = agent("claim_grace_s = 2\n");
     let by = create_pt(&a, "by", Some(P1)).unwrap();
-    let by_pid = qemu_of(&a, by["id"].as_str().unwrap());
+    let by_pid = a.qemu_pid(by["id"].as_str().unwrap());
     if op != Op::Create {
         create_pt(&a, "vm", Some(P0)).unwrap();
     }

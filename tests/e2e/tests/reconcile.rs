@@ -38,32 +38,15 @@ fn crash_during(a: &mut Agent, failpoint: &str, op: impl FnOnce(&Agent) -> Resul
     assert!(a.wait_agent_gone(Duration::from_secs(10)), "the agent did not die at {failpoint}");
 }
 
-fn devices_in(report: &Value, key: &str) -> Vec<String> {
-    report[key]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|e| e["device"].as_str())
-        .map(String::from)
-        .collect()
-}
-
 fn instance(a: &Agent, name: &str) -> Value {
     a.ok("instance.get", json!({"ref": name}))
-}
-
-fn qemu_of(a: &Agent, id: &str) -> i32 {
-    let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
-    assert_eq!(q.len(), 1, "one live QEMU for {id}: {q:?}");
-    q[0].pid
 }
 
 /// SIGKILLs the instance's QEMU behind the agent's back (root-namespace pid) and waits until
 /// it is gone and the simulator's teardown lag on `vf` has run out.
 fn kill_qemu(a: &Agent, inst: &Value, vf: &str) {
     let id = inst["id"].as_str().unwrap();
-    sigkill(qemu_of(a, id));
+    sigkill(a.qemu_pid(id));
     wait_for(Duration::from_secs(10), || {
         a.live_qemus().iter().all(|q| q.instance_id.as_deref() != Some(id)).then_some(())
     })
@@ -78,10 +61,6 @@ fn wait_idle(a: &Agent, vf: &str) {
         (e["handles"].as_array().map(|h| h.is_empty()).unwrap_or(true) && e["busy_until_ms"].is_null()).then_some(())
     })
     .unwrap_or_else(|| panic!("{vf} never became idle: {}", vf_entry(&a.state(), vf)));
-}
-
-fn type_path(vf: &str) -> String {
-    format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type")
 }
 
 /// Stops `name` while writes to `vf`'s type fail with `errno`: the stop succeeds and the
@@ -393,7 +372,7 @@ fn s042_after_a_reboot_records_are_reconciled_and_claims_dropped_without_writes(
 
     // The reboot: the agent and every VM die, the simulator returns to its boot state.
     a.kill_agent();
-    sigkill(qemu_of(&a, x["id"].as_str().unwrap()));
+    sigkill(a.qemu_pid(x["id"].as_str().unwrap()));
     wait_for(Duration::from_secs(10), || a.qemu_pids().is_empty().then_some(())).unwrap();
     // The VFs come back 15 s after the reboot (long enough for a loaded machine to restart
     // the agent and try a start before they exist).
@@ -434,7 +413,7 @@ fn a_qemu_killed_behind_the_agents_back_is_stopped_and_its_vf_released() {
     let a = agent(HOST_V, "claim_grace_s = 5\n");
     let i = a.create_gpu("a", "L40S-2Q").unwrap();
     let keep = a.create_gpu("keep", "L40S-2Q").unwrap();
-    sigkill(qemu_of(&a, i["id"].as_str().unwrap()));
+    sigkill(a.qemu_pid(i["id"].as_str().unwrap()));
     wait_for(Duration::from_secs(10), || (a.qemu_pids().len() == 1).then_some(())).unwrap();
     let mut moved = false;
     let t0 = Instant::now();
@@ -472,7 +451,7 @@ fn start_after_the_vmm_died_behind_the_agents_back_needs_no_pass() {
     let a = agent(HOST_V, "claim_grace_s = 5\nreconcile_interval_s = 3600\n");
     let i = a.create_gpu("a", "L40S-2Q").unwrap();
     let old_pid = i["vmm"]["pid"].clone();
-    let q = qemu_of(&a, i["id"].as_str().unwrap());
+    let q = a.qemu_pid(i["id"].as_str().unwrap());
     sigkill(q);
     assert!(wait_reaped(q), "the QEMU is reaped");
     assert_eq!(instance(&a, "a")["state"], "running", "no pass has run: the record is stale");

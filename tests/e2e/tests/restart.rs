@@ -7,16 +7,6 @@ use gpuvisor_e2e::*;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-fn sigkill(pid: i32) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-}
-
-fn qemu_of(a: &Agent, id: &str) -> i32 {
-    let q: Vec<LiveQemu> = a.live_qemus().into_iter().filter(|q| q.instance_id.as_deref() == Some(id)).collect();
-    assert_eq!(q.len(), 1, "one live QEMU for {id}: {q:?}");
-    q[0].pid
-}
-
 fn get(a: &Agent, name: &str) -> Value {
     a.ok("instance.get", json!({"ref": name}))
 }
@@ -41,7 +31,7 @@ fn an_on_failure_gpu_instance_runs_again_after_its_qemu_is_killed_old_claim_rele
     assert_eq!((v["restart"].as_str(), v["restarts"]["attempts"].as_u64()), (Some("on-failure"), Some(0)), "{v}");
     let id = v["id"].as_str().unwrap().to_string();
     let old_vf = v["gpu"]["device"].as_str().unwrap().to_string();
-    let old = qemu_of(&a, &id);
+    let old = a.qemu_pid(&id);
     let n = a.sim_writes().len();
     sigkill(old);
     let new = wait_restarted(&a, &id, old);
@@ -69,7 +59,7 @@ fn no_stays_stopped_and_always_runs_again() {
     let n = a.ok("instance.create", json!({"name": "n", "image": "demo"}));
     let w = a.ok("instance.create", json!({"name": "w", "image": "demo", "restart": "always"}));
     let (nid, wid) = (n["id"].as_str().unwrap().to_string(), w["id"].as_str().unwrap().to_string());
-    let (npid, wpid) = (qemu_of(&a, &nid), qemu_of(&a, &wid));
+    let (npid, wpid) = (a.qemu_pid(&nid), a.qemu_pid(&wid));
     sigkill(npid);
     sigkill(wpid);
     wait_restarted(&a, &wid, wpid);
@@ -95,7 +85,7 @@ fn the_backoff_doubles_and_the_limit_stops_the_restarts() {
     let v = a.ok("instance.create", json!({"name": "b", "image": "demo", "restart": "on-failure"}));
     let id = v["id"].as_str().unwrap().to_string();
     q.set_hook("exit 1\n");
-    sigkill(qemu_of(&a, &id));
+    sigkill(a.qemu_pid(&id));
     let b = wait_for(Duration::from_secs(90), || Some(get(&a, "b")).filter(|b| b["restarts"]["gave_up"] == true))
         .unwrap_or_else(|| panic!("the limit was never reached: {}", get(&a, "b")));
     assert_eq!(b["state"], "stopped", "{b}");
@@ -130,7 +120,7 @@ fn autostart_instances_start_again_after_a_reboot() {
     let y = a.ok("instance.create", json!({"name": "y", "image": "demo"}));
     a.kill_agent();
     for v in [&x, &y] {
-        sigkill(qemu_of(&a, v["id"].as_str().unwrap()));
+        sigkill(a.qemu_pid(v["id"].as_str().unwrap()));
     }
     wait_for(Duration::from_secs(10), || a.qemu_pids().is_empty().then_some(())).unwrap();
     a.sim.ctl(&["reboot"]).unwrap();
