@@ -980,8 +980,12 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 let err = json!({ "error": { "code": code, "message": message, "data": data } });
                 println!("{}", serde_json::to_string_pretty(&err).unwrap_or_default());
             } else {
-                let code = data.get("code").and_then(|c| c.as_str()).unwrap_or("error");
-                eprintln!("error: {message} [{code}]");
+                match (data.get("code").and_then(|c| c.as_str()), data.as_str()) {
+                    (Some(code), _) => eprintln!("error: {message} [{code}]"),
+                    // A protocol error (-32602 invalid params) says what was wrong in `data`.
+                    (None, Some(detail)) => eprintln!("error: {message}: {detail}"),
+                    (None, None) => eprintln!("error: {message} [error]"),
+                }
             }
             if data.get("code").and_then(|c| c.as_str()) == Some("vgpu_cleanup_pending") {
                 exit::RELEASE_PENDING

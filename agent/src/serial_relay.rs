@@ -43,9 +43,10 @@ impl Relay {
     }
 }
 
-/// The console client of the moment, shared by the pump (which writes to it) and the
-/// acceptor (which replaces it).
-type Client = Arc<Mutex<Option<UnixStream>>>;
+/// The console client of the moment with the number it was accepted as, shared by the pump
+/// (which writes to it), the acceptor (which replaces it) and its input thread (which lets
+/// it go when it closes).
+type Client = Arc<Mutex<Option<(u64, UnixStream)>>>;
 
 /// Starts relaying the serial port of the VMM whose directory is `vmm_dir` into its log and
 /// to `<instance_dir>/console.sock`. `who` names the instance in the log lines.
@@ -144,7 +145,7 @@ fn pump(mut vmm: UnixStream, mut log: Log, client: &Client) -> String {
             }
         }
         let mut c = crate::sync::lock(client);
-        if let Some(s) = c.as_mut() {
+        if let Some((_, s)) = c.as_mut() {
             if s.write_all(&buf[..n]).is_err() {
                 *c = None;
             }
@@ -155,19 +156,28 @@ fn pump(mut vmm: UnixStream, mut log: Log, client: &Client) -> String {
 /// Serves `gpuvisor console` clients until `done`: the newest client replaces the one
 /// before it, and what it sends goes to the VMM.
 fn accept(listener: UnixListener, to_vmm: UnixStream, client: Client, done: &AtomicBool) {
-    for conn in listener.incoming() {
+    for (number, conn) in (0u64..).zip(listener.incoming()) {
         if done.load(Ordering::SeqCst) {
             break;
         }
         let Ok(conn) = conn else { continue };
         let Ok(reader) = conn.try_clone() else { continue };
-        if let Some(old) = crate::sync::lock(&client).replace(conn) {
+        if let Some((_, old)) = crate::sync::lock(&client).replace((number, conn)) {
             let _ = old.shutdown(std::net::Shutdown::Both);
         }
         let Ok(to_vmm) = to_vmm.try_clone() else { continue };
-        let _ = std::thread::Builder::new().name("serial-input".into()).spawn(move || input(reader, to_vmm));
+        let client = client.clone();
+        let _ = std::thread::Builder::new().name("serial-input".into()).spawn(move || {
+            input(reader, to_vmm);
+            // The client went: its slot is free again (unless a newer one took it), so the
+            // next `gpuvisor console` finds no connection in its way.
+            let mut c = crate::sync::lock(&client);
+            if c.as_ref().is_some_and(|(n, _)| *n == number) {
+                *c = None;
+            }
+        });
     }
-    if let Some(c) = crate::sync::lock(&client).take() {
+    if let Some((_, c)) = crate::sync::lock(&client).take() {
         let _ = c.shutdown(std::net::Shutdown::Both);
     }
 }
@@ -235,6 +245,18 @@ mod tests {
         read_until(&mut c2, "to the second");
         let log = std::fs::read_to_string(vmm_dir.join(SERIAL_LOG)).unwrap();
         assert_eq!(log, "boot line\nafter attach\nto the second\n");
+        // A client that goes lets its connection go: none stays at the console socket (a
+        // `gpuvisor console` refuses to attach while one does), so the next one attaches.
+        drop(c2);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let connected = || crate::host::proc::unix_connections_at(&console_socket(&inst)).unwrap();
+        while connected() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(connected(), 0, "the relay let the closed client go");
+        let mut c3 = UnixStream::connect(console_socket(&inst)).unwrap();
+        c3.write_all(b"third\n").unwrap();
+        read_until(&mut guest, "third");
         drop(guest);
         drop(serial);
         let deadline = std::time::Instant::now() + Duration::from_secs(10);

@@ -13,6 +13,26 @@ use uuid::Uuid;
 pub struct VmmRecord {
     pub identity: ProcessIdentity,
     pub control_socket: PathBuf,
+    /// What the VM was started with (an update since applies at the next start); `None`
+    /// for a VMM recorded before this was kept, or found without a record of its spawn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub booted: Option<Machine>,
+}
+
+/// The devices a VM is made of: what a saved memory state needs again to load, and what a
+/// running VMM was started with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Machine {
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest memory, MiB.
+    pub memory_mib: u64,
+    /// The NICs, in guest order.
+    #[serde(default)]
+    pub nics: Vec<crate::network::Nic>,
+    /// Whether a cloud-init seed disk is attached.
+    #[serde(default)]
+    pub seed: bool,
 }
 
 /// Labels as a sorted map (records, claims, requests).
@@ -229,6 +249,16 @@ impl InstanceRecord {
         }
         self.state = to;
         Ok(())
+    }
+
+    /// The devices the VM is made of by its definition now.
+    pub fn machine(&self) -> Machine {
+        Machine { vcpus: self.vcpus, memory_mib: self.memory_mib, nics: self.nics.clone(), seed: self.wants_seed() }
+    }
+
+    /// True when the VM gets a cloud-init seed disk (it has NICs or cloud-init inputs).
+    pub fn wants_seed(&self) -> bool {
+        !self.nics.is_empty() || self.cloud_init.is_some()
     }
 
     /// True when the record asks for a GPU.

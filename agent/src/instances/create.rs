@@ -47,7 +47,7 @@ impl Manager {
             self.choose_hypervisor(&req.name, &req.labels, req.hypervisor.as_deref(), framework, &devices)?;
         let user_nic = req.nics.iter().any(|n| matches!(n, crate::network::Nic::User { .. }));
         if let Some(why) = hypervisor.cannot_connect(user_nic) {
-            return Err(ApiError::invalid_request(why));
+            return Err(ApiError::hypervisor_unsupported(why, Some(hypervisor.name()), None));
         }
         let boot = self.check_disk_request(&image, hypervisor, req.boot, req.disk_gib)?;
         let profile = match &gpu {

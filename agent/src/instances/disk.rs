@@ -79,6 +79,7 @@ impl Manager {
         boot: Option<BootMode>,
         disk_gib: Option<u64>,
     ) -> Result<BootMode, ApiError> {
+        let asked = boot;
         let boot = boot.unwrap_or(if image.kernel.is_some() { BootMode::Direct } else { BootMode::Bios });
         match (boot, &image.kernel, &image.disk) {
             (BootMode::Direct, None, _) => {
@@ -102,11 +103,16 @@ impl Manager {
             BootMode::Uefi => Some(FirmwareBoot::Uefi),
         };
         if let Some(why) = hypervisor.cannot_boot(firmware, &self.cfg) {
-            return Err(ApiError::hypervisor_unsupported(
-                format!("boot \"{}\" (image {}): {why}", boot.as_str(), image.name),
-                Some(hypervisor.name()),
-                None,
-            ));
+            // A boot nobody asked for is the image's doing: say so.
+            let what = match asked {
+                Some(_) => format!("boot \"{}\" (image {})", boot.as_str(), image.name),
+                None => format!(
+                    "image {} has no kernel, only a disk, which boots through firmware (boot \"{}\" by default)",
+                    image.name,
+                    boot.as_str()
+                ),
+            };
+            return Err(ApiError::hypervisor_unsupported(format!("{what}: {why}"), Some(hypervisor.name()), None));
         }
         match (disk_gib, &image.disk) {
             (Some(_), None) => {

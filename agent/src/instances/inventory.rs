@@ -1055,9 +1055,9 @@ fn equal_size_note(profile: &str, want_fb: Option<u64>, active: &[(&str, Option<
     }
     let sizes: Vec<String> = sizes.iter().map(|fb| format!("{fb} MiB")).collect();
     Some(format!(
-        "it runs {} vGPU(s) of {} each, and the driver puts vGPUs of only one framebuffer size on a GPU \
+        "it runs {} of {} each, and the driver puts vGPUs of only one framebuffer size on a GPU \
          (equal-size rule): {profile} ({want} MiB) fits there once those are released",
-        active.len(),
+        if active.len() == 1 { "1 vGPU".to_string() } else { format!("{} vGPUs", active.len()) },
         sizes.join(" / ")
     ))
 }
@@ -1070,7 +1070,7 @@ mod tests {
     fn the_note_names_the_size_a_gpu_runs_only_when_it_differs() {
         let two = [("0000:41:00.4", Some(2048)), ("0000:41:00.5", Some(2048))];
         let n = equal_size_note("L40S-8Q", Some(8192), &two).unwrap();
-        assert!(n.contains("2 vGPU(s) of 2048 MiB each") && n.contains("L40S-8Q (8192 MiB)"), "{n}");
+        assert!(n.contains("2 vGPUs of 2048 MiB each") && n.contains("L40S-8Q (8192 MiB)"), "{n}");
         assert!(n.contains("equal-size rule"), "{n}");
         // The same size (the GPU is full), nothing running, or an unknown profile size: no note.
         assert_eq!(equal_size_note("L40S-2Q", Some(2048), &two), None);

@@ -23,6 +23,10 @@ impl Manager {
     /// `instance_cleanup_pending`, `internal` (the VMM refused or did not answer).
     pub fn reset(&self, r: &str) -> Result<InstanceView, ApiError> {
         self.on_instance("reset", r, |found| {
+            // Answered at once, not after a delete that holds the lock.
+            if found.state() == InstanceState::Deleting {
+                return Err(ApiError::invalid_state(format!("instance {} is being deleted", found.name), "deleting"));
+            }
             let ilock = self.instance_lock(found.id);
             let _i = lock(&ilock);
             let rec = self.store.read_instance(found.id)?.ok_or_else(|| ApiError::not_found(r))?;
@@ -52,15 +56,20 @@ impl Manager {
         self.on_instance("reboot", r, |found| {
             let state = self.store.read_instance(found.id)?.ok_or_else(|| ApiError::not_found(r))?.state();
             if state != InstanceState::Running {
+                let hint = if state == InstanceState::Stopped { " (start it)" } else { "" };
                 return Err(ApiError::invalid_state(
-                    format!("instance {} is {state}: only a running VM is rebooted (start it)", found.name),
+                    format!("instance {} is {state}: only a running VM is rebooted{hint}", found.name),
                     state.as_str(),
                 ));
             }
             let id = found.id.to_string();
             self.stop(&id, force, timeout)?;
             tracing::info!(instance.id = %found.id, instance.name = %found.name, "rebooting: stopped, starting again");
-            self.start(&id)
+            // The start's own error, saying that the VM is now stopped.
+            self.start(&id).map_err(|mut e| {
+                e.message = format!("{} was stopped for the reboot but did not start again: {}", found.name, e.message);
+                e
+            })
         })
     }
 }

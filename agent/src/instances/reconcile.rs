@@ -491,7 +491,7 @@ impl Manager {
                         ),
                         None => format!("recorded the identity of the control socket owner {pid}"),
                     });
-                    rec.vmm = Some(VmmRecord { identity, control_socket });
+                    rec.vmm = Some(VmmRecord { identity, control_socket, booted: None });
                 }
                 Ok(None) => return,
                 Err(e) => {

@@ -82,6 +82,10 @@ pub struct SavedState {
     pub vcpus: u32,
     /// Guest memory, MiB.
     pub memory_mib: u64,
+    /// The NICs and whether a seed disk was attached (a memory state only loads into the
+    /// same devices); absent from states saved before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<crate::store::Machine>,
     /// The files it holds, besides `state.json` (`memory`, `disk.qcow2`, `efivars.fd`).
     pub files: Vec<String>,
     /// Bytes on disk (every file; measured when listed, not stored).
@@ -168,6 +172,22 @@ fn sync_tree(path: &Path) -> std::io::Result<()> {
         return sync_dir(path);
     }
     std::fs::File::open(path)?.sync_all()
+}
+
+/// Whether a memory state saved with `saved` loads into a VM made of `now`: the same NICs
+/// (their kinds, in order: a tap's bridge may differ) and the same seed disk.
+fn same_devices(saved: &crate::store::Machine, now: &crate::store::Machine) -> bool {
+    nic_kinds(saved) == nic_kinds(now) && saved.seed == now.seed
+}
+
+/// The kinds of a machine's NICs, in guest order.
+fn nic_kinds(m: &crate::store::Machine) -> Vec<&'static str> {
+    m.nics.iter().map(|n| if matches!(n, crate::network::Nic::User { .. }) { "user" } else { "bridge" }).collect()
+}
+
+/// `NICs [user, bridge] and a seed disk`, for a refusal.
+fn describe_devices(m: &crate::store::Machine) -> String {
+    format!("NICs [{}] and {}", nic_kinds(m).join(", "), if m.seed { "a seed disk" } else { "no seed disk" })
 }
 
 /// Syncs a directory (its entries are durable).
@@ -417,6 +437,15 @@ impl Manager {
                         saved.hypervisor, saved.vcpus, saved.memory_mib, rec.name, rec.hypervisor, rec.vcpus, rec.memory_mib
                     )));
                 }
+                if let Some(m) = saved.machine.as_ref().filter(|m| !same_devices(m, &rec.machine())) {
+                    return Err(ApiError::invalid_request(format!(
+                        "snapshot {snapshot} was saved with {}; instance {} now has {}: its memory cannot be loaded \
+                         (instance.update it back, or restore a stopped snapshot)",
+                        describe_devices(m),
+                        rec.name,
+                        describe_devices(&rec.machine())
+                    )));
+                }
             }
             if rec.state() == InstanceState::Standby {
                 self.discard_standby(&mut rec, "a snapshot was restored over it")?;
@@ -562,6 +591,8 @@ impl Manager {
             hypervisor: rec.hypervisor,
             vcpus: rec.vcpus,
             memory_mib: rec.memory_mib,
+            // What the running VM was started with (an update since is not in its memory).
+            machine: Some(rec.vmm.as_ref().and_then(|v| v.booted.clone()).unwrap_or_else(|| rec.machine())),
             files,
             bytes: 0,
         };
@@ -706,6 +737,7 @@ mod tests {
             hypervisor: HypervisorKind::Qemu,
             vcpus: 1,
             memory_mib: 64,
+            machine: None,
             files: vec![MEMORY.into()],
             bytes: 0,
         };
@@ -717,5 +749,18 @@ mod tests {
         std::fs::write(d.path().join(STATE_FILE), b"{not json").unwrap();
         let e = read_state(d.path()).unwrap_err();
         assert!(e.contains(STATE_FILE), "{e}");
+    }
+
+    #[test]
+    fn a_memory_state_loads_only_into_the_same_nic_kinds_and_seed() {
+        use crate::network::Nic;
+        let m = |nics: Vec<Nic>, seed| crate::store::Machine { vcpus: 1, memory_mib: 64, nics, seed };
+        let user = || Nic::User { forwards: vec![] };
+        let bridge = |b: &str| Nic::Bridge { bridge: b.into() };
+        assert!(same_devices(&m(vec![user(), bridge("br0")], true), &m(vec![user(), bridge("br1")], true)));
+        assert!(!same_devices(&m(vec![user()], true), &m(vec![bridge("br0")], true)));
+        assert!(!same_devices(&m(vec![], false), &m(vec![user()], true)));
+        assert!(!same_devices(&m(vec![], true), &m(vec![], false)));
+        assert_eq!(describe_devices(&m(vec![user(), bridge("b")], true)), "NICs [user, bridge] and a seed disk");
     }
 }

@@ -62,7 +62,7 @@ impl Manager {
     /// Errors: `vmm_start_failed` naming the cause (the instance directory cannot be written,
     /// `genisoimage` is missing or fails).
     pub(crate) fn ensure_seed(&self, rec: &InstanceRecord, vmm_id: u32) -> Result<Option<PathBuf>, ApiError> {
-        if rec.nics.is_empty() && rec.cloud_init.is_none() {
+        if !rec.wants_seed() {
             return Ok(None);
         }
         let dir = self.store.instance_dir(rec.id);

@@ -27,9 +27,9 @@ pub struct InstanceStats {
     pub at: String,
     /// The VMM's pid.
     pub vmm_pid: i32,
-    /// Guest vCPUs.
+    /// Guest vCPUs the running VM was started with.
     pub vcpus: u32,
-    /// Guest memory, MiB.
+    /// Guest memory, MiB, the running VM was started with.
     pub memory_mib: u64,
     /// CPU time the VMM process used since it started (user + system, all threads), ms.
     pub cpu_ms: Option<u64>,
@@ -37,7 +37,7 @@ pub struct InstanceStats {
     pub rss_bytes: Option<u64>,
     /// Each disk's I/O counters, as the VMM reports them.
     pub disks: Option<Vec<DiskCounters>>,
-    /// Each NIC, in guest order.
+    /// Each NIC the running VM was started with, in guest order.
     pub nics: Vec<NicStats>,
     /// What could not be read, one line each (its part above is `null`).
     pub unavailable: Vec<String>,
@@ -96,7 +96,9 @@ impl Manager {
                 None
             }
         };
-        let nics = rec
+        // What the running VM was started with (an update since applies at its next start).
+        let machine = vmm.booted.clone().unwrap_or_else(|| rec.machine());
+        let nics = machine
             .nics
             .iter()
             .enumerate()
@@ -131,8 +133,8 @@ impl Manager {
             name: rec.name.clone(),
             at: super::now_rfc3339(),
             vmm_pid: vmm.identity.pid,
-            vcpus: rec.vcpus,
-            memory_mib: rec.memory_mib,
+            vcpus: machine.vcpus,
+            memory_mib: machine.memory_mib,
             cpu_ms: usage.map(|u| u.cpu_ms),
             rss_bytes: usage.map(|u| u.rss_bytes),
             disks,

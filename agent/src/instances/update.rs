@@ -8,7 +8,8 @@
 //! under `at_next_start` while the VM runs. Nothing is changed live in the running VM.
 //! Every field is checked as `instance.create` checks it, and nothing is written unless all
 //! of them pass. A `standby` instance keeps its vCPUs and memory (its saved state needs the
-//! same machine to resume: stop it first, which discards that state).
+//! same machine to resume: stop it first, which discards that state) — and its NICs and
+//! cloud-init inputs (the seed disk), for the same reason.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -70,6 +71,10 @@ impl Manager {
     /// `instance_cleanup_pending`.
     pub fn update(&self, req: UpdateRequest) -> Result<UpdateResult, ApiError> {
         self.on_instance("update", &req.reference, |found| {
+            // Answered at once, not after a delete that holds the lock.
+            if found.state() == InstanceState::Deleting {
+                return Err(ApiError::invalid_state(format!("instance {} is being deleted", found.name), "deleting"));
+            }
             let ilock = self.instance_lock(found.id);
             let _i = lock(&ilock);
             let mut rec = self.store.read_instance(found.id)?.ok_or_else(|| ApiError::not_found(&req.reference))?;
@@ -139,11 +144,13 @@ impl Manager {
             )));
         }
         let machine = req.vcpus.is_some_and(|v| v != rec.vcpus) || req.memory_mib.is_some_and(|m| m != rec.memory_mib);
-        if machine && rec.state() == InstanceState::Standby {
+        let devices = req.nics.as_ref().is_some_and(|n| *n != rec.nics)
+            || req.cloud_init.as_ref().is_some_and(|c| Some(c) != rec.cloud_init.as_ref());
+        if (machine || devices) && rec.state() == InstanceState::Standby {
             return Err(ApiError::invalid_state(
                 format!(
-                    "instance {} is in standby: its saved state resumes only with the vCPUs and memory it was saved \
-                     with (stop it, which discards that state, then update it)",
+                    "instance {} is in standby: its saved state resumes only into the machine it was saved from \
+                     (vCPUs, memory, NICs, seed); stop it, which discards that state, then update it",
                     rec.name
                 ),
                 "standby",
@@ -160,7 +167,7 @@ impl Manager {
             self.check_nics_on_host(n)?;
             let user_nic = n.iter().any(|n| matches!(n, crate::network::Nic::User { .. }));
             if let Some(why) = rec.hypervisor.cannot_connect(user_nic) {
-                return Err(ApiError::invalid_request(why));
+                return Err(ApiError::hypervisor_unsupported(why, Some(rec.hypervisor.name()), None));
             }
         }
         if let Some(c) = &req.cloud_init {

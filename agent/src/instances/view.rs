@@ -857,7 +857,7 @@ impl Manager {
                     }
                 })
                 .collect(),
-            seed: (!rec.nics.is_empty() || rec.cloud_init.is_some()).then(|| SeedView {
+            seed: rec.wants_seed().then(|| SeedView {
                 path: self.store.vmm_dir(rec.id).join(super::seed::SEED_FILE).display().to_string(),
                 user_data_bytes: rec
                     .cloud_init

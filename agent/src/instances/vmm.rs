@@ -243,7 +243,11 @@ impl Manager {
         crate::crash_point!("after_spawn");
         // The VMM's identity is known from here on, written or not: a rollback after a failed
         // write stops exactly this process.
-        rec.vmm = Some(VmmRecord { identity: vmm.identity.clone(), control_socket: vmm.control_socket.clone() });
+        rec.vmm = Some(VmmRecord {
+            identity: vmm.identity.clone(),
+            control_socket: vmm.control_socket.clone(),
+            booted: Some(rec.machine()),
+        });
         let mut running = rec.clone();
         running.transition(InstanceState::Running)?;
         running.last_error = None;
@@ -375,7 +379,7 @@ impl Manager {
     /// when its `/proc` entry cannot be read (nothing may be signalled then).
     pub(crate) fn unrecorded_vmm(&self, rec: &InstanceRecord, pid: i32, boot_id: &str) -> Result<VmmRecord, ApiError> {
         match proc::identity_of(pid, boot_id) {
-            Ok(Some(identity)) => Ok(VmmRecord { identity, control_socket: self.control_socket(rec) }),
+            Ok(Some(identity)) => Ok(VmmRecord { identity, control_socket: self.control_socket(rec), booted: None }),
             Ok(None) => Err(ApiError::vmm_liveness_unknown(
                 &rec.name,
                 &format!("the owner {pid} of its control socket exited while it was being identified"),

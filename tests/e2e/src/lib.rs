@@ -1771,4 +1771,3 @@ pub fn devices_in(report: &Value, key: &str) -> Vec<String> {
         .map(String::from)
         .collect()
 }
-

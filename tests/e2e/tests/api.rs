@@ -198,7 +198,7 @@ fn a_profile_that_does_not_fit_is_409_no_capacity_and_leaves_nothing() {
         assert_eq!(a.instance_names(), vec!["big"], "no instance left by {name}");
         // Another size: the answer explains the equal-size rule; the same size: the GPU is
         // simply full.
-        let explained = e.message.contains("GPU 0000:41:00.0: it runs 1 vGPU(s) of 49152 MiB each")
+        let explained = e.message.contains("GPU 0000:41:00.0: it runs 1 vGPU of 49152 MiB each")
             && e.message.contains("equal-size rule")
             && e.message.contains("fits there once those are released");
         assert_eq!(explained, profile != "L40S-48Q", "{profile}: {}", e.message);
@@ -486,6 +486,8 @@ fn an_update_applies_labels_now_and_the_machine_at_the_next_start() {
     assert_eq!((rec["vcpus"].as_u64(), rec["memory_mib"].as_u64()), (Some(2), Some(320)), "{rec}");
     let cmd = a.qemu_cmdline(&id);
     assert!(cmd.contains("-smp 1 ") && cmd.contains("-m 256 "), "the running VM is unchanged: {cmd}");
+    let st = a.ok("instance.stats", json!({"ref": "u"}));
+    assert_eq!((st["vcpus"].as_u64(), st["memory_mib"].as_u64()), (Some(1), Some(256)), "what runs: {st}");
 
     let again = a.ok("instance.update", json!({"ref": "u", "vcpus": 2, "labels": {"team": "b"}}));
     assert_eq!(again["changed"], json!([]), "{again}");

@@ -457,3 +457,15 @@ fn gpuvisor_socket_in_the_environment_does_not_override_the_config_files_socket_
     assert!(!elsewhere.exists(), "nothing listens where GPUVISOR_SOCKET points");
     a.ok("agent.health", serde_json::json!({}));
 }
+
+/// A protocol error (`-32602` invalid params) prints what serde said was wrong, not only
+/// "Invalid params" (found by a fresh user).
+#[test]
+fn call_prints_what_was_wrong_with_the_params() {
+    let a = Agent::start("l40s-2x16").unwrap();
+    a.ok("instance.create", serde_json::json!({"name": "p", "image": "demo", "start": false}));
+    let o = a.cli(&["call", "instance.update", r#"{"ref": "p", "restart": "sometimes"}"#]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = stderr(&o);
+    assert!(err.contains("Invalid params") && err.contains("sometimes") && err.contains("on-failure"), "{err}");
+}

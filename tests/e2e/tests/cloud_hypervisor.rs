@@ -360,6 +360,20 @@ fn a_vm_with_a_disk_a_bridge_nic_and_a_seed_gets_the_real_binarys_requests_and_a
     read_until(&mut s, "hello-relay");
     wait_for(Duration::from_secs(10), || serial_text(&v).contains("hello-relay").then_some(()))
         .expect("the echo is in the log too");
+    // Regression (found by a fresh user): a client that went kept the relay's slot, and
+    // every later `gpuvisor console` was refused. Twice in a row now, after the raw client.
+    drop(s);
+    for n in 1..=2 {
+        let mut attached = None;
+        wait_for(Duration::from_secs(10), || {
+            let out = a.cli(&["console", "c"]);
+            let ok = out.status.success();
+            attached = Some(out);
+            ok.then_some(())
+        });
+        let out = attached.unwrap();
+        assert!(out.status.success(), "attach {n}: {}", String::from_utf8_lossy(&out.stderr));
+    }
     // `gpuvisor console --log` prints both files.
     let out = a.cli(&["console", "c", "--log"]);
     assert!(out.status.success(), "{out:?}");
@@ -385,7 +399,7 @@ fn a_user_nic_and_a_bios_boot_are_refused_and_uefi_boots_the_configured_firmware
         "instance.create",
         json!({"name": "u", "image": "demo", "hypervisor": "cloud-hypervisor", "nics": [{"mode": "user"}]}),
     );
-    assert_eq!(e.data_code, "invalid_request", "{e}");
+    assert_eq!(e.data_code, "hypervisor_unsupported", "{e}");
     assert!(e.message.contains("no user-mode networking"), "{e}");
     let disk = demo_disk_image().join("disk.qcow2");
     a.ok("image.import", json!({"name": "dd", "disk": disk}));
@@ -454,6 +468,13 @@ fn a_cloud_hypervisor_vm_snapshots_restores_where_it_was_and_stands_by() {
     assert!(staged().is_empty(), "{:?}", staged());
 
     a.ok("instance.stop", json!({"ref": "s"}));
+    // Its memory loads only into the devices it was saved with: a seed disk added since
+    // (cloud-init inputs) refuses the restore, naming both; taken back, it loads.
+    a.ok("instance.update", json!({"ref": "s", "cloud_init": {"user_data": "#cloud-config\n"}}));
+    let e = a.err("instance.restore", json!({"ref": "s", "snapshot": "one"}));
+    assert_eq!(e.data_code, "invalid_request", "{e}");
+    assert!(e.message.contains("no seed disk") && e.message.contains("a seed disk"), "{e}");
+    a.ok("instance.update", json!({"ref": "s", "cloud_init": {}}));
     let before = requests_of(&ch, &id).len();
     let r = a.ok("instance.restore", json!({"ref": "s", "snapshot": "one"}));
     assert_eq!(r["state"], "running", "{r}");
@@ -473,10 +494,23 @@ fn a_cloud_hypervisor_vm_snapshots_restores_where_it_was_and_stands_by() {
     assert_eq!(sb["state"], "standby", "{sb}");
     assert!(wait_reaped(pid) || !alive(pid));
     assert!(vmm_of(&id).is_empty());
-    // Its saved state resumes only into the same machine: vCPUs and memory stay.
-    let e = a.err("instance.update", json!({"ref": "s", "vcpus": 2}));
-    assert_eq!(e.data_code, "invalid_state", "{e}");
-    assert!(e.message.contains("standby"), "{e}");
+    // Its saved state resumes only into the same machine: vCPUs, memory, NICs and the seed
+    // stay (regression: a NIC or cloud-init change was taken, and the resume then failed
+    // and the saved memory was lost).
+    for change in [
+        json!({"vcpus": 2}),
+        json!({"cloud_init": {"user_data": "x"}}),
+        json!({"nics": [{"mode": "bridge", "bridge": "lo"}]}),
+    ] {
+        let mut p = change.clone();
+        p["ref"] = json!("s");
+        let e = a.err("instance.update", p);
+        assert!(e.data_code == "invalid_state" || e.data_code == "invalid_request", "{change}: {e}");
+        if change.get("nics").is_none() {
+            assert!(e.message.contains("standby"), "{change}: {e}");
+        }
+    }
+    assert!(a.data_dir.join("instances").join(&id).join("standby").is_dir(), "the saved state is kept");
     let before = requests_of(&ch, &id).len();
     assert_eq!(a.ok("instance.start", json!({"ref": "s"}))["state"], "running");
     assert_eq!(endpoints(&requests_of(&ch, &id)[before..]), ["vm.restore", "vm.resume"]);
@@ -522,6 +556,21 @@ fn a_crash_after_a_cloud_hypervisor_save_leaves_the_vm_running_and_nothing_behin
         .collect();
     assert!(left.is_empty(), "{left:?}");
     assert_eq!(a.ok("instance.snapshots", json!({"ref": "k"}))["snapshots"], json!([]));
+}
+
+/// A reboot whose start fails answers the start's error and says the VM was stopped and not
+/// started again (it is `stopped`).
+#[test]
+fn a_reboot_whose_start_fails_says_the_vm_stayed_stopped() {
+    let ch = ChWrapper::fake();
+    let a = agent(&ch, &[]);
+    a.ok("instance.create", plain_ch("r"));
+    let errors = ["Error from API", "The VM could not boot", "Memory manager error"];
+    ch.control(json!({"fail": {"vm.boot": {"status": 500, "errors": errors}}}));
+    let e = a.err("instance.reboot", json!({"ref": "r", "force": true}));
+    assert_eq!(e.data_code, "vmm_start_failed", "{e}");
+    assert!(e.message.starts_with("r was stopped for the reboot but did not start again: "), "{e}");
+    assert_eq!(a.ok("instance.get", json!({"ref": "r"}))["state"], "stopped");
 }
 
 /// `instance.stop {timeout_s}` bounds this stop's wait for the guest's power-off, whatever
