@@ -46,9 +46,7 @@ impl Manager {
             }
         }
     }
-}
 
-impl Manager {
     /// One check of the serial relays: a running instance whose VMM serves its serial port
     /// on a socket and has no live relay gets one. Cheap for the others: only a VMM
     /// directory with a serial socket costs a record read.
