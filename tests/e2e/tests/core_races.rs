@@ -652,3 +652,33 @@ fn instance_get_start_and_delete_refuse_an_unknown_parameter_and_stop_still_take
     a.ok("instance.delete", json!({"ref": "p"}));
     assert!(a.instance_names().is_empty());
 }
+
+/// A delete holds the instance's lock for its whole operation: an update, a reset, a reboot
+/// or stats of that instance answer `invalid_state` at once, instead of waiting behind it
+/// (found by a fresh user: update and reset waited).
+#[test]
+fn update_reset_reboot_and_stats_of_an_instance_being_deleted_answer_at_once() {
+    let a = Agent::start("l40s-2x16").unwrap();
+    a.ok("instance.create", json!({"name": "d", "image": "demo"}));
+    let p = Paused::new(&a, "delete_after_deleting_mark");
+    let del = a.spawn_call("instance.delete", json!({"ref": "d"}));
+    p.wait_hit(&del);
+
+    for (method, params) in [
+        ("instance.update", json!({"ref": "d", "labels": {"x": "y"}})),
+        ("instance.reset", json!({"ref": "d"})),
+        ("instance.reboot", json!({"ref": "d"})),
+        ("instance.stats", json!({"ref": "d"})),
+    ] {
+        // Answered while the delete is still paused (an answer that waited for the lock
+        // would come only after the release below).
+        let ans = answer(a.spawn_call(method, params));
+        assert_eq!(error_of(&ans), Some((409, "invalid_state".to_string())), "{method}: {ans}");
+        assert_eq!(waiting(&a, "delete_after_deleting_mark"), 1, "{method}: the delete still waits");
+    }
+
+    p.release();
+    let ans = answer(del);
+    assert!(error_of(&ans).is_none(), "{ans}");
+    assert!(a.instance_records().is_empty());
+}
