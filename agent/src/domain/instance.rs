@@ -256,6 +256,12 @@ impl InstanceRecord {
         Machine { vcpus: self.vcpus, memory_mib: self.memory_mib, nics: self.nics.clone(), seed: self.wants_seed() }
     }
 
+    /// The devices the running VM was started with ([`VmmRecord::booted`]); the definition's
+    /// for a VMM recorded without them (or none).
+    pub fn running_machine(&self) -> Machine {
+        self.vmm.as_ref().and_then(|v| v.booted.clone()).unwrap_or_else(|| self.machine())
+    }
+
     /// True when the VM gets a cloud-init seed disk (it has NICs or cloud-init inputs).
     pub fn wants_seed(&self) -> bool {
         !self.nics.is_empty() || self.cloud_init.is_some()

@@ -64,14 +64,14 @@ impl<'a> ChApi<'a> {
 
     /// `GET /api/v1/<endpoint>`: the answer body of a 2xx answer.
     pub fn get(&self, endpoint: &str) -> Result<Bytes, ApiFailure> {
-        self.call(Method::GET, endpoint, None)
+        self.call(Outgoing { method: Method::GET, endpoint, body: None, fds: Vec::new() })
     }
 
     /// `PUT /api/v1/<endpoint>`, with `body` as JSON when given: the answer body of a 2xx
     /// answer.
     pub fn put(&self, endpoint: &str, body: Option<&serde_json::Value>) -> Result<Bytes, ApiFailure> {
         let body = body.map(|b| serde_json::to_vec(b).unwrap_or_default());
-        self.call(Method::PUT, endpoint, body)
+        self.call(Outgoing { method: Method::PUT, endpoint, body, fds: Vec::new() })
     }
 
     /// `PUT /api/v1/<endpoint>` with `body` as JSON, and `fds` passed with the request
@@ -83,24 +83,14 @@ impl<'a> ChApi<'a> {
         fds: &[std::os::fd::BorrowedFd<'_>],
     ) -> Result<Bytes, ApiFailure> {
         use std::os::fd::AsRawFd;
-        let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
-        self.call_with(Method::PUT, endpoint, Some(serde_json::to_vec(body).unwrap_or_default()), raw)
+        let body = Some(serde_json::to_vec(body).unwrap_or_default());
+        self.call(Outgoing { method: Method::PUT, endpoint, body, fds: fds.iter().map(|f| f.as_raw_fd()).collect() })
     }
 
-    fn call(&self, method: Method, endpoint: &str, body: Option<Vec<u8>>) -> Result<Bytes, ApiFailure> {
-        self.call_with(method, endpoint, body, Vec::new())
-    }
-
-    fn call_with(
-        &self,
-        method: Method,
-        endpoint: &str,
-        body: Option<Vec<u8>>,
-        fds: Vec<i32>,
-    ) -> Result<Bytes, ApiFailure> {
-        let request = format!("{method} {endpoint}");
-        let sent = body.as_deref().map(String::from_utf8_lossy).map(|b| b.into_owned()).unwrap_or_default();
-        let answer = self.exchange(method, endpoint, body, fds);
+    fn call(&self, out: Outgoing<'_>) -> Result<Bytes, ApiFailure> {
+        let request = format!("{} {}", out.method, out.endpoint);
+        let sent = out.body.as_deref().map(String::from_utf8_lossy).map(|b| b.into_owned()).unwrap_or_default();
+        let answer = self.exchange(out);
         match &answer {
             Ok((status, got)) => tracing::debug!(socket = %self.socket.display(), %request, body = %sent, status,
                 answer = %String::from_utf8_lossy(got), "cloud-hypervisor API"),
@@ -117,30 +107,19 @@ impl<'a> ChApi<'a> {
     /// One request on its own current-thread runtime. A caller on a thread that is inside
     /// a tokio runtime (which may not start another one there: "Cannot start a runtime from
     /// within a runtime") gets the exchange run on a thread of its own.
-    fn exchange(
-        &self,
-        method: Method,
-        endpoint: &str,
-        body: Option<Vec<u8>>,
-        fds: Vec<i32>,
-    ) -> Result<(u16, Bytes), String> {
+    fn exchange(&self, out: Outgoing<'_>) -> Result<(u16, Bytes), String> {
         if tokio::runtime::Handle::try_current().is_ok() {
             return std::thread::scope(|s| {
-                s.spawn(|| self.exchange_here(method, endpoint, body, fds))
+                s.spawn(|| self.exchange_here(out))
                     .join()
                     .unwrap_or_else(|_| Err("the request's thread panicked".to_string()))
             });
         }
-        self.exchange_here(method, endpoint, body, fds)
+        self.exchange_here(out)
     }
 
-    fn exchange_here(
-        &self,
-        method: Method,
-        endpoint: &str,
-        body: Option<Vec<u8>>,
-        fds: Vec<i32>,
-    ) -> Result<(u16, Bytes), String> {
+    fn exchange_here(&self, out: Outgoing<'_>) -> Result<(u16, Bytes), String> {
+        let Outgoing { method, endpoint, body, fds } = out;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -187,6 +166,17 @@ impl<'a> ChApi<'a> {
             }
         })
     }
+}
+
+/// One request to send.
+struct Outgoing<'e> {
+    method: Method,
+    /// The path after `/api/v1/`.
+    endpoint: &'e str,
+    /// JSON, when the request has a body.
+    body: Option<Vec<u8>>,
+    /// Fds passed with the request's first bytes (`SCM_RIGHTS`).
+    fds: Vec<i32>,
 }
 
 /// A connection that passes `fds` (`SCM_RIGHTS`) with the first bytes it writes, then is a

@@ -584,15 +584,16 @@ impl Manager {
                 rec.name
             )));
         }
+        // What the running VM was started with (an update since is not in its memory).
+        let machine = rec.running_machine();
         let saved = SavedState {
             name: name.to_string(),
             created_at: now_rfc3339(),
             kind: if memory { SavedKind::Running } else { SavedKind::Stopped },
             hypervisor: rec.hypervisor,
-            vcpus: rec.vcpus,
-            memory_mib: rec.memory_mib,
-            // What the running VM was started with (an update since is not in its memory).
-            machine: Some(rec.vmm.as_ref().and_then(|v| v.booted.clone()).unwrap_or_else(|| rec.machine())),
+            vcpus: machine.vcpus,
+            memory_mib: machine.memory_mib,
+            machine: Some(machine),
             files,
             bytes: 0,
         };

@@ -97,7 +97,7 @@ impl Manager {
             }
         };
         // What the running VM was started with (an update since applies at its next start).
-        let machine = vmm.booted.clone().unwrap_or_else(|| rec.machine());
+        let machine = rec.running_machine();
         let nics = machine
             .nics
             .iter()
