@@ -5,8 +5,12 @@
 //! `plugin test`, which runs a plugin locally.
 
 use crate::config::{Config, VfioAttach};
-use crate::instances::request::{CreateRequest, DryRunParams, GpuRequest, ImportParams, UnquarantineParams};
-use crate::instances::view::{GpuList, ImageList, InstanceList, InstanceView, PluginList, Resources};
+use crate::instances::request::{
+    CreateRequest, DryRunParams, ForkParams, GpuRequest, ImportParams, NameParams, RefParams, SaveStateParams,
+    StopParams, UnquarantineParams,
+};
+use crate::instances::view::{DeleteResult, GpuList, ImageList, InstanceList, InstanceView, PluginList, Resources};
+use crate::rpc::api::{method, ApiMethod, MetricsText, NoParams};
 use crate::rpc::client::{self, ClientError};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::de::DeserializeOwned;
@@ -738,7 +742,8 @@ pub fn manpages(dir: &std::path::Path) -> i32 {
     }
 }
 
-/// Runs a client subcommand; returns the process exit code.
+/// Runs a client subcommand; returns the process exit code. Each command is one typed call
+/// of the method table ([`crate::rpc::api`]) and how its answer is shown.
 pub async fn run_client(cli: &Cli) -> i32 {
     if let Command::Create { labels, .. } | Command::DryRun { labels, .. } | Command::Update { labels, .. } =
         &cli.command
@@ -748,17 +753,18 @@ pub async fn run_client(cli: &Cli) -> i32 {
             return exit::USAGE;
         }
     }
-    let (method, params) = match &cli.command {
+    let by_ref = |name: &String| RefParams { reference: name.clone() };
+    match &cli.command {
         Command::Serve(_) => {
             // `main` runs `serve` itself; reaching this is a wiring error, not user input.
             eprintln!("error: `serve` is not a client command");
-            return exit::USAGE;
+            exit::USAGE
         }
         Command::Completions { shell } => {
             clap_complete::generate(*shell, &mut Cli::definition(), "gpuvisor", &mut std::io::stdout());
-            return exit::OK;
+            exit::OK
         }
-        Command::Manpages { dir } => return manpages(dir),
+        Command::Manpages { dir } => manpages(dir),
         Command::Create {
             name,
             image,
@@ -799,13 +805,20 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 disk_gib: *disk_gib,
                 start: no_start.then_some(false),
             };
-            ("instance.create", to_params(&req))
+            run::<method::InstanceCreate>(cli, &req, print_instance, instance_outcome).await
         }
-        Command::Ps => ("instance.list", json!({})),
-        Command::Show { name } => ("instance.get", json!({ "ref": name })),
-        Command::Start { name } => ("instance.start", json!({ "ref": name })),
+        Command::Ps => run::<method::InstanceList>(cli, &NoParams {}, print_ps, done).await,
+        Command::Show { name } => run::<method::InstanceGet>(cli, &by_ref(name), print_json, done).await,
+        Command::Start { name } => {
+            run::<method::InstanceStart>(cli, &by_ref(name), print_instance, instance_outcome).await
+        }
         Command::Stop { name, force, timeout } => {
-            ("instance.stop", json!({ "ref": name, "force": force, "timeout_s": timeout }))
+            announce(
+                cli,
+                format!("stopping {name} (guest power-off, then the kill path; then its GPU device is released)..."),
+            );
+            let p = StopParams { reference: name.clone(), force: *force, timeout_s: *timeout };
+            run::<method::InstanceStop>(cli, &p, print_instance, instance_outcome).await
         }
         Command::Update {
             name,
@@ -838,55 +851,81 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 nics: (!nics.is_empty() || *no_nics).then(|| nics.clone()),
                 cloud_init,
             };
-            ("instance.update", to_params(&req))
+            run::<method::InstanceUpdate>(cli, &req, print_update, done).await
         }
         Command::Reboot { name, force, timeout } => {
-            ("instance.reboot", json!({ "ref": name, "force": force, "timeout_s": timeout }))
+            let p = StopParams { reference: name.clone(), force: *force, timeout_s: *timeout };
+            run::<method::InstanceReboot>(cli, &p, print_instance, instance_outcome).await
         }
-        Command::Reset { name } => ("instance.reset", json!({ "ref": name })),
-        Command::Stats { name } => ("instance.stats", json!({ "ref": name })),
-        Command::Rm { name } => ("instance.delete", json!({ "ref": name })),
+        Command::Reset { name } => {
+            run::<method::InstanceReset>(cli, &by_ref(name), print_instance, instance_outcome).await
+        }
+        Command::Stats { name } => run::<method::InstanceStats>(cli, &by_ref(name), print_stats, done).await,
+        Command::Rm { name } => {
+            announce(cli, format!("deleting {name} (the kill path, then its GPU device is released)..."));
+            let deleted = |d: &DeleteResult| {
+                match &d.released_device_quarantined {
+                Some(q) => println!(
+                    "{name} deleted; GPU {} was given back QUARANTINED ({}: {}); clear it once repaired: gpuvisor gpus unquarantine {}",
+                    q.device, q.reason, q.detail, q.device
+                ),
+                None => print_json(d),
+            }
+            };
+            run::<method::InstanceDelete>(cli, &by_ref(name), deleted, delete_outcome).await
+        }
         Command::Fork { name, new_name, snapshot } => {
-            ("instance.fork", json!({ "ref": name, "name": new_name, "snapshot": snapshot }))
+            let p = ForkParams { reference: name.clone(), name: new_name.clone(), snapshot: snapshot.clone() };
+            run::<method::InstanceFork>(cli, &p, print_json, done).await
         }
-        Command::Standby { name } => ("instance.standby", json!({ "ref": name })),
-        Command::Snapshot { name, snapshot } => ("instance.snapshot", json!({ "ref": name, "snapshot": snapshot })),
-        Command::Snapshots { name, delete: None } => ("instance.snapshots", json!({ "ref": name })),
+        Command::Standby { name } => {
+            run::<method::InstanceStandby>(cli, &by_ref(name), print_instance, instance_outcome).await
+        }
+        Command::Snapshot { name, snapshot } => {
+            let p = SaveStateParams { reference: name.clone(), snapshot: snapshot.clone() };
+            let taken = |s: &crate::instances::saves::SavedState| {
+                println!("snapshot {} taken ({:?}: {}, {} bytes)", s.name, s.kind, s.files.join(", "), s.bytes)
+            };
+            run::<method::InstanceSnapshot>(cli, &p, taken, done).await
+        }
+        Command::Snapshots { name, delete: None } => {
+            run::<method::InstanceSnapshots>(cli, &by_ref(name), print_snapshots, done).await
+        }
         Command::Snapshots { name, delete: Some(d) } => {
-            ("instance.snapshot_delete", json!({ "ref": name, "snapshot": d }))
+            let p = SaveStateParams { reference: name.clone(), snapshot: Some(d.clone()) };
+            let deleted = |d: &crate::instances::saves::SnapshotDeleted| {
+                println!("snapshot {} of {} deleted", d.snapshot, d.name)
+            };
+            run::<method::InstanceSnapshotDelete>(cli, &p, deleted, done).await
         }
-        Command::Restore { name, snapshot } => ("instance.restore", json!({ "ref": name, "snapshot": snapshot })),
-        Command::Gpus { action: None } => ("gpu.list", json!({})),
+        Command::Restore { name, snapshot } => {
+            let p = SaveStateParams { reference: name.clone(), snapshot: snapshot.clone() };
+            run::<method::InstanceRestore>(cli, &p, print_instance, instance_outcome).await
+        }
+        Command::Gpus { action: None } => run::<method::GpuList>(cli, &NoParams {}, print_gpus, done).await,
         Command::Gpus { action: Some(GpusAction::Unquarantine { devices, gpu }) } => {
             if devices.is_empty() && gpu.is_none() {
                 eprintln!("error: name the devices to unquarantine, or --gpu <PF>");
                 return exit::USAGE;
             }
-            (
-                "gpu.unquarantine",
-                to_params(&UnquarantineParams { device: None, devices: devices.clone(), gpu: gpu.clone() }),
-            )
+            let p = UnquarantineParams { device: None, devices: devices.clone(), gpu: gpu.clone() };
+            run::<method::GpuUnquarantine>(cli, &p, print_json, done).await
         }
-        Command::Profiles | Command::Resources => ("resources.get", json!({})),
-        Command::DryRun { profile, labels } => (
-            "placement.dry_run",
-            to_params(&match GpuRequest::from_flag(profile) {
-                GpuRequest::Spec(s) => DryRunParams {
-                    profile: None,
-                    passthrough: true,
-                    address: s.address,
-                    name: None,
-                    labels: labels.iter().cloned().collect(),
-                },
-                GpuRequest::Profile(p) => DryRunParams {
-                    profile: Some(p),
-                    passthrough: false,
-                    address: None,
-                    name: None,
-                    labels: labels.iter().cloned().collect(),
-                },
-            }),
-        ),
+        Command::Profiles | Command::Resources => {
+            run::<method::ResourcesGet>(cli, &NoParams {}, print_resources, done).await
+        }
+        Command::DryRun { profile, labels } => {
+            let labels = labels.iter().cloned().collect();
+            let p = match GpuRequest::from_flag(profile) {
+                GpuRequest::Spec(s) => {
+                    DryRunParams { profile: None, passthrough: true, address: s.address, name: None, labels }
+                }
+                GpuRequest::Profile(p) => {
+                    DryRunParams { profile: Some(p), passthrough: false, address: None, name: None, labels }
+                }
+            };
+            run::<method::PlacementDryRun>(cli, &p, print_json, done).await
+        }
         Command::Image { action: ImageAction::Import { name, kernel, disk, initrd, cmdline } } => {
             let abs = |p: &PathBuf| {
                 std::fs::canonicalize(p).or_else(|_| std::path::absolute(p)).unwrap_or_else(|_| p.clone())
@@ -898,13 +937,19 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 cmdline: cmdline.clone(),
                 disk: disk.as_ref().map(abs),
             };
-            ("image.import", to_params(&p))
+            run::<method::ImageImport>(cli, &p, print_json, done).await
         }
-        Command::Image { action: ImageAction::Ls } => ("image.list", json!({})),
-        Command::Image { action: ImageAction::Rm { name } } => ("image.delete", json!({ "name": name })),
-        Command::Plugin { action: PluginAction::Ls } => ("plugin.list", json!({})),
+        Command::Image { action: ImageAction::Ls } => {
+            run::<method::ImageList>(cli, &NoParams {}, print_images, done).await
+        }
+        Command::Image { action: ImageAction::Rm { name } } => {
+            run::<method::ImageDelete>(cli, &NameParams { name: name.clone() }, print_json, done).await
+        }
+        Command::Plugin { action: PluginAction::Ls } => {
+            run::<method::PluginList>(cli, &NoParams {}, print_plugins, done).await
+        }
         Command::Plugin { action: PluginAction::Reload { trial, trial_input } } => {
-            let mut inputs = serde_json::Map::new();
+            let mut inputs = std::collections::BTreeMap::new();
             for item in trial_input {
                 let read = item.split_once('=').ok_or_else(|| format!("{item:?} is not SLOT=FILE")).and_then(
                     |(slot, file)| {
@@ -923,7 +968,8 @@ pub async fn run_client(cli: &Cli) -> i32 {
                     }
                 }
             }
-            ("plugin.reload", json!({ "trial": *trial || !inputs.is_empty(), "inputs": inputs }))
+            let p = crate::policies::ReloadParams { trial: *trial || !inputs.is_empty(), inputs };
+            run::<method::PluginReload>(cli, &p, print_json, done).await
         }
         Command::Plugin {
             action: PluginAction::Test { plugin, input, kind, params, config, against, fail_on_diff },
@@ -937,14 +983,16 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 against: against.as_deref(),
                 fail_on_diff: *fail_on_diff,
             };
-            return plugin_test::run(cli.output, &args);
+            plugin_test::run(cli.output, &args)
         }
-        Command::Console { name, log, force } => return console(cli, name, *log, *force).await,
-        Command::Host { action: HostAction::Check(args) } => return host_check(cli, args),
-        Command::Events { types, count } => return events(cli, types, *count).await,
-        Command::Reconcile => ("reconcile.run", json!({})),
-        Command::Health => ("agent.health", json!({})),
-        Command::Metrics => ("agent.metrics", json!({})),
+        Command::Console { name, log, force } => console(cli, name, *log, *force).await,
+        Command::Host { action: HostAction::Check(args) } => host_check(cli, args),
+        Command::Events { types, count } => events(cli, types, *count).await,
+        Command::Reconcile => run::<method::ReconcileRun>(cli, &NoParams {}, print_json, done).await,
+        Command::Health => run::<method::AgentHealth>(cli, &NoParams {}, print_json, done).await,
+        Command::Metrics => {
+            run::<method::AgentMetrics>(cli, &NoParams {}, |t: &MetricsText| print!("{}", t.0), done).await
+        }
         Command::Call { method, params } => {
             let p = match params.as_deref().map(serde_json::from_str::<Value>) {
                 None => json!({}),
@@ -954,28 +1002,66 @@ pub async fn run_client(cli: &Cli) -> i32 {
                     return exit::USAGE;
                 }
             };
-            (method.as_str(), p)
+            match client::call(&cli.socket, method, p).await {
+                Ok(v) => {
+                    println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+                    exit::OK
+                }
+                Err(e) => failed(cli, e),
+            }
         }
-    };
-    let announce = match &cli.command {
-        Command::Stop { name, .. } => {
-            Some(format!("stopping {name} (guest power-off, then the kill path; then its GPU device is released)..."))
-        }
-        Command::Rm { name } => Some(format!("deleting {name} (the kill path, then its GPU device is released)...")),
-        _ => None,
-    };
-    if let Some(a) =
-        announce.filter(|_| cli.output == Output::Table && std::io::IsTerminal::is_terminal(&std::io::stderr()))
-    {
-        eprintln!("{a}");
     }
-    match client::call(&cli.socket, method, params).await {
-        Ok(v) => print_result(cli, &v),
-        Err(e @ ClientError::Unreachable { .. }) => {
+}
+
+/// Says on a terminal what a long command is doing (table output only).
+fn announce(cli: &Cli, what: String) {
+    if cli.output == Output::Table && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!("{what}");
+    }
+}
+
+/// Calls the method `M` with `params` and shows the answer: as the agent sent it with
+/// `--output json`, through `table` otherwise (an answer that does not decode as `M`'s
+/// result, from an agent of another version, is printed as JSON with a warning). The exit
+/// code is `outcome` of the answer in both.
+async fn run<M: ApiMethod>(
+    cli: &Cli,
+    params: &M::Params,
+    table: impl FnOnce(&M::Result),
+    outcome: fn(&M::Result) -> i32,
+) -> i32
+where
+    M::Result: DeserializeOwned,
+{
+    let answer = match client::request::<M>(&cli.socket, params).await {
+        Ok(a) => a,
+        Err(e) => return failed(cli, e),
+    };
+    match (cli.output, answer.typed) {
+        (Output::Json, typed) => {
+            println!("{}", serde_json::to_string_pretty(&answer.raw).unwrap_or_default());
+            typed.map_or(exit::OK, |r| outcome(&r))
+        }
+        (Output::Table, Ok(r)) => {
+            table(&r);
+            outcome(&r)
+        }
+        (Output::Table, Err(e)) => {
+            eprintln!("warning: the answer does not decode as expected ({e}); printing it as JSON");
+            println!("{}", serde_json::to_string_pretty(&answer.raw).unwrap_or_default());
+            exit::OK
+        }
+    }
+}
+
+/// A failed call: says why (as JSON with `--output json`); its exit code.
+fn failed(cli: &Cli, e: ClientError) -> i32 {
+    match e {
+        e @ ClientError::Unreachable { .. } => {
             eprintln!("error: {e}");
             exit::UNREACHABLE
         }
-        Err(ClientError::Rpc { code, message, data }) => {
+        ClientError::Rpc { code, message, data } => {
             if cli.output == Output::Json {
                 let err = json!({ "error": { "code": code, "message": message, "data": data } });
                 println!("{}", serde_json::to_string_pretty(&err).unwrap_or_default());
@@ -993,11 +1079,42 @@ pub async fn run_client(cli: &Cli) -> i32 {
                 exit::ERROR
             }
         }
-        Err(e) => {
+        e => {
             eprintln!("error: {e}");
             exit::ERROR
         }
     }
+}
+
+/// The exit code of an answer that is only done.
+fn done<T>(_: &T) -> i32 {
+    exit::OK
+}
+
+/// The exit code of an operation answering an instance: its device given back quarantined,
+/// its GPU release pending, or done.
+fn instance_outcome(i: &InstanceView) -> i32 {
+    if i.released_device_quarantined.is_some() {
+        exit::DEVICE_QUARANTINED
+    } else if i.gpu.as_ref().is_some_and(|g| g.release_pending) {
+        exit::RELEASE_PENDING
+    } else {
+        exit::OK
+    }
+}
+
+/// The exit code of a delete: its device given back quarantined, or done.
+fn delete_outcome(d: &DeleteResult) -> i32 {
+    if d.released_device_quarantined.is_some() {
+        exit::DEVICE_QUARANTINED
+    } else {
+        exit::OK
+    }
+}
+
+/// An answer as indented JSON.
+fn print_json<T: serde::Serialize>(v: &T) {
+    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
 /// `gpuvisor host check`: reads the host directly (the config's `host_root`, or
@@ -1036,13 +1153,6 @@ fn host_check(cli: &Cli, args: &HostCheckArgs) -> i32 {
     }
 }
 
-/// A request type as JSON-RPC params.
-fn to_params<T: serde::Serialize>(p: &T) -> Value {
-    serde_json::to_value(p).unwrap_or_else(|_| json!({}))
-}
-
-/// `gpuvisor console NAME [--log]`: the paths come from `instance.get`; the console socket
-/// and the logs are read directly (the CLI runs on the agent's host, as root).
 /// `gpuvisor events`: follows the stream until `count` events were printed, or the agent
 /// closes it (exit 3: no agent any more).
 async fn events(cli: &Cli, types: &[String], count: Option<u64>) -> i32 {
@@ -1131,15 +1241,21 @@ pub fn event_line(ev: &crate::events::Event) -> String {
     format!("{} #{:<5} {:<16} {what}", ev.time, ev.seq, ev.kind.type_name())
 }
 
+/// `gpuvisor console NAME [--log]`: the paths come from `instance.get`; the console socket
+/// and the logs are read directly (the CLI runs on the agent's host, as root).
 async fn console(cli: &Cli, name: &str, log: bool, force: bool) -> i32 {
-    let v = match client::call(&cli.socket, "instance.get", json!({ "ref": name })).await {
-        Ok(v) => v,
+    let i = match client::request::<method::InstanceGet>(&cli.socket, &RefParams { reference: name.to_string() }).await
+    {
+        Ok(client::Answer { typed: Ok(i), .. }) => i,
+        Ok(client::Answer { typed: Err(e), .. }) => {
+            eprintln!("error: the agent's answer to instance.get does not decode: {e}");
+            return exit::ERROR;
+        }
         Err(e) => {
             eprintln!("error: {e}");
             return if matches!(e, ClientError::Unreachable { .. }) { exit::UNREACHABLE } else { exit::ERROR };
         }
     };
-    let Some(i) = decode::<InstanceView>(&v) else { return exit::ERROR };
     if log {
         // Only the agent's own files: a link, a FIFO or a file a VMM made at either name is
         // refused, never followed or waited on (crate::own_file).
@@ -1276,20 +1392,6 @@ fn table(headers: &[&str], rows: Vec<Vec<String>>) {
     }
 }
 
-/// Decodes an answer as the view the method returns; an agent of another version may answer
-/// something else, which is then printed as JSON.
-fn decode<T: DeserializeOwned>(v: &Value) -> Option<T> {
-    match serde_json::from_value(v.clone()) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            eprintln!("warning: the answer does not decode as expected ({e}); printing it as JSON");
-            println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-            None
-        }
-    }
-}
-
-/// Prints one instance after create/start/stop; says so when its GPU release is pending.
 /// The cloud-init inputs of `--user-data` and `--network-config` (files), `None` when neither
 /// is given. Errors: a file that cannot be read.
 fn read_cloud_init(
@@ -1344,7 +1446,9 @@ fn print_stats(s: &crate::instances::stats::InstanceStats) {
     }
 }
 
-fn print_instance(i: &InstanceView) -> i32 {
+/// Prints one instance after create/start/stop; says so when its device was given back
+/// quarantined or its GPU release is pending ([`instance_outcome`] gives the exit code).
+fn print_instance(i: &InstanceView) {
     let gpu = i.gpu.as_ref();
     println!(
         "{} {} {} ({}){}",
@@ -1365,294 +1469,239 @@ fn print_instance(i: &InstanceView) -> i32 {
             "GPU {} was given back QUARANTINED ({}: {}); clear it once repaired: gpuvisor gpus unquarantine {}",
             q.device, q.reason, q.detail, q.device
         );
-        return exit::DEVICE_QUARANTINED;
-    }
-    match gpu {
-        Some(g) if g.release_pending => {
-            let why = g.last_error.clone().or(g.claim_unreadable.clone()).or(i.last_error.clone()).unwrap_or_default();
-            println!(
-                "GPU release pending on {}: {why} (the device stays blocked; the agent retries it)",
-                g.device.as_deref().unwrap_or("an unreadable claim")
-            );
-            exit::RELEASE_PENDING
-        }
-        _ => exit::OK,
+    } else if let Some(g) = gpu.filter(|g| g.release_pending) {
+        let why = g.last_error.clone().or(g.claim_unreadable.clone()).or(i.last_error.clone()).unwrap_or_default();
+        println!(
+            "GPU release pending on {}: {why} (the device stays blocked; the agent retries it)",
+            g.device.as_deref().unwrap_or("an unreadable claim")
+        );
     }
 }
 
-/// Prints a successful answer; returns the exit code.
-fn print_result(cli: &Cli, v: &Value) -> i32 {
-    if cli.output == Output::Json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-        return match &cli.command {
-            Command::Stop { .. } | Command::Rm { .. } if v["released_device_quarantined"].is_object() => {
-                exit::DEVICE_QUARANTINED
-            }
-            Command::Stop { .. } | Command::Start { .. } | Command::Create { .. }
-                if v["gpu"]["release_pending"] == true =>
-            {
-                exit::RELEASE_PENDING
-            }
-            _ => exit::OK,
-        };
+/// `gpuvisor ps`: one row per instance.
+fn print_ps(list: &InstanceList) {
+    let rows = list
+        .instances
+        .iter()
+        .map(|i| {
+            let gpu = i.gpu.as_ref();
+            vec![
+                i.name.clone(),
+                serde_json::to_value(i.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                i.hypervisor.name().to_string(),
+                opt(&gpu.and_then(|g| g.profile.clone())),
+                opt(&gpu.and_then(|g| g.device.clone())),
+                opt(&i.vmm.as_ref().map(|m| m.pid)),
+                i.image.clone(),
+                i.id.clone(),
+            ]
+        })
+        .collect();
+    table(&["NAME", "STATE", "HYPERVISOR", "GPU", "DEVICE", "PID", "IMAGE", "ID"], rows);
+    for u in &list.unreadable {
+        println!("unreadable instance record {}: {}", u.path, u.error);
     }
-    if let (Command::Rm { name }, Some(q)) =
-        (&cli.command, v.get("released_device_quarantined").filter(|q| q.is_object()))
-    {
-        let s = |k: &str| q[k].as_str().unwrap_or_default().to_string();
+}
+
+/// `gpuvisor gpus`: each GPU, its devices and what cannot be read.
+fn print_gpus(list: &GpuList) {
+    println!("mode: {}", list.mode);
+    if let Some(e) = &list.probe_error {
+        println!("probe error: {e}");
+    }
+    for g in &list.gpus {
         println!(
-            "{name} deleted; GPU {} was given back QUARANTINED ({}: {}); clear it once repaired: gpuvisor gpus unquarantine {}",
-            s("device"),
-            s("reason"),
-            s("detail"),
-            s("device")
+            "\nGPU {}  {}  {} MiB  claimed {} MiB{}{}{}",
+            g.address,
+            g.model,
+            opt(&g.framebuffer_mib),
+            g.claimed_framebuffer_mib,
+            if g.managed { "" } else { "  (not managed)" },
+            match &g.passthrough {
+                Some(p) => format!("  passthrough, IOMMU group {}", opt(&p.group)),
+                None => String::new(),
+            },
+            g.health.as_ref().map(|h| format!("  health {}: {}", health_cell(Some(h)), h.detail)).unwrap_or_default()
         );
-        return exit::DEVICE_QUARANTINED;
-    }
-    match &cli.command {
-        Command::Ps => {
-            let Some(list) = decode::<InstanceList>(v) else { return exit::OK };
-            let rows = list
-                .instances
-                .iter()
-                .map(|i| {
-                    let gpu = i.gpu.as_ref();
-                    vec![
-                        i.name.clone(),
-                        serde_json::to_value(i.state)
-                            .ok()
-                            .and_then(|v| v.as_str().map(String::from))
-                            .unwrap_or_default(),
-                        i.hypervisor.name().to_string(),
-                        opt(&gpu.and_then(|g| g.profile.clone())),
-                        opt(&gpu.and_then(|g| g.device.clone())),
-                        opt(&i.vmm.as_ref().map(|m| m.pid)),
-                        i.image.clone(),
-                        i.id.clone(),
-                    ]
-                })
-                .collect();
-            table(&["NAME", "STATE", "HYPERVISOR", "GPU", "DEVICE", "PID", "IMAGE", "ID"], rows);
-            for u in &list.unreadable {
-                println!("unreadable instance record {}: {}", u.path, u.error);
-            }
-        }
-        Command::Gpus { action: None } => {
-            let Some(list) = decode::<GpuList>(v) else { return exit::OK };
-            println!("mode: {}", list.mode);
-            if let Some(e) = &list.probe_error {
-                println!("probe error: {e}");
-            }
-            for g in &list.gpus {
-                println!(
-                    "\nGPU {}  {}  {} MiB  claimed {} MiB{}{}{}",
-                    g.address,
-                    g.model,
-                    opt(&g.framebuffer_mib),
-                    g.claimed_framebuffer_mib,
-                    if g.managed { "" } else { "  (not managed)" },
-                    match &g.passthrough {
-                        Some(p) => format!("  passthrough, IOMMU group {}", opt(&p.group)),
-                        None => String::new(),
+        let rows = g
+            .devices
+            .iter()
+            .map(|d| {
+                let c = d.claim.as_ref();
+                vec![
+                    d.address.clone(),
+                    serde_json::to_value(d.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                    // A whole GPU has no vGPU type.
+                    if g.passthrough.is_some() { "-".into() } else { d.current_type.to_string() },
+                    match c {
+                        Some(c) if c.unreadable.is_some() => "unreadable".into(),
+                        Some(c) => opt(&c.instance_name.clone().or(c.instance_id.clone())),
+                        None => "-".into(),
                     },
-                    g.health
-                        .as_ref()
-                        .map(|h| format!("  health {}: {}", health_cell(Some(h)), h.detail))
-                        .unwrap_or_default()
-                );
-                let rows = g
-                    .devices
-                    .iter()
-                    .map(|d| {
-                        let c = d.claim.as_ref();
-                        vec![
-                            d.address.clone(),
-                            serde_json::to_value(d.state)
-                                .ok()
-                                .and_then(|v| v.as_str().map(String::from))
-                                .unwrap_or_default(),
-                            // A whole GPU has no vGPU type.
-                            if g.passthrough.is_some() { "-".into() } else { d.current_type.to_string() },
-                            match c {
-                                Some(c) if c.unreadable.is_some() => "unreadable".into(),
-                                Some(c) => opt(&c.instance_name.clone().or(c.instance_id.clone())),
-                                None => "-".into(),
-                            },
-                            opt(&c.and_then(|c| c.profile.clone())),
-                            opt(&c
-                                .and_then(|c| c.state)
-                                .and_then(|s| serde_json::to_value(s).ok())
-                                .and_then(|v| v.as_str().map(String::from))),
-                            health_cell(d.quarantine.as_ref()),
-                        ]
-                    })
-                    .collect();
-                table(&["DEVICE", "STATE", "TYPE", "OWNER", "PROFILE", "CLAIM", "HEALTH"], rows);
-                if let Some(p) = &g.passthrough {
-                    let rows = p
-                        .functions
-                        .iter()
-                        .map(|f| vec![f.bdf.clone(), opt(&f.driver), opt(&f.original_driver)])
-                        .chain(p.bridges.iter().map(|b| vec![b.clone(), "(bridge, stays)".into(), "-".into()]))
-                        .chain(p.foreign.iter().map(|b| vec![b.clone(), "(not this GPU's)".into(), "-".into()]))
-                        .collect();
-                    table(&["FUNCTION", "DRIVER", "ORIGINAL"], rows);
-                    if let Some(why) = &p.problem {
-                        println!("  not offered: {why}");
-                    }
-                }
-                for d in &g.devices {
-                    if let Some(m) = &d.type_mismatch {
-                        println!("  {}: {m}", d.address);
-                    }
-                    if let Some(u) = &d.unreadable {
-                        println!("  {}: unreadable: {u}", d.address);
-                    }
-                }
-            }
-            for u in &list.unreadable_records {
-                println!("unreadable record {}: {}", u.path, u.error);
-            }
-        }
-        Command::Profiles | Command::Resources => {
-            let Some(r) = decode::<Resources>(v) else { return exit::OK };
-            let d = &r.devices;
-            println!(
-                "mode: {}  devices: total {} claimed {} allocatable {} quarantined {} unreadable {}",
-                r.mode, d.total, d.claimed, d.allocatable, d.quarantined, d.unreadable
-            );
-            if let Some(e) = &r.error {
-                println!("error: {e}");
-            }
-            let rows =
-                r.profiles
-                    .iter()
-                    .map(|p| {
-                        // A profile whose name carries no size: its framebuffer is unknown.
-                        let fb = p.framebuffer_mib.map(|f| f.to_string()).unwrap_or_else(|| "unknown".into());
-                        vec![p.profile.clone(), opt(&p.type_id), fb, p.placeable.to_string()]
-                    })
-                    // Whole GPUs: one row, as many as can be placed now.
-                    .chain((r.passthrough.total > 0).then(|| {
-                        vec!["passthrough".into(), "-".into(), "-".into(), r.passthrough.allocatable.to_string()]
-                    }))
-                    .collect();
-            table(&["PROFILE", "TYPE", "FB_MIB", "PLACEABLE"], rows);
-            let p = &r.passthrough;
-            if p.total > 0 {
-                println!(
-                    "passthrough GPUs: total {} claimed {} allocatable {} quarantined {} dirty {} refused {} unreadable {}",
-                    p.total, p.claimed, p.allocatable, p.quarantined, p.dirty, p.refused, p.unreadable
-                );
-            }
-        }
-        Command::Create { .. }
-        | Command::Start { .. }
-        | Command::Stop { .. }
-        | Command::Reboot { .. }
-        | Command::Reset { .. }
-        | Command::Standby { .. }
-        | Command::Restore { .. } => {
-            let Some(i) = decode::<InstanceView>(v) else { return exit::OK };
-            return print_instance(&i);
-        }
-        Command::Update { .. } => {
-            let Some(u) = decode::<crate::instances::update::UpdateResult>(v) else { return exit::OK };
-            if u.changed.is_empty() {
-                println!("{}: nothing changed", u.instance.name);
-            } else {
-                println!("{}: changed {}", u.instance.name, u.changed.join(", "));
-            }
-            if !u.at_next_start.is_empty() {
-                println!(
-                    "at its next start (gpuvisor reboot {} applies them now): {}",
-                    u.instance.name,
-                    u.at_next_start.join(", ")
-                );
-            }
-        }
-        Command::Stats { .. } => {
-            let Some(s) = decode::<crate::instances::stats::InstanceStats>(v) else { return exit::OK };
-            print_stats(&s);
-        }
-        Command::Snapshot { .. } => {
-            let Some(s) = decode::<crate::instances::saves::SavedState>(v) else { return exit::OK };
-            println!("snapshot {} taken ({:?}: {}, {} bytes)", s.name, s.kind, s.files.join(", "), s.bytes);
-        }
-        Command::Snapshots { delete: Some(_), .. } => {
-            println!(
-                "snapshot {} of {} deleted",
-                v["snapshot"].as_str().unwrap_or("?"),
-                v["name"].as_str().unwrap_or("?")
-            );
-        }
-        Command::Snapshots { delete: None, .. } => {
-            let Some(list) = decode::<crate::instances::saves::SnapshotList>(v) else { return exit::OK };
-            let rows = list
-                .snapshots
+                    opt(&c.and_then(|c| c.profile.clone())),
+                    opt(&c
+                        .and_then(|c| c.state)
+                        .and_then(|s| serde_json::to_value(s).ok())
+                        .and_then(|v| v.as_str().map(String::from))),
+                    health_cell(d.quarantine.as_ref()),
+                ]
+            })
+            .collect();
+        table(&["DEVICE", "STATE", "TYPE", "OWNER", "PROFILE", "CLAIM", "HEALTH"], rows);
+        if let Some(p) = &g.passthrough {
+            let rows = p
+                .functions
                 .iter()
-                .map(|s| {
-                    let kind = match s.kind {
-                        crate::instances::saves::SavedKind::Running => "running",
-                        crate::instances::saves::SavedKind::Stopped => "stopped",
-                    };
-                    vec![s.name.clone(), kind.to_string(), s.created_at.clone(), s.bytes.to_string(), s.files.join(",")]
-                })
+                .map(|f| vec![f.bdf.clone(), opt(&f.driver), opt(&f.original_driver)])
+                .chain(p.bridges.iter().map(|b| vec![b.clone(), "(bridge, stays)".into(), "-".into()]))
+                .chain(p.foreign.iter().map(|b| vec![b.clone(), "(not this GPU's)".into(), "-".into()]))
                 .collect();
-            table(&["SNAPSHOT", "KIND", "CREATED", "BYTES", "FILES"], rows);
-        }
-        Command::Metrics => print!("{}", v.as_str().unwrap_or_default()),
-        Command::Image { action: ImageAction::Ls } => {
-            let Some(list) = decode::<ImageList>(v) else { return exit::OK };
-            let rows = list
-                .images
-                .iter()
-                .map(|i| {
-                    vec![
-                        i.name.clone(),
-                        i.size_bytes.to_string(),
-                        i.kernel.as_ref().map(|k| k.display().to_string()).unwrap_or_else(|| "-".into()),
-                        i.disk
-                            .as_ref()
-                            .map(|d| format!("{} {} bytes", d.format, d.virtual_size_bytes))
-                            .unwrap_or_else(|| "-".into()),
-                    ]
-                })
-                .collect();
-            table(&["NAME", "BYTES", "KERNEL", "DISK"], rows);
-            for u in &list.unreadable {
-                println!("unreadable image {}: {}", u.name, u.error);
+            table(&["FUNCTION", "DRIVER", "ORIGINAL"], rows);
+            if let Some(why) = &p.problem {
+                println!("  not offered: {why}");
             }
         }
-        Command::Plugin { action: PluginAction::Ls } => {
-            let Some(list) = decode::<PluginList>(v) else { return exit::OK };
-            let rows = list
-                .plugins
-                .iter()
-                .map(|p| {
-                    vec![
-                        p.slot.clone(),
-                        p.name.clone(),
-                        p.version.clone(),
-                        format!("v{}", p.abi),
-                        p.calls_ok.to_string(),
-                        p.calls_failed.to_string(),
-                        p.log_lines_dropped.to_string(),
-                        p.path.clone(),
-                    ]
-                })
-                .collect();
-            table(&["SLOT", "NAME", "VERSION", "ABI", "OK", "FAILED", "LOG DROPPED", "PATH"], rows);
+        for d in &g.devices {
+            if let Some(m) = &d.type_mismatch {
+                println!("  {}: {m}", d.address);
+            }
+            if let Some(u) = &d.unreadable {
+                println!("  {}: unreadable: {u}", d.address);
+            }
         }
-        _ => println!("{}", serde_json::to_string_pretty(v).unwrap_or_default()),
     }
-    exit::OK
+    for u in &list.unreadable_records {
+        println!("unreadable record {}: {}", u.path, u.error);
+    }
+}
+
+/// `gpuvisor profiles` / `resources`: device counts and placeable profiles.
+fn print_resources(r: &Resources) {
+    let d = &r.devices;
+    println!(
+        "mode: {}  devices: total {} claimed {} allocatable {} quarantined {} unreadable {}",
+        r.mode, d.total, d.claimed, d.allocatable, d.quarantined, d.unreadable
+    );
+    if let Some(e) = &r.error {
+        println!("error: {e}");
+    }
+    let rows = r
+        .profiles
+        .iter()
+        .map(|p| {
+            // A profile whose name carries no size: its framebuffer is unknown.
+            let fb = p.framebuffer_mib.map(|f| f.to_string()).unwrap_or_else(|| "unknown".into());
+            vec![p.profile.clone(), opt(&p.type_id), fb, p.placeable.to_string()]
+        })
+        // Whole GPUs: one row, as many as can be placed now.
+        .chain(
+            (r.passthrough.total > 0)
+                .then(|| vec!["passthrough".into(), "-".into(), "-".into(), r.passthrough.allocatable.to_string()]),
+        )
+        .collect();
+    table(&["PROFILE", "TYPE", "FB_MIB", "PLACEABLE"], rows);
+    let p = &r.passthrough;
+    if p.total > 0 {
+        println!(
+            "passthrough GPUs: total {} claimed {} allocatable {} quarantined {} dirty {} refused {} unreadable {}",
+            p.total, p.claimed, p.allocatable, p.quarantined, p.dirty, p.refused, p.unreadable
+        );
+    }
+}
+
+/// `gpuvisor update`: what changed, and what waits for the next start.
+fn print_update(u: &crate::instances::update::UpdateResult) {
+    if u.changed.is_empty() {
+        println!("{}: nothing changed", u.instance.name);
+    } else {
+        println!("{}: changed {}", u.instance.name, u.changed.join(", "));
+    }
+    if !u.at_next_start.is_empty() {
+        println!(
+            "at its next start (gpuvisor reboot {} applies them now): {}",
+            u.instance.name,
+            u.at_next_start.join(", ")
+        );
+    }
+}
+
+/// `gpuvisor snapshots`: one row per snapshot.
+fn print_snapshots(list: &crate::instances::saves::SnapshotList) {
+    let rows = list
+        .snapshots
+        .iter()
+        .map(|s| {
+            let kind = match s.kind {
+                crate::instances::saves::SavedKind::Running => "running",
+                crate::instances::saves::SavedKind::Stopped => "stopped",
+            };
+            vec![s.name.clone(), kind.to_string(), s.created_at.clone(), s.bytes.to_string(), s.files.join(",")]
+        })
+        .collect();
+    table(&["SNAPSHOT", "KIND", "CREATED", "BYTES", "FILES"], rows);
+}
+
+/// `gpuvisor image ls`: one row per image.
+fn print_images(list: &ImageList) {
+    let rows = list
+        .images
+        .iter()
+        .map(|i| {
+            vec![
+                i.name.clone(),
+                i.size_bytes.to_string(),
+                i.kernel.as_ref().map(|k| k.display().to_string()).unwrap_or_else(|| "-".into()),
+                i.disk
+                    .as_ref()
+                    .map(|d| format!("{} {} bytes", d.format, d.virtual_size_bytes))
+                    .unwrap_or_else(|| "-".into()),
+            ]
+        })
+        .collect();
+    table(&["NAME", "BYTES", "KERNEL", "DISK"], rows);
+    for u in &list.unreadable {
+        println!("unreadable image {}: {}", u.name, u.error);
+    }
+}
+
+/// `gpuvisor plugin ls`: one row per loaded plugin.
+fn print_plugins(list: &PluginList) {
+    let rows = list
+        .plugins
+        .iter()
+        .map(|p| {
+            vec![
+                p.slot.clone(),
+                p.name.clone(),
+                p.version.clone(),
+                format!("v{}", p.abi),
+                p.calls_ok.to_string(),
+                p.calls_failed.to_string(),
+                p.log_lines_dropped.to_string(),
+                p.path.clone(),
+            ]
+        })
+        .collect();
+    table(&["SLOT", "NAME", "VERSION", "ABI", "OK", "FAILED", "LOG DROPPED", "PATH"], rows);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::KEYS;
+
+    /// The CLI calls methods through the table's types (`method::X`), so it never spells a
+    /// method's name: a renamed or removed method fails to compile here instead of failing
+    /// at run time.
+    #[test]
+    fn the_cli_spells_no_method_name() {
+        let src = [include_str!("cli.rs"), include_str!("cli/plugin_test.rs"), include_str!("rpc/client.rs")];
+        for m in crate::rpc::api::methods() {
+            for s in src {
+                assert!(!s.contains(&format!("\"{}\"", m.name)), "{} is spelled as a string in the CLI", m.name);
+            }
+        }
+    }
 
     /// The built `serve` subcommand (globals propagated, as `--help` shows it).
     fn serve_command() -> clap::Command {

@@ -1,7 +1,7 @@
 //! The documentation says what the binary does (issue 18 finding 12): these tests fail when
 //! a method, a result field or parameter, a metric or a CLI flag that `docs/api.md`,
 //! `README.md` or `docs/*.md` document differs from the binary — the served methods
-//! (`openrpc::methods`), the result and parameter schemas (the OpenRPC document, generated
+//! (`rpc::api::methods`), the result and parameter schemas (the OpenRPC document, generated
 //! from the very types the agent returns and decodes), the metric families registered in
 //! `metrics.rs` and rendered, and the clap definition of the CLI (every argument described
 //! in `--help`, every documented `gpuvisor <command> --flag` accepted).
@@ -108,7 +108,7 @@ fn properties(schema: &Value, defs: &Value) -> BTreeSet<String> {
 #[test]
 fn every_served_method_is_documented_and_every_documented_one_served() {
     let api = read("docs/api.md");
-    let served: BTreeSet<String> = openrpc::methods().iter().map(|m| m.name.to_string()).collect();
+    let served: BTreeSet<String> = crate::rpc::api::methods().iter().map(|m| m.name.to_string()).collect();
     let documented = documented_methods(&api);
     // The failpoint methods exist in failpoint builds only (documented as such).
     let failpoint_only = ["debug.failpoint", "debug.failpoints"];

@@ -148,7 +148,7 @@ fn external_owner(o: &Owner) -> Result<&External, ApiError> {
 }
 
 /// `claim.prepare` parameters.
-#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PrepareParams {
     /// The external owner, e.g. `{"kind": "resource_claim", "namespace": "default", "name":
@@ -165,7 +165,7 @@ pub struct PrepareParams {
 }
 
 /// `claim.release` parameters.
-#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseParams {
     /// The external owner that prepared the device.
@@ -175,7 +175,7 @@ pub struct ReleaseParams {
 }
 
 /// `claim.list` parameters.
-#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListParams {
     /// Only claims of this owner kind (`instance`, `resource_claim`); absent: every claim.
@@ -184,7 +184,7 @@ pub struct ListParams {
 }
 
 /// `claim.owners` parameters.
-#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OwnersParams {
     /// The external owner kind (`resource_claim`).

@@ -355,9 +355,13 @@ pub struct StopParams {
 }
 
 impl StopParams {
-    /// The power-off wait this stop asked for, checked (`invalid_request` outside 1..=3600).
+    /// The power-off wait this stop asked for, checked (`invalid_request` outside 1..=3600,
+    /// or beside `force`, which skips the power-off it would bound).
     pub fn timeout(&self) -> Result<Option<std::time::Duration>, ApiError> {
         match self.timeout_s {
+            Some(t) if self.force => Err(ApiError::invalid_request(format!(
+                "timeout_s ({t}) bounds the guest power-off, which force skips: give one of them"
+            ))),
             Some(t) if !(1..=3600).contains(&t) => {
                 Err(ApiError::invalid_request(format!("timeout_s must be 1..=3600, not {t}")))
             }
@@ -495,6 +499,22 @@ crate::deserialize_by_name!(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `force` skips the power-off that `timeout_s` bounds: the pair is refused (the CLI
+    /// refuses `--force --timeout` too), as is a timeout outside 1..=3600.
+    #[test]
+    fn a_stop_with_force_and_a_timeout_is_refused() {
+        let p = |v: serde_json::Value| serde_json::from_value::<StopParams>(v).unwrap().timeout();
+        let e = p(serde_json::json!({"ref": "a", "force": true, "timeout_s": 5})).unwrap_err();
+        assert_eq!(e.code, crate::error::ErrorCode::InvalidRequest);
+        assert!(e.message.contains("force"), "{}", e.message);
+        assert!(p(serde_json::json!({"ref": "a", "timeout_s": 0})).is_err());
+        assert_eq!(
+            p(serde_json::json!({"ref": "a", "timeout_s": 5})).unwrap(),
+            Some(std::time::Duration::from_secs(5))
+        );
+        assert_eq!(p(serde_json::json!({"ref": "a", "force": true})).unwrap(), None);
+    }
 
     /// Issue 18 finding 12: a value of the wrong JSON type for an enum parameter
     /// (`"restart": true`) gets an error that lists the allowed values, like an unknown one.

@@ -2,8 +2,10 @@
 //! HTTP/1.1 `POST /` (hyper; one connection per call), the event stream a WebSocket
 //! (soketto).
 
+use super::api::{method, ApiMethod};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -56,6 +58,28 @@ pub async fn call(socket: &Path, method: &str, params: Value) -> Result<Value, C
     v.get("result").cloned().ok_or_else(|| ClientError::Protocol(v.to_string()))
 }
 
+/// Calls the method `M` of the table ([`super::api`]) with its typed params; returns the
+/// answer as sent (`Value`, for `--output json` and for fields a newer agent adds) and as
+/// `M`'s result type (`None` when it does not decode as that: an agent of another version).
+pub async fn request<M: ApiMethod>(socket: &Path, params: &M::Params) -> Result<Answer<M::Result>, ClientError>
+where
+    M::Result: DeserializeOwned,
+{
+    let params = serde_json::to_value(params).map_err(|e| ClientError::Protocol(e.to_string()))?;
+    let raw = call(socket, M::NAME, params).await?;
+    let typed = serde_json::from_value(raw.clone()).map_err(|e| e.to_string());
+    Ok(Answer { raw, typed })
+}
+
+/// A method's answer: as sent, and decoded as its result type (or why it does not decode).
+#[derive(Debug)]
+pub struct Answer<R> {
+    /// The `result` member as the agent sent it.
+    pub raw: Value,
+    /// It, as the method's result type.
+    pub typed: Result<R, String>,
+}
+
 /// Follows the agent's event stream: a WebSocket upgrade on the same socket, then
 /// `events.subscribe` (only `types`, when not empty). Calls `each` with every event until
 /// it returns `false`; returns when the agent closes the stream (an agent stop).
@@ -74,7 +98,8 @@ pub async fn follow_events(
     }
     let (mut tx, mut rx) = ws.into_builder().finish();
     let params = if types.is_empty() { json!({}) } else { json!({ "types": types }) };
-    let sub = json!({ "jsonrpc": "2.0", "id": 1, "method": "events.subscribe", "params": params }).to_string();
+    let sub =
+        json!({ "jsonrpc": "2.0", "id": 1, "method": method::EventsSubscribe::NAME, "params": params }).to_string();
     let lost = |e: soketto::connection::Error| ClientError::Protocol(format!("the event stream broke: {e}"));
     tx.send_text(sub).await.map_err(lost)?;
     tx.flush().await.map_err(lost)?;

@@ -4,19 +4,21 @@
 //! event subscription `events.subscribe` ([`crate::events`]; `gpuvisor events`). A request
 //! is an HTTP/1.1 `POST /` with a JSON-RPC body, so
 //! `curl --unix-socket /run/gpuvisor/gpuvisor.sock -H 'content-type: application/json' -d '{"jsonrpc":"2.0","id":1,"method":"agent.health"}' http://x/`
-//! works. Methods are `noun.verb`; [`openrpc::methods`] lists every one and `rpc.discover`
-//! publishes them as an OpenRPC document. This layer is thin: it decodes the request types
+//! works. Methods are `noun.verb`, each declared once in [`api`] (params, result, errors,
+//! call), from which the registration here, the OpenRPC document `rpc.discover` publishes
+//! and the CLI's typed client come. This layer is thin: it decodes the request types
 //! of `instances::request`, runs the lifecycle on a blocking thread, serialises the typed
 //! view it returns, and is the one place that maps [`ApiError`] to a JSON-RPC error
 //! object: numeric `code` = the class (400/404/409/500/503), `data` =
 //! `{"code": "<stable string>", ...details}`.
 
+pub mod api;
 pub mod client;
 pub mod metrics;
 pub mod openrpc;
 
 use crate::error::ApiError;
-use crate::instances::request::*;
+use crate::instances::request::EventsParams;
 use crate::instances::Manager;
 use jsonrpsee::types::ErrorObjectOwned;
 use jsonrpsee::RpcModule;
@@ -82,95 +84,13 @@ fn no_params(p: &jsonrpsee::types::Params<'_>) -> Result<(), ErrorObjectOwned> {
     }
 }
 
-/// Registers a method with typed params `P`.
-macro_rules! with_params {
-    ($module:ident, $name:literal, |$m:ident, $p:ident: $P:ty| $body:expr) => {
-        $module.register_async_method($name, |params, m, _| async move {
-            let $p: $P = parse(&params)?;
-            blocking($name, &m, move |$m| $body).await
-        })?;
-    };
-}
-
-/// Registers a method without params.
-macro_rules! without_params {
-    ($module:ident, $name:literal, |$m:ident| $body:expr) => {
-        $module.register_async_method($name, |params, m, _| async move {
-            no_params(&params)?;
-            blocking($name, &m, move |$m| $body).await
-        })?;
-    };
-}
-
-/// Builds the module with every method of [`openrpc::methods`].
+/// Builds the module with every method of the table ([`api`]).
 pub fn module(m: Arc<Manager>) -> anyhow::Result<RpcModule<Arc<Manager>>> {
     let mut module = RpcModule::new(m);
-    with_params!(module, "instance.create", |m, r: CreateRequest| m.create(r));
-    without_params!(module, "host.check", |m| Ok::<_, crate::error::ApiError>(crate::host::check::check_host(
-        m.config()
-    )));
-    with_params!(module, "instance.get", |m, r: RefParams| m.get(&r.reference));
-    without_params!(module, "instance.list", |m| m.list());
-    with_params!(module, "instance.start", |m, r: RefParams| m.start(&r.reference));
-    with_params!(module, "instance.stop", |m, r: StopParams| r.timeout().and_then(|t| m.stop(
-        &r.reference,
-        r.force,
-        t
-    )));
-    with_params!(module, "instance.delete", |m, r: RefParams| m.delete(&r.reference));
-    with_params!(module, "instance.reset", |m, r: RefParams| m.reset(&r.reference));
-    with_params!(module, "instance.stats", |m, r: RefParams| m.stats(&r.reference));
-    with_params!(module, "instance.update", |m, r: crate::instances::update::UpdateRequest| m.update(r));
-    with_params!(module, "instance.reboot", |m, r: StopParams| r.timeout().and_then(|t| m.reboot(
-        &r.reference,
-        r.force,
-        t
-    )));
-    with_params!(module, "instance.fork", |m, f: ForkParams| m.fork(&f.reference, &f.name, f.snapshot.as_deref()));
-    with_params!(module, "instance.standby", |m, s: RefParams| m.standby(&s.reference));
-    with_params!(module, "instance.snapshot", |m, s: SaveStateParams| m.snapshot(&s.reference, s.snapshot.as_deref()));
-    with_params!(module, "instance.snapshots", |m, s: RefParams| m.snapshots(&s.reference));
-    with_params!(module, "instance.snapshot_delete", |m, s: SaveStateParams| s
-        .snapshot
-        .as_deref()
-        .ok_or_else(|| ApiError::invalid_request("instance.snapshot_delete needs the snapshot's name (snapshot)"))
-        .and_then(|n| m.delete_snapshot(&s.reference, n)));
-    with_params!(module, "instance.restore", |m, s: SaveStateParams| m.restore(&s.reference, s.snapshot.as_deref()));
-    without_params!(module, "resources.get", |m| m.resources());
-    without_params!(module, "gpu.list", |m| m.gpus());
-    with_params!(module, "claim.prepare", |m, p: crate::instances::owners::PrepareParams| m.prepare(p));
-    with_params!(module, "claim.release", |m, p: crate::instances::owners::ReleaseParams| m.release_claim(p));
-    with_params!(module, "claim.list", |m, p: crate::instances::owners::ListParams| m.claim_list(p));
-    with_params!(module, "claim.owners", |m, p: crate::instances::owners::OwnersParams| m.set_owners(p));
-    with_params!(module, "gpu.unquarantine", |m, u: UnquarantineParams| m.unquarantine(u));
-    with_params!(module, "placement.dry_run", |m, d: DryRunParams| m.dry_run(d));
-    with_params!(module, "image.import", |m, i: ImportParams| m.import_image(&i));
-    without_params!(module, "image.list", |m| crate::images::list(&m.store().images_dir())
-        .map(|(images, unreadable)| crate::instances::view::ImageList { images, unreadable }));
-    with_params!(module, "image.delete", |m, n: NameParams| m.delete_image(&n.name));
-    without_params!(module, "plugin.list", |m| Ok(m.plugin_list()));
-    with_params!(module, "plugin.reload", |m, r: crate::policies::ReloadParams| m.reload_plugins(&r));
-    without_params!(module, "reconcile.run", |m| Ok(m.reconcile()));
-    without_params!(module, "agent.health", |m| Ok(m.health()));
-    without_params!(module, "agent.metrics", |m| Ok(m.metrics_text()));
-    module.register_subscription("events.subscribe", "events.event", "events.unsubscribe", |p, s, m, e| {
-        subscribe_events(p, s, Arc::clone(&*m), e)
-    })?;
-    module.register_method("rpc.discover", |p, _m, _| {
-        no_params(&p)?;
-        Ok::<Value, ErrorObjectOwned>(openrpc::document())
-    })?;
-    if cfg!(feature = "failpoints") {
-        with_params!(module, "debug.failpoint", |m, f: FailpointParams| {
-            crate::failpoints::set_pause(&f.name, f.action == FailpointAction::Pause)
-                .map_err(ApiError::invalid_request)
-                .map(|()| m.failpoints())
-        });
-        without_params!(module, "debug.failpoints", |m| Ok(m.failpoints()));
-    }
+    api::register(&mut module)?;
     // rpc.discover must describe exactly what is served.
     let served: std::collections::BTreeSet<&str> = module.method_names().collect();
-    let methods = openrpc::methods();
+    let methods = api::methods();
     let declared: std::collections::BTreeSet<&str> = methods.iter().map(|m| m.name).collect();
     if served != declared {
         anyhow::bail!(

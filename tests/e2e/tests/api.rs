@@ -11,14 +11,13 @@ use std::time::Duration;
 /// One small L40S (4 VFs) with a short teardown lag.
 const ONE_GPU: &str = "release_delay_ms = 300\n[[gpu]]\nbdf = \"0000:41:00.0\"\nvf_count = 4\niommu_group = 40\n";
 
-/// The method names of `openrpc::methods()`, read from the agent's source.
+/// The method names of the table (`agent/src/rpc/api.rs`'s `api! { … }`), read from the
+/// agent's source: each `name:` and the subscription's `unsubscribe:`.
 fn methods_in_source() -> BTreeSet<String> {
-    let src = std::fs::read_to_string(repo_root().join("agent/src/rpc/openrpc.rs")).unwrap();
-    let start = src.find("pub fn methods()").expect("methods() in openrpc.rs");
-    let body = &src[start..];
-    let body = &body[..body.find("\n}\n").expect("end of methods()")];
+    let src = std::fs::read_to_string(repo_root().join("agent/src/rpc/api.rs")).unwrap();
+    let body = &src[src.rfind("\napi! {").expect("the table in api.rs")..];
     let names = |sep: &str| body.split(sep).skip(1).map(|s| s[..s.find('"').unwrap()].to_string()).collect::<Vec<_>>();
-    names("method!(\"").into_iter().chain(names("name: \"")).collect()
+    names("name: \"").into_iter().chain(names("unsubscribe: \"")).collect()
 }
 
 /// Asserts the error is class `class` with `data.code == code` and one clear message.
@@ -49,7 +48,7 @@ fn rpc_discover_lists_exactly_the_declared_methods_and_every_one_is_registered()
     if !listed.contains("debug.failpoints") {
         declared.retain(|m| !m.starts_with("debug."));
     }
-    assert_eq!(listed, declared, "rpc.discover lists openrpc::methods()");
+    assert_eq!(listed, declared, "rpc.discover lists the table of rpc/api.rs");
 
     // Every listed method is served (a call may fail on its params, never as unknown).
     for m in &listed {
