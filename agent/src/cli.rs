@@ -9,9 +9,9 @@ use crate::instances::request::{
     CreateRequest, DryRunParams, ForkParams, GpuRequest, ImportParams, NameParams, RefParams, SaveStateParams,
     StopParams, UnquarantineParams,
 };
-use crate::instances::view::{DeleteResult, GpuList, ImageList, InstanceList, InstanceView, PluginList, Resources};
 use crate::rpc::api::{method, ApiMethod, MetricsText, NoParams};
 use crate::rpc::client::{self, ClientError};
+use crate::wire::{DeleteResult, GpuList, ImageList, InstanceList, InstanceView, PluginList, Resources};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -670,7 +670,7 @@ impl ServeArgs {
 
 /// The health mark of a device for the `gpus` table: `quarantined:<reason>`,
 /// `suspect:<reason>`, or `-`. A claimed device shows its mark too.
-fn health_cell(mark: Option<&crate::instances::view::HealthMark>) -> String {
+fn health_cell(mark: Option<&crate::wire::HealthMark>) -> String {
     match mark {
         None => "-".into(),
         Some(m) => format!("{}:{}", if m.quarantined { "quarantined" } else { "suspect" }, m.reason),

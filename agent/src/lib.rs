@@ -32,3 +32,4 @@ pub mod rpc;
 pub mod serial_relay;
 pub mod store;
 pub mod sync;
+pub mod wire;

@@ -5,12 +5,12 @@
 use super::claim::ClaimFailure;
 use super::request::{CreateRequest, GpuWant};
 use super::rollback::Rollback;
-use super::view::InstanceView;
 use super::{now_rfc3339, Manager, Who};
 use crate::error::{ApiError, ErrorCode};
 use crate::images;
 use crate::store::{Framework, InstanceDefinition, InstanceRecord, InstanceState, PassthroughWant, StoreError};
 use crate::sync::lock;
+use crate::wire::InstanceView;
 use uuid::Uuid;
 
 impl Manager {

@@ -3,13 +3,13 @@
 //! that cannot be read) turns the instance into `cleanup_pending` with its claim retained;
 //! success removes the record, its directory and its name.
 
-use super::view::DeleteResult;
 use super::vmm::OwnedClaim;
 use super::Manager;
 use crate::error::{ApiError, CleanupPending, ReleaseFailure};
 use crate::host::proc::Liveness;
 use crate::store::{Claim, InstanceRecord, InstanceState};
 use crate::sync::lock;
+use crate::wire::DeleteResult;
 
 impl Manager {
     /// `instance.delete`.

@@ -13,13 +13,13 @@
 //! used or copied — it is removed (WARN) and the file made as for a new instance.
 
 use super::request::ImportParams;
-use super::view::ImageDeleted;
 use super::Manager;
 use crate::disks::{self, DiskError, GIB};
 use crate::error::{ApiError, ErrorCode};
 use crate::hypervisor::{FirmwareBoot, HypervisorKind, UefiPflash};
 use crate::images::{self, Image};
 use crate::store::{BootMode, InstanceRecord};
+use crate::wire::ImageDeleted;
 use std::path::PathBuf;
 
 /// The overlay's file name in the instance directory.

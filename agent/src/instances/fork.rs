@@ -7,10 +7,10 @@
 //! `cleanup_pending` instances refuse all of these.
 
 use super::request::check_instance_name;
-use super::view::InstanceView;
 use super::{now_rfc3339, Manager};
 use crate::error::ApiError;
 use crate::store::{InstanceDefinition, InstanceRecord, InstanceState, Listing, StoreError};
+use crate::wire::InstanceView;
 use uuid::Uuid;
 
 impl Manager {

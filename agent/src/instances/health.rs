@@ -16,13 +16,13 @@
 //! - a foreign write quarantines at once; a SIGKILL escalation is a strike (suspect, then
 //!   quarantined).
 
-use super::view::UnquarantineResult;
 use super::{now_rfc3339, Manager};
 use crate::devices::WriteError;
 use crate::error::ApiError;
 use crate::instances::request::UnquarantineParams;
 use crate::store::HealthRecord;
 use crate::sync::lock;
+use crate::wire::UnquarantineResult;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

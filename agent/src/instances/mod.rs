@@ -25,7 +25,7 @@
 //! | [`nics`] | an instance's NICs on the host: bridges checked, taps opened right before the spawn |
 //! | [`console_logs`] | the serial consoles: `serial.log` rotation, the serial relays of VMMs that serve their port on a socket |
 //! | [`stats`] | `instance.stats`: a running VM's CPU, memory, disk and NIC counters |
-//! | [`view`] | the typed views the core returns (serialised only by `rpc`) |
+//! | [`view`] | the read side: the operations that build the views ([`crate::wire`]) of get, list, gpus, resources, dry run, health, plugins |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
 //!
 //! Locks, always taken in this order (a later one may be taken while an earlier one is
@@ -121,7 +121,7 @@ pub struct Manager {
     ready: AtomicBool,
     metrics: Metrics,
     /// Each hypervisor as probed at start ([`Manager::probe_hypervisors`]); `None` before.
-    hypervisor_probes: Mutex<Option<Vec<view::HypervisorView>>>,
+    hypervisor_probes: Mutex<Option<Vec<crate::wire::HypervisorView>>>,
     /// Instances whose console log rotation failed (logged once until it works again).
     console_rotation_failures: Mutex<std::collections::HashSet<Uuid>>,
     /// The serial relays of running VMMs that serve their serial port on a socket.
@@ -208,7 +208,10 @@ impl Manager {
     /// a failed call refuses the reload too. Calls in flight finish on the old ones (a
     /// reload never waits for them). Counters are keyed by plugin name and survive the
     /// reload.
-    pub fn reload_plugins(&self, params: &crate::policies::ReloadParams) -> Result<view::ReloadResult, ApiError> {
+    pub fn reload_plugins(
+        &self,
+        params: &crate::policies::ReloadParams,
+    ) -> Result<crate::wire::ReloadResult, ApiError> {
         let mut cfg = self.cfg.clone();
         if let Some(path) = &self.config_path {
             let fresh = Config::load(path)
@@ -225,7 +228,7 @@ impl Manager {
             Vec::new()
         };
         new.announce(&self.metrics);
-        let result = view::ReloadResult { reloaded: true, plugins: new.names(), trial };
+        let result = crate::wire::ReloadResult { reloaded: true, plugins: new.names(), trial };
         *self.policies.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
         tracing::info!(
             placement = %result.plugins.placement,

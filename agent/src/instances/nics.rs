@@ -10,7 +10,6 @@
 //! stop, on delete and in the reconciler catches what the kernel did not: a persistent tap
 //! of a gpuvisor name (e.g. made by hand or by an older tool).
 
-use super::view::PassReport;
 use super::Manager;
 use crate::error::ApiError;
 use crate::host::net::{self, NetError, Tap};
@@ -19,6 +18,7 @@ use crate::hypervisor::{NicBackend, NicSpec};
 use crate::metrics::PassStage;
 use crate::network::{self, Nic};
 use crate::store::InstanceRecord;
+use crate::wire::PassReport;
 
 /// The refusal of a NIC whose bridge cannot be used: `invalid_request` naming the field.
 fn bridge_refusal(i: usize, e: NetError) -> ApiError {

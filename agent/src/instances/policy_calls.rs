@@ -261,7 +261,7 @@ impl Manager {
     }
 
     /// Each hypervisor as probed (not yet probed: unavailable, saying so).
-    pub(crate) fn hypervisor_views(&self) -> Vec<super::view::HypervisorView> {
+    pub(crate) fn hypervisor_views(&self) -> Vec<crate::wire::HypervisorView> {
         match &*crate::sync::lock(&self.hypervisor_probes) {
             Some(v) => v.clone(),
             None => HypervisorKind::ALL
@@ -413,12 +413,12 @@ fn hypervisor_view(
     binary: &std::path::Path,
     probe: Result<String, String>,
     attach: crate::config::VfioAttach,
-) -> super::view::HypervisorView {
+) -> crate::wire::HypervisorView {
     let (version, problem) = match probe {
         Ok(v) => (Some(v), None),
         Err(e) => (None, Some(e)),
     };
-    super::view::HypervisorView {
+    crate::wire::HypervisorView {
         name: kind,
         binary: binary.display().to_string(),
         available: version.is_some(),

@@ -11,11 +11,11 @@
 //!   instance claims a device again like any start. A stop that fails answers that error and
 //!   starts nothing; a start that fails leaves the instance `stopped` and answers why.
 
-use super::view::InstanceView;
 use super::Manager;
 use crate::error::ApiError;
 use crate::store::InstanceState;
 use crate::sync::lock;
+use crate::wire::InstanceView;
 use std::time::Duration;
 
 impl Manager {

@@ -28,7 +28,6 @@
 
 use super::release::{scan, Release, Released};
 use super::supervise::Death;
-use super::view::{DeletedItem, FailedItem, PassReport, RecordChange, ReleasedItem};
 use super::vmm::Dead;
 use super::Manager;
 use crate::devices::{mdev, vendor_vfio};
@@ -38,6 +37,7 @@ use crate::host::HostRoot;
 use crate::metrics::{PassStage, StaleResult};
 use crate::store::{Claim, Framework, InstanceRecord, InstanceState, MdevRecord, Store, VmmRecord};
 use crate::sync::lock;
+use crate::wire::{DeletedItem, FailedItem, PassReport, RecordChange, ReleasedItem};
 use gpuvisor_sdk::{GraceAction, GraceItem, GraceItemKind, GraceOwner};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -797,7 +797,7 @@ impl Manager {
             match decisions.get(&device) {
                 Some(d) if d.action == GraceAction::Release => {}
                 Some(d) => {
-                    report.kept.push(super::view::KeptItem {
+                    report.kept.push(crate::wire::KeptItem {
                         device: Some(device.clone()),
                         instance: None,
                         reason: format!("grace: {}", d.reason),

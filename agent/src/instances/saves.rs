@@ -31,12 +31,12 @@
 //! own disk, so a snapshot can be restored any number of times.
 
 use super::disk::{EFIVARS, OVERLAY};
-use super::view::InstanceView;
 use super::{now_rfc3339, Manager};
 use crate::error::ApiError;
 use crate::hypervisor::HypervisorKind;
 use crate::store::{InstanceRecord, InstanceState};
 use crate::sync::lock;
+use crate::wire::InstanceView;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::io::Write;

@@ -3,13 +3,13 @@
 //! claim is written, then claim, configure and spawn as create does.
 
 use super::rollback::Rollback;
-use super::view::InstanceView;
 use super::vmm::OwnedClaim;
 use super::Manager;
 use crate::error::{ApiError, ReleaseFailure};
 use crate::host::proc::Liveness;
 use crate::store::InstanceState;
 use crate::sync::lock;
+use crate::wire::InstanceView;
 use std::time::Duration;
 
 impl Manager {

@@ -5,13 +5,13 @@
 //! release; stopping a `standby` instance discards its saved state.
 
 use super::release::Release;
-use super::view::{InstanceView, QuarantinedDevice};
 use super::vmm::OwnedClaim;
 use super::Manager;
 use crate::error::ApiError;
 use crate::host::proc::Liveness;
 use crate::store::InstanceState;
 use crate::sync::lock;
+use crate::wire::{InstanceView, QuarantinedDevice};
 use std::time::Duration;
 
 impl Manager {

@@ -14,11 +14,11 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::view::InstanceView;
 use super::Manager;
 use crate::error::ApiError;
 use crate::store::{InstanceState, Labels, RestartPolicy};
 use crate::sync::lock;
+use crate::wire::InstanceView;
 
 /// `instance.update` parameters: the instance, and only the fields that change.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize, JsonSchema)]
