@@ -1118,7 +1118,7 @@ fn print_json<T: serde::Serialize>(v: &T) {
 }
 
 /// `gpuvisor host check`: reads the host directly (the config's `host_root`, or
-/// `--host-root`); a table or, with `-o json`, the [`HostReport`](crate::host::check::HostReport).
+/// `--host-root`); a table or, with `-o json`, the [`HostReport`](crate::doctor::HostReport).
 /// Exit code 0 when no check fails, 1 otherwise, 2 for a config that cannot be read.
 fn host_check(cli: &Cli, args: &HostCheckArgs) -> i32 {
     let mut cfg = match &args.config {
@@ -1134,7 +1134,7 @@ fn host_check(cli: &Cli, args: &HostCheckArgs) -> i32 {
     if let Some(r) = &args.host_root {
         cfg.host_root = r.clone();
     }
-    let report = crate::host::check::check_host(&cfg);
+    let report = crate::doctor::check_host(&cfg);
     if cli.output == Output::Json {
         println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
     } else {

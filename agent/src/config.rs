@@ -633,8 +633,6 @@ pub fn is_bdf(s: &str) -> bool {
         && [0, 1, 2, 3, 5, 6, 8, 9].iter().all(|&i| b[i].is_ascii_hexdigit())
 }
 
-pub use crate::store::Labels;
-
 #[cfg(test)]
 mod tests {
     use super::*;

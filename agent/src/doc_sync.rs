@@ -526,3 +526,66 @@ fn the_readme_layout_lists_every_directory_and_the_files_of_each_module() {
     }
     assert!(wrong.is_empty(), "README.md's Layout is out of step with the repository: {wrong:#?}");
 }
+
+/// The top-level modules of the agent's library each `crate::<module>` reference (outside
+/// comments and test modules) names: the code's own imports.
+fn module_imports() -> BTreeMap<String, BTreeSet<String>> {
+    let src = repo().join("agent/src");
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in files_under("agent/src") {
+        let rel = f.strip_prefix(&src).unwrap_or(&f).to_string_lossy().into_owned();
+        let top = rel.split('/').next().unwrap_or_default().trim_end_matches(".rs").to_string();
+        if !rel.ends_with(".rs") || matches!(top.as_str(), "main" | "lib") || rel.ends_with("_tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap_or_default();
+        let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or_default();
+        let entry = graph.entry(top.clone()).or_default();
+        for line in code.lines().map(|l| l.split("//").next().unwrap_or_default()) {
+            for part in line.split("crate::").skip(1) {
+                let name: String = part.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                if name != top && !name.is_empty() {
+                    entry.insert(name);
+                }
+            }
+        }
+    }
+    let modules: BTreeSet<String> = graph.keys().cloned().collect();
+    graph.values_mut().for_each(|deps| deps.retain(|d| modules.contains(d)));
+    graph
+}
+
+/// docs/design/architecture.md "Layers": data flows down, nothing below calls up — so the
+/// top-level modules import no circle, the domain and the host know nothing of what is
+/// built on them, and `events` and `error` do not import the store.
+#[test]
+fn the_modules_import_no_circle_and_nothing_below_imports_up() {
+    let graph = module_imports();
+    assert!(graph.len() > 20, "modules found: {:?}", graph.keys());
+    // A circle is a module reaching itself through the imports.
+    for start in graph.keys() {
+        let mut seen = BTreeSet::new();
+        let mut todo: Vec<&String> = graph[start].iter().collect();
+        while let Some(m) = todo.pop() {
+            assert_ne!(m, start, "an import circle through {start}: {graph:#?}");
+            if seen.insert(m) {
+                todo.extend(graph.get(m).into_iter().flatten());
+            }
+        }
+    }
+    let below: &[(&str, &[&str])] = &[
+        ("host", &["devices", "hypervisor", "store", "domain", "instances", "policies", "rpc", "cli"]),
+        ("domain", &["store", "events", "error", "devices", "instances", "policies", "rpc", "cli"]),
+        ("devices", &["store", "hypervisor", "instances", "policies", "rpc", "cli"]),
+        ("hypervisor", &["store", "domain", "devices", "instances", "policies", "rpc", "cli"]),
+        ("events", &["store", "instances", "rpc"]),
+        ("error", &["store", "instances", "rpc"]),
+        ("network", &["error", "store", "instances"]),
+        ("config", &["store", "domain", "instances"]),
+    ];
+    for (module, not) in below {
+        for n in *not {
+            assert!(!graph[*module].contains(*n), "{module} imports {n}, which is built on it");
+        }
+    }
+}

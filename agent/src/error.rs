@@ -459,6 +459,12 @@ impl std::fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
+impl From<crate::network::Invalid> for ApiError {
+    fn from(e: crate::network::Invalid) -> ApiError {
+        ApiError::invalid_request(e.0)
+    }
+}
+
 impl From<crate::domain::IllegalTransition> for ApiError {
     fn from(e: crate::domain::IllegalTransition) -> ApiError {
         ApiError::internal(e)

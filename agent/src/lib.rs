@@ -15,6 +15,7 @@ pub mod devices;
 pub mod disks;
 #[cfg(test)]
 mod doc_sync;
+pub mod doctor;
 pub mod domain;
 pub mod error;
 pub mod events;

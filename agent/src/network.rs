@@ -15,7 +15,6 @@
 //! Nothing here touches the host: taps are opened in [`crate::host::net`], the seed is
 //! written by `instances::seed`.
 
-use crate::error::ApiError;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -122,28 +121,46 @@ pub fn valid_ifname(name: &str) -> bool {
         && name.bytes().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-'))
 }
 
+/// NICs or cloud-init inputs a request may not have: what is wrong, one sentence (the API
+/// answers it `invalid_request`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Invalid(pub String);
+
+impl From<String> for Invalid {
+    fn from(s: String) -> Invalid {
+        Invalid(s)
+    }
+}
+
+impl From<&str> for Invalid {
+    fn from(s: &str) -> Invalid {
+        Invalid(s.to_string())
+    }
+}
+
 /// Checks the NICs of a create (`invalid_request` naming the field): at most [`MAX_NICS`],
 /// ports 1–65535, IPv4 host addresses, valid bridge names, no host port forwarded twice
 /// (same protocol and address — or `0.0.0.0` and any address — across all NICs). What
 /// depends on the host (the address is the host's, the port is one an unprivileged VMM may
 /// bind) is checked by the create (`instances::nics`).
-pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
+pub fn check_nics(nics: &[Nic]) -> Result<(), Invalid> {
     if nics.len() > MAX_NICS {
-        return Err(ApiError::invalid_request(format!("nics: {} NICs; at most {MAX_NICS} are allowed", nics.len())));
+        return Err(Invalid::from(format!("nics: {} NICs; at most {MAX_NICS} are allowed", nics.len())));
     }
     let mut seen: Vec<(Proto, &str, u32)> = Vec::new();
     for (i, nic) in nics.iter().enumerate() {
         match nic {
             Nic::Bridge { bridge } => {
                 if !valid_ifname(bridge) {
-                    return Err(ApiError::invalid_request(format!(
+                    return Err(Invalid::from(format!(
                         "nics[{i}].bridge {bridge:?} is not a valid interface name (1-{IFNAME_MAX} bytes of [A-Za-z0-9_.-])"
                     )));
                 }
             }
             Nic::User { forwards } => {
                 if forwards.len() > MAX_FORWARDS {
-                    return Err(ApiError::invalid_request(format!(
+                    return Err(Invalid::from(format!(
                         "nics[{i}].forwards: {} forwards; at most {MAX_FORWARDS} are allowed",
                         forwards.len()
                     )));
@@ -152,16 +169,11 @@ pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
                     let at = format!("nics[{i}].forwards[{j}]");
                     for (field, port) in [("host_port", f.host_port), ("guest_port", f.guest_port)] {
                         if !(1..=65535).contains(&port) {
-                            return Err(ApiError::invalid_request(format!(
-                                "{at}.{field} must be 1..=65535, not {port}"
-                            )));
+                            return Err(Invalid::from(format!("{at}.{field} must be 1..=65535, not {port}")));
                         }
                     }
                     if f.host_addr.parse::<std::net::Ipv4Addr>().is_err() {
-                        return Err(ApiError::invalid_request(format!(
-                            "{at}.host_addr {:?} is not an IPv4 address",
-                            f.host_addr
-                        )));
+                        return Err(Invalid::from(format!("{at}.host_addr {:?} is not an IPv4 address", f.host_addr)));
                     }
                     // The same port on the same address, or on 0.0.0.0 (every address) and
                     // any other address: the second bind can never succeed.
@@ -171,7 +183,7 @@ pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
                             && (*a == f.host_addr || *a == ANY_ADDR || f.host_addr == ANY_ADDR)
                     });
                     if let Some((_, other, _)) = clash {
-                        return Err(ApiError::invalid_request(if *other == f.host_addr {
+                        return Err(Invalid::from(if *other == f.host_addr {
                             format!(
                                 "{at}: host port {}/{} on {} is forwarded twice",
                                 f.host_port,
@@ -198,17 +210,17 @@ pub fn check_nics(nics: &[Nic]) -> Result<(), ApiError> {
 
 /// Checks the cloud-init inputs: each at most [`CLOUD_INIT_MAX_BYTES`], no NUL byte
 /// (`invalid_request` naming the field).
-pub fn check_cloud_init(c: &CloudInit) -> Result<(), ApiError> {
+pub fn check_cloud_init(c: &CloudInit) -> Result<(), Invalid> {
     for (field, v) in [("user_data", &c.user_data), ("network_config", &c.network_config)] {
         let Some(v) = v else { continue };
         if v.len() > CLOUD_INIT_MAX_BYTES {
-            return Err(ApiError::invalid_request(format!(
+            return Err(Invalid::from(format!(
                 "cloud_init.{field} is {} bytes; at most {CLOUD_INIT_MAX_BYTES} are allowed",
                 v.len()
             )));
         }
         if v.contains('\0') {
-            return Err(ApiError::invalid_request(format!("cloud_init.{field} contains a NUL byte")));
+            return Err(Invalid::from(format!("cloud_init.{field} contains a NUL byte")));
         }
     }
     Ok(())
@@ -343,7 +355,7 @@ mod tests {
         let user = |f: Vec<Forward>| Nic::User { forwards: f };
         assert!(check_nics(&[]).is_ok());
         assert!(check_nics(&[user(vec![fwd(8080, 80)]), Nic::Bridge { bridge: "br0".into() }]).is_ok());
-        let e = |n: &[Nic]| check_nics(n).unwrap_err().message;
+        let e = |n: &[Nic]| check_nics(n).unwrap_err().0;
         assert!(e(&[user(vec![fwd(0, 80)])]).contains("nics[0].forwards[0].host_port"));
         assert!(e(&[user(vec![fwd(80, 65536)])]).contains("guest_port"));
         assert!(e(&[user(vec![fwd(8080, 80)]), user(vec![fwd(8080, 81)])]).contains("forwarded twice"));
@@ -415,8 +427,8 @@ mod tests {
         let ok = CloudInit { user_data: Some("x".repeat(CLOUD_INIT_MAX_BYTES)), network_config: None };
         assert!(check_cloud_init(&ok).is_ok());
         let big = CloudInit { user_data: None, network_config: Some("x".repeat(CLOUD_INIT_MAX_BYTES + 1)) };
-        assert!(check_cloud_init(&big).unwrap_err().message.contains("cloud_init.network_config"));
+        assert!(check_cloud_init(&big).unwrap_err().0.contains("cloud_init.network_config"));
         let nul = CloudInit { user_data: Some("a\0b".into()), network_config: None };
-        assert!(check_cloud_init(&nul).unwrap_err().message.contains("NUL"));
+        assert!(check_cloud_init(&nul).unwrap_err().0.contains("NUL"));
     }
 }

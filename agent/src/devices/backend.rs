@@ -13,8 +13,8 @@
 //! that no other file calls it).
 
 use super::{Cleared, WriteError};
+use crate::domain::{Claim, ClaimKind};
 use crate::host::HostRoot;
-use crate::store::{Claim, ClaimKind};
 use std::path::PathBuf;
 
 /// A device as the release path and the VMM see it: the claimed (or orphan) device, its

@@ -12,8 +12,8 @@ use super::backend::{
     WriteSite,
 };
 use super::{errno_name, link_basename, read_attr, write_attr, Cleared, UnreadableDevice, WriteError};
+use crate::domain::ClaimKind;
 use crate::host::HostRoot;
-use crate::store::ClaimKind;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};

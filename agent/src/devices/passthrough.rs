@@ -18,8 +18,8 @@ use super::backend::{
     WriteSite,
 };
 use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, WriteError};
+use crate::domain::{ClaimKind, PassthroughClaim};
 use crate::host::HostRoot;
-use crate::store::{ClaimKind, PassthroughClaim};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -530,7 +530,7 @@ mod tests {
     use crate::devices::backend::testing::{Recorder, Step, Tree};
     use crate::devices::backend::{backend, Held};
     use crate::devices::Refused;
-    use crate::store::FunctionRecord;
+    use crate::domain::FunctionRecord;
 
     /// A card (the GPU and its audio function) in IOMMU group 42, bound to `drivers`, each
     /// function with its cdev; `gpu`/`audio` are unique per test (the in-flight writes are

@@ -13,8 +13,8 @@ use super::backend::{
 };
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
 use super::{errno_name, link_basename, read_attr, write_attr, Cleared, WriteError};
+use crate::domain::ClaimKind;
 use crate::host::HostRoot;
-use crate::store::ClaimKind;
 use std::fs;
 use std::io;
 use std::num::NonZeroU32;

@@ -9,7 +9,6 @@
 //! real `/proc`, read through the `procfs` crate ([`proc`]).
 
 pub mod cgroup;
-pub mod check;
 pub mod lock;
 pub mod net;
 pub mod proc;

@@ -19,9 +19,9 @@
 //! document and the client.
 
 use super::{blocking, no_params, parse};
+use crate::doctor::HostReport;
 use crate::error::{ApiError, ErrorCode};
 use crate::events::Event;
-use crate::host::check::HostReport;
 use crate::images::Image;
 use crate::instances::owners::{
     ClaimList, ListParams as ClaimListParams, OwnersParams, OwnersResult, PrepareParams, PreparedView, ReleaseParams,
@@ -488,7 +488,7 @@ api! {
             params: NoParams,
             result: HostReport,
             errors: [],
-            call: |m, _| always(crate::host::check::check_host(m.config())),
+            call: |m, _| always(crate::doctor::check_host(m.config())),
         }
         RpcDiscover {
             name: "rpc.discover",

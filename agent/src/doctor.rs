@@ -1,4 +1,4 @@
-//! # host::check — `gpuvisor host check`: what gpuvisor needs from this host, read only
+//! # doctor — `gpuvisor host check`: what gpuvisor needs from this host, read only
 //!
 //! [`check_host`] reads the host (sysfs and devfs under `host_root`; `/proc`, `/dev/kvm`,
 //! the cgroup v2 mount, the passwd database and the hypervisor binaries on the real host,
@@ -9,14 +9,17 @@
 //! The hypervisor probes are the agent's own ([`crate::hypervisor::Driver::probe`]; the
 //! Cloud Hypervisor probe runs a throw-away VMM on a temporary socket).
 //!
+//! It reads what `devices/` and `hypervisor/` know of a host, so it sits above them (not in
+//! `host/`, which they build on).
+//!
 //! Sources: docs/design/host.md §§1–7 (what the frameworks look like in sysfs);
 //! `Documentation/ABI/testing/sysfs-bus-pci` (`sriov_totalvfs`, `sriov_numvfs`,
 //! `virtfn<N>`); `Documentation/virt/kvm/api.rst` (`KVM_GET_API_VERSION` answers 12);
 //! `Documentation/admin-guide/cgroup-v2.rst` (`cgroup.controllers`).
 
-use super::{cgroup, proc, HostRoot, KVM_DEVICE};
 use crate::config::Config;
 use crate::devices::{self, mdev::MdevParent, passthrough, vendor_vfio::GpuInfo, HostMode, NVIDIA_VENDOR};
+use crate::host::{cgroup, proc, HostRoot, KVM_DEVICE};
 use crate::hypervisor::HypervisorKind;
 use serde::{Deserialize, Serialize};
 use std::io;
