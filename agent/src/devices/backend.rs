@@ -12,7 +12,7 @@
 //! proved the owner done and scanned for holders under the device lock (a test there checks
 //! that no other file calls it).
 
-use super::{Cleared, WriteError};
+use super::{Cleared, DeviceError, WriteError};
 use crate::domain::{Claim, ClaimKind};
 use crate::host::HostRoot;
 use std::path::PathBuf;
@@ -82,6 +82,12 @@ pub enum Verdict {
     GpuFault { gpu: String },
 }
 
+/// The record of an mdev about to be created could not be written (why, from the store):
+/// nothing is created.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NotRecorded(pub String);
+
 /// What the claim sequence does around a backend's configure (under the configure and
 /// device locks): the health accounting of each write, the records and host services a
 /// kind needs. Implemented by the claim path only.
@@ -92,7 +98,7 @@ pub trait ConfigureSteps {
     fn quarantine(&self, device: &str, reason: &str, detail: &str);
     /// Records the mdev `uuid` before it is created on `parent` (an error: nothing is
     /// created).
-    fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), String>;
+    fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), NotRecorded>;
     /// The mdev `uuid` was not created: its record may go.
     fn mdev_not_created(&self, uuid: uuid::Uuid);
     /// Makes sure no host process holds the GPU `gpu` through the host driver's `node`
@@ -190,7 +196,7 @@ pub trait Backend: Sync {
     /// The device nodes whose holders block a release of `held`: a process holding one
     /// keeps the device (docs/design/host.md §5). An error makes the scan unknown (fail
     /// closed).
-    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String>;
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, DeviceError>;
 
     /// Clears `held` and reads it back, reporting each write to `steps`.
     /// [`Cleared::Wrote`] only when a write of this call took effect.
@@ -201,7 +207,7 @@ pub trait Backend: Sync {
     /// The type a claimed device holds now that must be cleared (through the release path)
     /// before it is configured: a dirty VF. `None` for a kind that is created fresh. An
     /// error: its state cannot be read.
-    fn dirty(&self, _host: &HostRoot, _held: &Held<'_>) -> Result<Option<u32>, String> {
+    fn dirty(&self, _host: &HostRoot, _held: &Held<'_>) -> Result<Option<u32>, DeviceError> {
         Ok(None)
     }
 
@@ -235,8 +241,8 @@ pub fn backend(kind: &ClaimKind) -> &'static dyn Backend {
 }
 
 /// The error of a backend handed a claim of another kind (a bug: [`backend`] picks by kind).
-pub(crate) fn wrong_kind(backend: &str, held: &Held<'_>) -> String {
-    format!("the {backend} backend was handed a {} claim of {}", held.kind.framework().as_str(), held.device)
+pub(crate) fn wrong_kind(backend: &'static str, held: &Held<'_>) -> DeviceError {
+    DeviceError::WrongKind { backend, framework: held.kind.framework().as_str(), device: held.device.to_string() }
 }
 
 /// A temp-dir host tree shaped like docs/design/host.md (plain files, directories and
@@ -377,7 +383,7 @@ pub(crate) mod testing {
         fn quarantine(&self, device: &str, reason: &str, detail: &str) {
             ClearSteps::quarantine(self, device, reason, detail);
         }
-        fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), String> {
+        fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), NotRecorded> {
             self.steps.borrow_mut().push(Step::MdevCreating {
                 uuid,
                 parent: parent.into(),

@@ -11,7 +11,7 @@ use super::backend::{
     group_of, wrong_kind, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice,
     WriteSite,
 };
-use super::{errno_name, link_basename, read_attr, write_attr, Cleared, UnreadableDevice, WriteError};
+use super::{link_basename, read_attr, write_attr, Cleared, DeviceError, UnreadableDevice, WriteError};
 use crate::domain::ClaimKind;
 use crate::host::HostRoot;
 use std::fs;
@@ -39,7 +39,7 @@ pub struct MdevParent {
     /// The physical GPU: basename of `physfn`, or the parent itself.
     pub pf: String,
     /// Its types; `Err` when `mdev_supported_types` (or a type's `name`) cannot be read.
-    pub types: Result<Vec<MdevType>, String>,
+    pub types: Result<Vec<MdevType>, DeviceError>,
 }
 
 impl MdevParent {
@@ -77,7 +77,7 @@ pub fn framebuffer_from_description(desc: &str) -> Option<u64> {
 
 /// Every mdev parent with its types, read now. A missing `mdev_bus` means none. Errors:
 /// `mdev_bus` exists but cannot be listed (a probe error, never a fallback).
-pub fn parents(host: &HostRoot) -> Result<Vec<MdevParent>, super::DeviceError> {
+pub fn parents(host: &HostRoot) -> Result<Vec<MdevParent>, DeviceError> {
     let dir = host.mdev_bus_dir();
     let mut out = Vec::new();
     for bdf in super::list_dir(&dir)? {
@@ -90,19 +90,19 @@ pub fn parents(host: &HostRoot) -> Result<Vec<MdevParent>, super::DeviceError> {
     Ok(out)
 }
 
-fn read_types(dir: &Path) -> Result<Vec<MdevType>, String> {
+fn read_types(dir: &Path) -> Result<Vec<MdevType>, DeviceError> {
+    let unlisted = |e: &io::Error| DeviceError::unlisted("mdev_supported_types", e);
     let rd = match fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("mdev_supported_types cannot be listed: {}", errno_name(&e))),
+        Err(e) => return Err(unlisted(&e)),
     };
     let mut types = Vec::new();
     for e in rd {
-        let e = e.map_err(|e| format!("mdev_supported_types cannot be listed: {}", errno_name(&e)))?;
+        let e = e.map_err(|e| unlisted(&e))?;
         let d = e.path();
         let dir_name = e.file_name().to_string_lossy().into_owned();
-        let name =
-            read_attr(&d.join("name")).map_err(|e| format!("{dir_name}/name cannot be read: {}", errno_name(&e)))?;
+        let name = read_attr(&d.join("name")).map_err(|e| DeviceError::unreadable(format!("{dir_name}/name"), &e))?;
         types.push(MdevType {
             dir: dir_name,
             framebuffer_mib: read_attr(&d.join("description")).ok().and_then(|s| framebuffer_from_description(&s)),
@@ -117,7 +117,7 @@ fn read_types(dir: &Path) -> Result<Vec<MdevType>, String> {
 /// Every mdev on the host, and those that could not be read (a directory whose name is not a
 /// UUID, an `mdev_type` link that cannot be read): each is named, never skipped silently.
 /// Errors: the devices directory exists but cannot be listed.
-pub fn devices(host: &HostRoot) -> Result<(Vec<MdevDevice>, Vec<UnreadableDevice>), super::DeviceError> {
+pub fn devices(host: &HostRoot) -> Result<(Vec<MdevDevice>, Vec<UnreadableDevice>), DeviceError> {
     let mut out = Vec::new();
     let mut unreadable = Vec::new();
     for uuid in super::list_dir(&host.mdev_devices_dir())? {
@@ -133,11 +133,11 @@ pub fn devices(host: &HostRoot) -> Result<(Vec<MdevDevice>, Vec<UnreadableDevice
         match read_device(host, &uuid) {
             Ok(Some(d)) => out.push(d),
             Ok(None) => {} // removed while listing
-            Err(reason) => unreadable.push(UnreadableDevice {
+            Err(e) => unreadable.push(UnreadableDevice {
                 address: uuid.clone(),
                 gpu: None,
                 parent: parent_of(host, &uuid),
-                reason,
+                reason: e.to_string(),
             }),
         }
     }
@@ -155,12 +155,12 @@ fn parent_of(host: &HostRoot, uuid: &str) -> Option<String> {
 
 /// Reads one mdev. `Ok(None)` only when its directory does not exist; an `mdev_type` link
 /// that cannot be read or parsed is `Err` — unreadable is not absent.
-pub fn read_device(host: &HostRoot, uuid: &str) -> Result<Option<MdevDevice>, String> {
+pub fn read_device(host: &HostRoot, uuid: &str) -> Result<Option<MdevDevice>, DeviceError> {
     let d = host.mdev_device(uuid);
     let target = match fs::read_link(d.join("mdev_type")) {
         Ok(t) => t,
         Err(e) if e.kind() == io::ErrorKind::NotFound && fs::symlink_metadata(&d).is_err() => return Ok(None),
-        Err(e) => return Err(format!("mdev {uuid}/mdev_type cannot be read: {}", errno_name(&e))),
+        Err(e) => return Err(DeviceError::unreadable(format!("mdev {uuid}/mdev_type"), &e)),
     };
     let comps: Vec<String> = target.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
     let parsed = comps.iter().position(|c| c == "mdev_supported_types").and_then(|pos| {
@@ -168,7 +168,7 @@ pub fn read_device(host: &HostRoot, uuid: &str) -> Result<Option<MdevDevice>, St
         Some((parent, comps.last()?.clone()))
     });
     let Some((parent, mdev_type)) = parsed else {
-        return Err(format!("mdev {uuid}/mdev_type points to {}, not a parent's type", target.display()));
+        return Err(DeviceError::MdevTypeLink { uuid: uuid.to_string(), target });
     };
     let iommu_group = link_basename(&d.join("iommu_group")).ok().and_then(|g| g.parse().ok());
     Ok(Some(MdevDevice { uuid: uuid.to_string(), parent, mdev_type, iommu_group }))
@@ -176,7 +176,7 @@ pub fn read_device(host: &HostRoot, uuid: &str) -> Result<Option<MdevDevice>, St
 
 /// The device nodes of an mdev: its group node and its `vfio-dev` cdevs. Absent paths mean
 /// fewer targets; any other read error is `Err` (the scan result is then unknown).
-pub fn targets(host: &HostRoot, uuid: &str) -> Result<Vec<PathBuf>, String> {
+pub fn targets(host: &HostRoot, uuid: &str) -> Result<Vec<PathBuf>, DeviceError> {
     let d = host.mdev_device(uuid);
     let mut t = Vec::new();
     match link_basename(&d.join("iommu_group")) {
@@ -186,17 +186,18 @@ pub fn targets(host: &HostRoot, uuid: &str) -> Result<Vec<PathBuf>, String> {
             }
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("mdev {uuid}/iommu_group cannot be read: {}", errno_name(&e))),
+        Err(e) => return Err(DeviceError::unreadable(format!("mdev {uuid}/iommu_group"), &e)),
     }
+    let unlisted = |e: &io::Error| DeviceError::unlisted(format!("mdev {uuid}/vfio-dev"), e);
     match fs::read_dir(d.join("vfio-dev")) {
         Ok(rd) => {
             for e in rd {
-                let e = e.map_err(|e| format!("mdev {uuid}/vfio-dev cannot be listed: {}", errno_name(&e)))?;
+                let e = e.map_err(|e| unlisted(&e))?;
                 t.push(host.vfio_cdev_node(&e.file_name().to_string_lossy()));
             }
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("mdev {uuid}/vfio-dev cannot be listed: {}", errno_name(&e))),
+        Err(e) => return Err(unlisted(&e)),
     }
     Ok(t)
 }
@@ -247,7 +248,7 @@ pub struct Mdev;
 
 impl Backend for Mdev {
     /// The mdev's group node and iommufd cdev ([`targets`]).
-    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String> {
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, DeviceError> {
         let ClaimKind::Mdev { uuid, .. } = held.kind else {
             return Err(wrong_kind("mdev", held));
         };
@@ -257,7 +258,7 @@ impl Backend for Mdev {
     /// Writes the mdev's `remove`; its record goes once it is gone.
     fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError> {
         let ClaimKind::Mdev { uuid, .. } = held.kind else {
-            return Err(ClearError::Failed(WriteError::other(wrong_kind("mdev", held))));
+            return Err(ClearError::Failed(WriteError::other(wrong_kind("mdev", held).to_string())));
         };
         let res = remove(host, &uuid.to_string());
         steps.write_outcome(
@@ -284,7 +285,7 @@ impl Backend for Mdev {
         let ClaimKind::Mdev { uuid, mdev_type, .. } = held.kind else {
             return Err(Refused::untouched("claim lacks an mdev uuid"));
         };
-        steps.mdev_creating(*uuid, held.device, mdev_type).map_err(Refused::untouched)?;
+        steps.mdev_creating(*uuid, held.device, mdev_type).map_err(|e| Refused::untouched(e.to_string()))?;
         let res = create(host, held.device, mdev_type, &uuid.to_string());
         let verdict = steps.write_outcome(held.device, held.gpu, WriteSite::MdevCreate, &res);
         match res {

@@ -22,8 +22,8 @@ pub mod passthrough;
 pub mod vendor_vfio;
 
 pub use backend::{
-    backend, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, Verdict,
-    VfioDevice, WriteSite,
+    backend, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, NotRecorded, Refused,
+    Verdict, VfioDevice, WriteSite,
 };
 
 use crate::host::HostRoot;
@@ -63,7 +63,9 @@ impl HostMode {
     }
 }
 
-/// Errors of the device backends.
+/// Errors of the device backends: what could not be read, listed or made sense of. An
+/// error makes a device unreadable (never clear, never written) and a scan of its holders
+/// unknown. `Clone` and comparable: a reading is kept with the device it belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DeviceError {
     /// A sysfs directory exists but cannot be listed: a probe error, never "no devices".
@@ -73,6 +75,58 @@ pub enum DeviceError {
     /// only if no VF at all is readable).
     #[error("no VF's current_vgpu_type can be read ({count} VFs)")]
     NoReadableVf { count: usize },
+    /// A VF attribute (`current_vgpu_type`, `creatable_vgpu_types`) cannot be read: the
+    /// errno name (`EIO`), or what it reads when that is not what the driver writes.
+    #[error("{0}")]
+    Attr(String),
+    /// `what` (a sysfs file or link, named as a sentence starts: `its class`, `mdev
+    /// <uuid>/mdev_type`) cannot be read: the errno name, or what it reads.
+    #[error("{what} cannot be read: {reason}")]
+    Unreadable { what: String, reason: String },
+    /// `what` (a sysfs directory, named as a sentence starts) cannot be listed: the errno
+    /// name.
+    #[error("{what} cannot be listed: {errno}")]
+    Unlisted { what: String, errno: String },
+    /// A VF's `current_vgpu_type` cannot be read now (a dirty check: the device's state is
+    /// unknown).
+    #[error("current_vgpu_type unreadable: {0}")]
+    TypeUnreadable(String),
+    /// The VFIO nodes of the PCI function `bdf` (its `iommu_group` link, its `vfio-dev/`)
+    /// cannot be read: its holders are unknown.
+    #[error("the VFIO paths of {bdf} cannot be read: {reason}")]
+    VfioPaths { bdf: String, reason: String },
+    /// An mdev's `mdev_type` link does not point into a parent's `mdev_supported_types`.
+    #[error("mdev {uuid}/mdev_type points to {}, not a parent's type", target.display())]
+    MdevTypeLink { uuid: String, target: PathBuf },
+    /// A PCI function named as a passthrough GPU is not a display controller.
+    #[error("it is not a GPU (PCI class {class}, not a display controller 0x03xxxx)")]
+    NotAGpu { class: String },
+    /// A GPU's `iommu_group` link does not end in a group number.
+    #[error("its iommu_group link does not name a group number")]
+    GroupLink,
+    /// A GPU's IOMMU group does not list the GPU itself.
+    #[error("its IOMMU group {group} does not list it")]
+    NotInGroup { group: u32 },
+    /// The NVIDIA driver's `information` file of a GPU has a `Device Minor` that is not a
+    /// number.
+    #[error("{}: Device Minor reads {value:?}", path.display())]
+    DeviceMinor { path: PathBuf, value: String },
+    /// A backend was handed a claim of another kind (a bug: [`backend::backend`] picks by
+    /// kind).
+    #[error("the {backend} backend was handed a {framework} claim of {device}")]
+    WrongKind { backend: &'static str, framework: &'static str, device: String },
+}
+
+impl DeviceError {
+    /// [`DeviceError::Unreadable`] of `what`, with the errno name of `e`.
+    pub(crate) fn unreadable(what: impl Into<String>, e: &io::Error) -> DeviceError {
+        DeviceError::Unreadable { what: what.into(), reason: errno_name(e) }
+    }
+
+    /// [`DeviceError::Unlisted`] of `what`, with the errno name of `e`.
+    pub(crate) fn unlisted(what: impl Into<String>, e: &io::Error) -> DeviceError {
+        DeviceError::Unlisted { what: what.into(), errno: errno_name(e) }
+    }
 }
 
 /// A device that exists but whose state cannot be read: counted as unreadable everywhere,
@@ -140,7 +194,7 @@ pub fn scan(host: &HostRoot, whole: &[String]) -> HostScan {
                 address: p.bdf.clone(),
                 gpu: Some(p.pf.clone()),
                 parent: None,
-                reason: reason.clone(),
+                reason: reason.to_string(),
             });
         }
     }
@@ -202,7 +256,7 @@ pub fn scan(host: &HostRoot, whole: &[String]) -> HostScan {
         let current_type = match vendor_vfio::read_current_type(host, bdf) {
             // No nvidia/ directory: not a vendor-VFIO VF (e.g. an mdev parent).
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            r => r.map_err(|e| vendor_vfio::errno_or_msg(&e)),
+            r => r.map_err(|e| DeviceError::Attr(vendor_vfio::errno_or_msg(&e))),
         };
         vfs_seen += 1;
         let vf = vendor_vfio::read_vf_with_type(host, bdf, pf.clone(), current_type);

@@ -17,7 +17,7 @@ use super::backend::{
     wrong_kind, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice,
     WriteSite,
 };
-use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, WriteError};
+use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, DeviceError, WriteError};
 use crate::domain::{ClaimKind, PassthroughClaim};
 use crate::host::HostRoot;
 use std::io;
@@ -114,35 +114,35 @@ fn read_u32(path: &Path) -> io::Result<u32> {
 /// Reads one configured passthrough GPU. `Ok(None)`: the host has no such PCI function.
 /// Errors: one sentence naming what could not be read (the GPU is then unreadable, never
 /// free).
-pub fn read_gpu(host: &HostRoot, bdf: &str) -> Result<Option<PtGpu>, String> {
+pub fn read_gpu(host: &HostRoot, bdf: &str) -> Result<Option<PtGpu>, DeviceError> {
     let d = host.pci_device(bdf);
     match std::fs::symlink_metadata(&d) {
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{} cannot be read: {}", d.display(), errno_name(&e))),
+        Err(e) => return Err(DeviceError::unreadable(d.display().to_string(), &e)),
     }
     // Only a display controller (class 0x03xxxx) is a GPU: an audio function or a NIC named
     // in passthrough_gpus is never handed out as one.
-    let class = read_attr(&d.join("class")).map_err(|e| format!("its class cannot be read: {}", errno_name(&e)))?;
+    let class = read_attr(&d.join("class")).map_err(|e| DeviceError::unreadable("its class", &e))?;
     if !u32::from_str_radix(class.trim_start_matches("0x"), 16).is_ok_and(|c| c >> 16 == 0x03) {
-        return Err(format!("it is not a GPU (PCI class {class}, not a display controller 0x03xxxx)"));
+        return Err(DeviceError::NotAGpu { class });
     }
     let group: u32 = link_basename(&d.join("iommu_group"))
-        .map_err(|e| format!("its iommu_group link cannot be read: {}", errno_name(&e)))?
+        .map_err(|e| DeviceError::unreadable("its iommu_group link", &e))?
         .parse()
-        .map_err(|_| "its iommu_group link does not name a group number".to_string())?;
-    let members = list_dir(&host.iommu_group_dir(group).join("devices")).map_err(|e| e.to_string())?;
+        .map_err(|_| DeviceError::GroupLink)?;
+    let members = list_dir(&host.iommu_group_dir(group).join("devices"))?;
     let mut functions = Vec::new();
     let mut bridges = Vec::new();
     let mut foreign = Vec::new();
     for m in members {
         let class = read_attr(&host.pci_device(&m).join("class"))
-            .map_err(|e| format!("the class of group member {m} cannot be read: {}", errno_name(&e)))?;
+            .map_err(|e| DeviceError::unreadable(format!("the class of group member {m}"), &e))?;
         if is_bridge(&class) {
             bridges.push(m);
         } else if slot_of(&m).eq_ignore_ascii_case(slot_of(bdf)) {
-            let driver = driver_of(host, &m)
-                .map_err(|e| format!("the driver link of {m} cannot be read: {}", errno_name(&e)))?;
+            let driver =
+                driver_of(host, &m).map_err(|e| DeviceError::unreadable(format!("the driver link of {m}"), &e))?;
             functions.push(Function { bdf: m, driver });
         } else {
             foreign.push(m);
@@ -151,12 +151,12 @@ pub fn read_gpu(host: &HostRoot, bdf: &str) -> Result<Option<PtGpu>, String> {
     // The GPU function first (it is function 0 of its slot: the guest's multifunction slot).
     functions.sort_by_key(|f| (!f.bdf.eq_ignore_ascii_case(bdf), f.bdf.clone()));
     if functions.first().is_none_or(|f| !f.bdf.eq_ignore_ascii_case(bdf)) {
-        return Err(format!("its IOMMU group {group} does not list it"));
+        return Err(DeviceError::NotInGroup { group });
     }
     let numvfs = match read_u32(&d.join("sriov_numvfs")) {
         Ok(n) => n,
         Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
-        Err(e) => return Err(format!("sriov_numvfs cannot be read: {e}")),
+        Err(e) => return Err(DeviceError::Unreadable { what: "sriov_numvfs".into(), reason: e.to_string() }),
     };
     let nvidia_minor = if functions[0].driver.as_deref() == Some("nvidia") { nvidia_minor(host, bdf)? } else { None };
     Ok(Some(PtGpu {
@@ -173,16 +173,16 @@ pub fn read_gpu(host: &HostRoot, bdf: &str) -> Result<Option<PtGpu>, String> {
 }
 
 /// `Device Minor` of `proc/driver/nvidia/gpus/<BDF>/information` (absent file: `None`).
-fn nvidia_minor(host: &HostRoot, bdf: &str) -> Result<Option<u32>, String> {
+fn nvidia_minor(host: &HostRoot, bdf: &str) -> Result<Option<u32>, DeviceError> {
     let p = host.root().join("proc/driver/nvidia/gpus").join(bdf.to_ascii_lowercase()).join("information");
     let text = match std::fs::read_to_string(&p) {
         Ok(t) => t,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{} cannot be read: {}", p.display(), errno_name(&e))),
+        Err(e) => return Err(DeviceError::unreadable(p.display().to_string(), &e)),
     };
     text.lines()
         .find_map(|l| l.split_once(':').filter(|(k, _)| k.trim() == "Device Minor").map(|(_, v)| v.trim().to_string()))
-        .map(|v| v.parse().map_err(|_| format!("{}: Device Minor reads {v:?}", p.display())))
+        .map(|value| value.parse().map_err(|_| DeviceError::DeviceMinor { path: p.clone(), value }))
         .transpose()
 }
 
@@ -384,7 +384,7 @@ fn bind_group(host: &HostRoot, gpu: &str, pc: &PassthroughClaim, steps: &dyn Con
 pub struct Passthrough;
 
 impl Passthrough {
-    fn record<'a>(held: &Held<'a>) -> Result<&'a PassthroughClaim, String> {
+    fn record<'a>(held: &Held<'a>) -> Result<&'a PassthroughClaim, DeviceError> {
         match held.kind {
             ClaimKind::Passthrough(pc) => Ok(pc),
             _ => Err(wrong_kind("passthrough", held)),
@@ -394,7 +394,7 @@ impl Passthrough {
 
 impl Backend for Passthrough {
     /// The group node, and every function's iommufd cdev.
-    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String> {
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, DeviceError> {
         let pc = Passthrough::record(held)?;
         let mut t = vec![host.vfio_group_node(pc.group)];
         for f in &pc.functions {
@@ -410,7 +410,7 @@ impl Backend for Passthrough {
     /// its functions are still given back), then every function back to the driver the
     /// claim recorded, companions first. A failure names the binding observed.
     fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError> {
-        let pc = Passthrough::record(held).map_err(|m| ClearError::Failed(WriteError::other(m)))?;
+        let pc = Passthrough::record(held).map_err(|e| ClearError::Failed(WriteError::other(e.to_string())))?;
         let observed = || {
             let fns: Vec<Function> = pc
                 .functions

@@ -12,7 +12,7 @@ use super::backend::{
     VfioDevice, WriteSite,
 };
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
-use super::{errno_name, link_basename, read_attr, write_attr, Cleared, WriteError};
+use super::{errno_name, link_basename, read_attr, write_attr, Cleared, DeviceError, WriteError};
 use crate::domain::ClaimKind;
 use crate::host::HostRoot;
 use std::fs;
@@ -20,8 +20,9 @@ use std::io;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 
-/// What `current_vgpu_type` reads: a type id, `0` (no vGPU), or unreadable.
-pub type TypeReading = Result<u32, String>;
+/// What `current_vgpu_type` reads: a type id, `0` (no vGPU), or unreadable
+/// ([`DeviceError::Attr`]).
+pub type TypeReading = Result<u32, DeviceError>;
 
 /// One VF as read now.
 #[derive(Debug, Clone)]
@@ -40,8 +41,8 @@ pub struct VfInfo {
     /// `current_vgpu_type`: `Ok(0)` = no vGPU; `Err` = unreadable/unparseable (skip, never
     /// write).
     pub current_type: TypeReading,
-    /// `creatable_vgpu_types`, `Err` when unreadable.
-    pub catalog: Result<Catalog, String>,
+    /// `creatable_vgpu_types`, `Err` when unreadable ([`DeviceError::Attr`]).
+    pub catalog: Result<Catalog, DeviceError>,
 }
 
 impl VfInfo {
@@ -96,7 +97,7 @@ fn write_type(host: &HostRoot, vf: &str, id: NonZeroU32) -> io::Result<()> {
 /// catalog.
 pub(crate) fn read_vf_with_type(host: &HostRoot, bdf: &str, pf: String, current_type: TypeReading) -> VfInfo {
     let (iommu_group, cdevs, targets_error) = vfio_paths(host, bdf);
-    let catalog = read_catalog(host, bdf).map_err(|e| errno_or_msg(&e));
+    let catalog = read_catalog(host, bdf).map_err(|e| DeviceError::Attr(errno_or_msg(&e)));
     VfInfo { bdf: bdf.to_string(), pf, iommu_group, cdevs, targets_error, current_type, catalog }
 }
 
@@ -132,10 +133,10 @@ fn vfio_paths(host: &HostRoot, bdf: &str) -> (Option<u32>, Vec<String>, Option<S
 
 /// The device nodes whose holders use the PCI function `bdf`: `dev/vfio/<group>` and its
 /// `dev/vfio/devices/<vfio-dev entry>`s (docs/design/host.md §5). Errors as [`vf_targets`].
-pub fn function_targets(host: &HostRoot, bdf: &str) -> Result<Vec<PathBuf>, String> {
+pub fn function_targets(host: &HostRoot, bdf: &str) -> Result<Vec<PathBuf>, DeviceError> {
     let (iommu_group, cdevs, error) = vfio_paths(host, bdf);
-    if let Some(e) = error {
-        return Err(format!("the VFIO paths of {bdf} cannot be read: {e}"));
+    if let Some(reason) = error {
+        return Err(DeviceError::VfioPaths { bdf: bdf.to_string(), reason });
     }
     Ok(iommu_group
         .map(|g| host.vfio_group_node(g))
@@ -146,7 +147,7 @@ pub fn function_targets(host: &HostRoot, bdf: &str) -> Result<Vec<PathBuf>, Stri
 
 /// Reads one VF now (type, VFIO paths, catalog).
 pub fn read_vf(host: &HostRoot, bdf: &str, pf: String) -> VfInfo {
-    let current_type = read_current_type(host, bdf).map_err(|e| errno_or_msg(&e));
+    let current_type = read_current_type(host, bdf).map_err(|e| DeviceError::Attr(errno_or_msg(&e)));
     read_vf_with_type(host, bdf, pf, current_type)
 }
 
@@ -162,9 +163,9 @@ pub(crate) fn errno_or_msg(e: &io::Error) -> String {
 /// `dev/vfio/devices/<vfio-dev entry>` (docs/design/host.md §5). A missing `iommu_group` link or
 /// `vfio-dev/` directory means fewer targets; any other read error is `Err` (the scan's
 /// result is then unknown).
-pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Result<Vec<PathBuf>, String> {
-    if let Some(e) = &vf.targets_error {
-        return Err(format!("the VFIO paths of {} cannot be read: {e}", vf.bdf));
+pub fn vf_targets(host: &HostRoot, vf: &VfInfo) -> Result<Vec<PathBuf>, DeviceError> {
+    if let Some(reason) = &vf.targets_error {
+        return Err(DeviceError::VfioPaths { bdf: vf.bdf.clone(), reason: reason.clone() });
     }
     let mut t = Vec::new();
     if let Some(g) = vf.iommu_group {
@@ -281,7 +282,7 @@ pub struct VendorVfio;
 
 impl Backend for VendorVfio {
     /// The VF's group node and iommufd cdev ([`vf_targets`]).
-    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, String> {
+    fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, DeviceError> {
         vf_targets(host, &read_vf(host, held.device, held.gpu.to_string()))
     }
 
@@ -289,7 +290,7 @@ impl Backend for VendorVfio {
     /// (none: any). A VF reading another type is [`ClearError::Foreign`], untouched.
     fn clear(&self, host: &HostRoot, held: &Held<'_>, steps: &dyn ClearSteps) -> Result<Cleared, ClearError> {
         let ClaimKind::Vf { type_id: expected } = held.kind else {
-            return Err(ClearError::Failed(WriteError::other(wrong_kind("vendor_vfio", held))));
+            return Err(ClearError::Failed(WriteError::other(wrong_kind("vendor_vfio", held).to_string())));
         };
         match clear(host, held.device, *expected) {
             Ok(done) => {
@@ -307,11 +308,11 @@ impl Backend for VendorVfio {
     }
 
     /// A VF reading a non-zero type is dirty (repaired through the release path first).
-    fn dirty(&self, host: &HostRoot, held: &Held<'_>) -> Result<Option<u32>, String> {
+    fn dirty(&self, host: &HostRoot, held: &Held<'_>) -> Result<Option<u32>, DeviceError> {
         match read_current_type(host, held.device) {
             Ok(0) => Ok(None),
             Ok(t) => Ok(Some(t)),
-            Err(e) => Err(format!("current_vgpu_type unreadable: {e}")),
+            Err(e) => Err(DeviceError::TypeUnreadable(e.to_string())),
         }
     }
 
@@ -422,7 +423,8 @@ mod tests {
         t.file(&format!("sys/bus/pci/devices/{VF}/vfio-dev"), "not a directory");
         let kind = ClaimKind::Vf { type_id: None };
         let e = backend(&kind).release_targets(&t.host, &Held { device: VF, gpu: PF, kind: &kind }).unwrap_err();
-        assert!(e.contains("cannot be read") && e.contains("vfio-dev"), "{e}");
+        assert!(matches!(&e, DeviceError::VfioPaths { bdf, .. } if bdf == VF), "{e}");
+        assert!(e.to_string().contains("cannot be read") && e.to_string().contains("vfio-dev"), "{e}");
     }
 
     #[test]

@@ -253,6 +253,7 @@ fn a_save_of_the_real_binary_either_writes_its_directory_or_fails_whole_and_the_
             assert!(memory.join("config.json").is_file() && memory.join("state.json").is_file(), "{memory:?}");
         }
         Err(e) => {
+            let e = e.to_string();
             assert!(e.contains("PUT vm.snapshot") && e.contains("The VM could not be snapshotted"), "{e}");
             assert!(!memory.exists());
         }

@@ -40,7 +40,7 @@ use serde::Serialize;
 
 use super::ch_api::{ApiFailure, ChApi};
 use super::process::{wait_answering, RunningVmm};
-use super::{Driver, HypervisorError, HypervisorKind, NicBackend, NicSpec, StartFailure, VfioAttach, VmSpec};
+use super::{Driver, HypervisorError, HypervisorKind, NicBackend, NicSpec, StartFailure, VfioAttach, VmSpec, VmmError};
 
 /// The Cloud Hypervisor driver.
 #[derive(Debug, Clone, Copy)]
@@ -319,6 +319,12 @@ fn state_of(api: &ChApi<'_>) -> Result<String, ApiFailure> {
     }
 }
 
+/// `PUT <endpoint>` without a body, its answer's body dropped.
+fn put(socket: &Path, timeout: Duration, endpoint: &str) -> Result<(), VmmError> {
+    ChApi::new(socket, timeout).put(endpoint, None)?;
+    Ok(())
+}
+
 /// Why a Cloud Hypervisor instance cannot have a `user` NIC.
 pub const NO_USER_NIC: &str = "cloud-hypervisor has no user-mode networking (a `user` NIC is QEMU's): \
     give the instance a `bridge` NIC, or use hypervisor qemu";
@@ -373,7 +379,7 @@ impl Driver for CloudHypervisor {
     fn bring_up(&self, vmm: &RunningVmm, spec: &VmSpec, timeout: Duration) -> Result<(), StartFailure> {
         let socket = &vmm.control_socket;
         let what = format!("the cloud-hypervisor API on {}", socket.display());
-        wait_answering(vmm, &what, timeout, |io| ChApi::new(socket, io).get("vmm.ping").map_err(|e| e.to_string()))?;
+        wait_answering(vmm, &what, timeout, |io| ChApi::new(socket, io).get("vmm.ping"))?;
         let config = vm_config(spec).map_err(|e| StartFailure::from(e.to_string()))?;
         let api = ChApi::new(socket, timeout);
         // SAFETY: the agent holds each tap open for the whole spawn (instances::nics), of
@@ -418,38 +424,36 @@ impl Driver for CloudHypervisor {
         Ok(())
     }
 
-    fn power_button(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
-        ChApi::new(socket, io_timeout).put("vm.power-button", None).map(|_| ()).map_err(|e| e.to_string())
+    fn power_button(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
+        put(socket, io_timeout, "vm.power-button")
     }
 
-    fn quit(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
+    fn quit(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
         // Answered 200 by v53.0 (its API description says 204); either is success.
-        ChApi::new(socket, io_timeout).put("vmm.shutdown", None).map(|_| ()).map_err(|e| e.to_string())
+        put(socket, io_timeout, "vmm.shutdown")
     }
 
-    fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, String> {
-        state_of(&ChApi::new(socket, io_timeout)).map_err(|e| e.to_string())
+    fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, VmmError> {
+        Ok(state_of(&ChApi::new(socket, io_timeout))?)
     }
 
     /// `vm.pause`, then `vm.snapshot` into a fresh directory of its own view
     /// (`<run_dir>/.vmstate-save-<uuid>`, the VMM's group's to write), moved to `memory`
     /// when it is still a directory (never a link the VMM put in its place).
-    fn save(&self, socket: &Path, run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), String> {
+    fn save(&self, socket: &Path, run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), VmmError> {
         let api = ChApi::new(socket, timeout);
-        api.put("vm.pause", None).map_err(|e| e.to_string())?;
+        api.put("vm.pause", None)?;
         let saving = run_dir.join(format!("{}save-{}", super::VM_STATE_STAGING, uuid::Uuid::new_v4().simple()));
-        let gid = std::os::unix::fs::MetadataExt::gid(
-            &std::fs::metadata(run_dir).map_err(|e| format!("{}: {e}", run_dir.display()))?,
-        );
-        let io = |p: &Path, e: std::io::Error| format!("{}: {e}", p.display());
-        super::confine::own_dir(&saving, gid, super::confine::RUN_DIR_MODE).map_err(|e| io(&saving, e))?;
+        let gid =
+            std::os::unix::fs::MetadataExt::gid(&std::fs::metadata(run_dir).map_err(|e| VmmError::io(run_dir, e))?);
+        super::confine::own_dir(&saving, gid, super::confine::RUN_DIR_MODE).map_err(|e| VmmError::io(&saving, e))?;
         let snapshot = serde_json::json!({"destination_url": format!("file://{}", path_string(&saving))});
-        let moved = api.put("vm.snapshot", Some(&snapshot)).map_err(|e| e.to_string()).and_then(|_| {
-            let m = std::fs::symlink_metadata(&saving).map_err(|e| io(&saving, e))?;
+        let moved = api.put("vm.snapshot", Some(&snapshot)).map_err(VmmError::from).and_then(|_| {
+            let m = std::fs::symlink_metadata(&saving).map_err(|e| VmmError::io(&saving, e))?;
             if !m.is_dir() {
-                return Err(format!("{} is no longer a directory after vm.snapshot", saving.display()));
+                return Err(VmmError::SnapshotReplaced { path: saving.clone() });
             }
-            std::fs::rename(&saving, memory).map_err(|e| io(memory, e))
+            std::fs::rename(&saving, memory).map_err(|e| VmmError::io(memory, e))
         });
         if moved.is_err() {
             let _ = crate::own_file::remove(run_dir, &saving.file_name().unwrap_or_default().to_string_lossy());
@@ -462,20 +466,27 @@ impl Driver for CloudHypervisor {
         vm_state == "Paused"
     }
 
-    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
-        ChApi::new(socket, io_timeout).put("vm.reboot", None).map(|_| ()).map_err(|e| e.to_string())
+    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
+        put(socket, io_timeout, "vm.reboot")
     }
 
     /// `GET vm.counters`: the entries of the disk and the seed (`read_bytes`, `write_bytes`,
     /// `read_ops`, `write_ops`; the real v53.0 answers them, with latencies gpuvisor leaves).
-    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<super::DiskCounters>, String> {
-        let body = ChApi::new(socket, io_timeout).get("vm.counters").map_err(|e| e.to_string())?;
-        let v: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|e| format!("vm.counters answered something that is not JSON: {e}"))?;
+    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<super::DiskCounters>, VmmError> {
+        let body = ChApi::new(socket, io_timeout).get("vm.counters")?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|source| VmmError::NotJson { request: "vm.counters", source })?;
         let mut out = Vec::new();
         for id in [super::DISK_ID, super::SEED_ID] {
             let Some(e) = v.get(id) else { continue };
-            let n = |k: &str| e[k].as_u64().ok_or_else(|| format!("vm.counters gave {id} no {k}: {e}"));
+            let n = |k: &str| {
+                e[k].as_u64().ok_or_else(|| VmmError::Missing {
+                    request: "vm.counters",
+                    id,
+                    field: k.to_string(),
+                    entry: e.to_string(),
+                })
+            };
             out.push(super::DiskCounters {
                 id: id.to_string(),
                 read_bytes: n("read_bytes")?,
@@ -487,17 +498,14 @@ impl Driver for CloudHypervisor {
         Ok(out)
     }
 
-    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
-        ChApi::new(socket, io_timeout).put("vm.resume", None).map(|_| ()).map_err(|e| e.to_string())
+    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
+        put(socket, io_timeout, "vm.resume")
     }
 
     /// Starts `binary --api-socket` on a temporary socket, asks `vmm.ping` for its version,
     /// and shuts it down again (`vmm.shutdown`, then the kill path).
-    fn probe(&self, binary: &Path) -> Result<String, String> {
-        let dir = tempfile::Builder::new()
-            .prefix("gpuvisor-ch-probe")
-            .tempdir()
-            .map_err(|e| format!("cannot make a directory for the probe: {e}"))?;
+    fn probe(&self, binary: &Path) -> Result<String, VmmError> {
+        let dir = tempfile::Builder::new().prefix("gpuvisor-ch-probe").tempdir().map_err(VmmError::ProbeDir)?;
         let socket = dir.path().join("ch.sock");
         // Killed and reaped on every way out (a panic too): the probe never leaves its
         // throw-away VMM running.
@@ -513,14 +521,14 @@ impl Driver for CloudHypervisor {
         }
         let mut child = std::process::Command::new(binary)
             .arg("--api-socket")
-            .arg(api_socket_arg(&socket).map_err(|e| e.to_string())?)
+            .arg(api_socket_arg(&socket)?)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .process_group(0)
             .spawn()
             .map(ProbeVmm)
-            .map_err(|e| format!("{} cannot be run: {e}", binary.display()))?;
+            .map_err(|source| VmmError::NotRunnable { binary: binary.to_path_buf(), source })?;
         let deadline = std::time::Instant::now() + super::process::PROBE_TIMEOUT;
         let answer = loop {
             match ChApi::new(&socket, Duration::from_secs(2)).get("vmm.ping") {
@@ -531,14 +539,14 @@ impl Driver for CloudHypervisor {
                         if let Some(mut s) = child.0.stderr.take() {
                             let _ = std::io::Read::read_to_string(&mut s, &mut err);
                         }
-                        break Err(format!(
-                            "{} exited before answering vmm.ping ({status}): {}",
-                            binary.display(),
-                            err.trim()
-                        ));
+                        break Err(VmmError::ProbeExited {
+                            binary: binary.to_path_buf(),
+                            status,
+                            stderr: err.trim().to_string(),
+                        });
                     }
                     if std::time::Instant::now() >= deadline {
-                        break Err(format!("{} did not answer vmm.ping: {e}", binary.display()));
+                        break Err(VmmError::ProbeUnanswered { binary: binary.to_path_buf(), source: e });
                     }
                     std::thread::sleep(Duration::from_millis(20));
                 }
@@ -552,7 +560,7 @@ impl Driver for CloudHypervisor {
         drop(child);
         let body = answer?;
         let ping: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| format!("vmm.ping answered something that is not JSON: {e}"))?;
+            serde_json::from_slice(&body).map_err(|source| VmmError::NotJson { request: "vmm.ping", source })?;
         let version = ping.get("version").and_then(|v| v.as_str()).unwrap_or("unknown version");
         Ok(match ping.get("build_version").and_then(|v| v.as_str()) {
             Some(b) => format!("cloud-hypervisor {version} ({b})"),

@@ -249,14 +249,17 @@ pub trait Driver: Sync {
     fn bring_up(&self, vmm: &RunningVmm, spec: &VmSpec, timeout: Duration) -> Result<(), StartFailure>;
 
     /// Presses the guest's ACPI power button (QMP `system_powerdown`; `vm.power-button`).
-    fn power_button(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
+    ///
+    /// Errors (as every request below): [`VmmError::Qmp`] or [`VmmError::Api`] when the
+    /// control socket cannot be reached, times out, or the VMM refuses the request.
+    fn power_button(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError>;
 
     /// Asks the VMM process to exit (QMP `quit`; `vmm.shutdown`).
-    fn quit(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
+    fn quit(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError>;
 
     /// The VM state as the VMM reports it (QMP `query-status`'s `status`; `vm.info`'s
     /// `state`).
-    fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, String>;
+    fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, VmmError>;
 
     /// Pauses the VM and saves its memory and device state at `memory`, a path of the
     /// agent's that does not exist yet, on the filesystem of the VMM directory `run_dir`
@@ -265,8 +268,9 @@ pub trait Driver: Sync {
     /// within `timeout`. The disks are flushed and consistent with the saved state once this
     /// returns; the VM stays paused until [`Driver::resume`] (or the VMM is stopped). On
     /// `Err` the VM may be paused: the caller resumes it, and removes whatever is at
-    /// `memory`.
-    fn save(&self, socket: &Path, run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), String>;
+    /// `memory`. Errors: also [`VmmError::Io`] for the files of the save, and
+    /// [`VmmError::SnapshotReplaced`].
+    fn save(&self, socket: &Path, run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), VmmError>;
 
     /// Whether `vm_state` (as [`Driver::vm_state`] reports it) is a VM left paused by a
     /// [`Driver::save`] (the agent died before resuming it).
@@ -274,19 +278,21 @@ pub trait Driver: Sync {
 
     /// Resets the VM in place, like its reset button (QMP `system_reset`; `vm.reboot`): the
     /// VMM process and its devices stay, the guest starts over without shutting down.
-    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
+    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError>;
 
     /// The I/O counters of the VM's disks ([`DISK_ID`], [`SEED_ID`]) as the VMM reports them
-    /// (QMP `query-blockstats`; `vm.counters`), in that order, those it has.
-    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<DiskCounters>, String>;
+    /// (QMP `query-blockstats`; `vm.counters`), in that order, those it has. Errors: also
+    /// [`VmmError::NotJson`] and [`VmmError::Missing`] for an answer without the counters.
+    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<DiskCounters>, VmmError>;
 
     /// Resumes a VM paused by [`Driver::save`] (QMP `cont`).
-    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), String>;
+    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError>;
 
-    /// Whether `binary` exists and runs: its version, or why not. Takes at most a few
-    /// seconds; starts and stops a throw-away process where the hypervisor needs one
-    /// (Cloud Hypervisor: `vmm.ping` on a temporary API socket).
-    fn probe(&self, binary: &Path) -> Result<String, String>;
+    /// Whether `binary` exists and runs: its version, or why not (the `VmmError::Probe*`
+    /// variants, [`VmmError::NotRunnable`], and the request errors of a throw-away VMM).
+    /// Takes at most a few seconds; starts and stops a throw-away process where the
+    /// hypervisor needs one (Cloud Hypervisor: `vmm.ping` on a temporary API socket).
+    fn probe(&self, binary: &Path) -> Result<String, VmmError>;
 }
 
 /// Why [`Driver::bring_up`] failed: one sentence, and the API's answer when there was one.
@@ -635,6 +641,121 @@ pub enum HypervisorError {
     /// An I/O error outside QMP (run directory, log file).
     #[error("VMM I/O failed")]
     Io(#[from] std::io::Error),
+}
+
+/// Why a [`Driver`] request to a running VMM (over its control socket), or the probe of a
+/// VMM binary, failed. Callers show the message alone (an API error's message, a view's
+/// `vm_state_error`, `agent.health`'s `problem`), so it carries what the VMM answered.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// A QMP exchange failed: QEMU's socket could not be reached or timed out, QEMU closed
+    /// it, answered something that is not QMP, or refused the command (its class and text).
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    /// A Cloud Hypervisor API request was not answered (connect failure, timeout) or was
+    /// refused (its status and error array, verbatim).
+    #[error(transparent)]
+    Api(#[from] ApiFailure),
+    /// The VMM answered `request` with something that is not JSON.
+    #[error("{request} answered something that is not JSON: {source}")]
+    NotJson {
+        /// The request, e.g. `vm.counters`.
+        request: &'static str,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// The VMM's answer to `request` lacks a field of one of its entries.
+    #[error("{request} gave {id} no {field}: {entry}")]
+    Missing {
+        /// The request, e.g. `query-blockstats`.
+        request: &'static str,
+        /// The entry, e.g. [`DISK_ID`].
+        id: &'static str,
+        /// The field that is missing or not a number, e.g. `stats.rd_bytes`.
+        field: String,
+        /// The entry as answered.
+        entry: String,
+    },
+    /// A file or directory of a save (the memory state, the VMM directory) could not be
+    /// created, read, synced or moved.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The directory `vm.snapshot` wrote into is not a directory any more (the VMM put
+    /// something else in its place): it is not taken.
+    #[error("{} is no longer a directory after vm.snapshot", path.display())]
+    SnapshotReplaced {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// The VMM binary cannot be run (not found, not executable).
+    #[error("{} cannot be run: {source}", binary.display())]
+    NotRunnable {
+        /// The binary.
+        binary: PathBuf,
+        /// The spawn error.
+        source: std::io::Error,
+    },
+    /// The probe's command did not exit within [`process::PROBE_TIMEOUT`] (it was killed).
+    #[error("`{command}` did not exit within {} s", process::PROBE_TIMEOUT.as_secs())]
+    ProbeTimeout {
+        /// The command line, e.g. `qemu-system-x86_64 --version`.
+        command: String,
+    },
+    /// Waiting for the probe's process failed.
+    #[error("waiting for {} failed: {source}", binary.display())]
+    ProbeWait {
+        /// The binary.
+        binary: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The probe's command exited with a failing status.
+    #[error("`{command}` failed ({status}): {stderr}")]
+    ProbeFailed {
+        /// The command line.
+        command: String,
+        /// Its exit status.
+        status: std::process::ExitStatus,
+        /// Its standard error, trimmed.
+        stderr: String,
+    },
+    /// The probe's scratch directory (for a throw-away VMM's socket) could not be made.
+    #[error("cannot make a directory for the probe: {0}")]
+    ProbeDir(std::io::Error),
+    /// The probe's throw-away VMM exited before it answered `vmm.ping`.
+    #[error("{} exited before answering vmm.ping ({status}): {stderr}", binary.display())]
+    ProbeExited {
+        /// The binary.
+        binary: PathBuf,
+        /// Its exit status.
+        status: std::process::ExitStatus,
+        /// Its standard error, trimmed.
+        stderr: String,
+    },
+    /// The probe's throw-away VMM did not answer `vmm.ping` within
+    /// [`process::PROBE_TIMEOUT`]: the last failure.
+    #[error("{} did not answer vmm.ping: {source}", binary.display())]
+    ProbeUnanswered {
+        /// The binary.
+        binary: PathBuf,
+        /// The last request's failure.
+        source: ApiFailure,
+    },
+    /// The probe's throw-away VMM cannot be started as asked (its socket path).
+    #[error(transparent)]
+    ProbeStart(#[from] HypervisorError),
+}
+
+impl VmmError {
+    /// [`VmmError::Io`] of `path`.
+    pub fn io(path: &Path, source: std::io::Error) -> VmmError {
+        VmmError::Io { path: path.to_path_buf(), source }
+    }
 }
 
 impl HypervisorError {

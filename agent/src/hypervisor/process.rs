@@ -24,7 +24,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::{HypervisorError, NicBackend, StartFailure, VfioAttach, VmSpec};
+use super::{HypervisorError, NicBackend, StartFailure, VfioAttach, VmSpec, VmmError};
 use crate::host::proc::{self as hostproc, ProcessIdentity};
 
 /// `oom_score_adj` given to every VMM (best effort): a kill from the OOM killer during vGPU
@@ -368,23 +368,23 @@ pub fn spawn(spec: &VmSpec, host_boot_id: &str, ready_timeout: Duration) -> Resu
 /// Polls `attempt` (backoff 5 ms doubling to 100 ms) until it answers `Ok`, the VMM exits
 /// (fails at once, naming the exit status) or `timeout` passes (fails with the last error).
 /// `what` names the wait in the error ("QMP on <socket>").
-pub fn wait_answering<T>(
+pub fn wait_answering<T, E: std::fmt::Display>(
     vmm: &RunningVmm,
     what: &str,
     timeout: Duration,
-    mut attempt: impl FnMut(Duration) -> Result<T, String>,
-) -> Result<T, String> {
+    mut attempt: impl FnMut(Duration) -> Result<T, E>,
+) -> Result<T, StartFailure> {
     let deadline = std::time::Instant::now() + timeout;
     let mut step = Duration::from_millis(5);
     loop {
         if let Some(status) = vmm.exit.exited() {
-            return Err(format!("the VMM exited during start ({status})"));
+            return Err(format!("the VMM exited during start ({status})").into());
         }
         let remaining = deadline.saturating_duration_since(std::time::Instant::now());
         match attempt(remaining.max(Duration::from_millis(100))) {
             Ok(v) => return Ok(v),
             Err(e) if std::time::Instant::now() >= deadline => {
-                return Err(format!("{what} did not answer within {} ms ({e})", timeout.as_millis()))
+                return Err(format!("{what} did not answer within {} ms ({e})", timeout.as_millis()).into())
             }
             Err(_) => {}
         }
@@ -400,14 +400,15 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Runs `binary args` (stdin from `/dev/null`) and answers the first line of its output, or
 /// why it did not run: not found, not executable, a failing exit status, or no exit within
 /// [`PROBE_TIMEOUT`] (it is then killed).
-pub fn version_of(binary: &Path, args: &[&str]) -> Result<String, String> {
+pub fn version_of(binary: &Path, args: &[&str]) -> Result<String, VmmError> {
+    let command = || format!("{} {}", binary.display(), args.join(" "));
     let mut child = Command::new(binary)
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("{} cannot be run: {e}", binary.display()))?;
+        .map_err(|source| VmmError::NotRunnable { binary: binary.to_path_buf(), source })?;
     let deadline = std::time::Instant::now() + PROBE_TIMEOUT;
     let status = loop {
         match child.try_wait() {
@@ -416,14 +417,9 @@ pub fn version_of(binary: &Path, args: &[&str]) -> Result<String, String> {
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!(
-                    "`{} {}` did not exit within {} s",
-                    binary.display(),
-                    args.join(" "),
-                    PROBE_TIMEOUT.as_secs()
-                ));
+                return Err(VmmError::ProbeTimeout { command: command() });
             }
-            Err(e) => return Err(format!("waiting for {} failed: {e}", binary.display())),
+            Err(source) => return Err(VmmError::ProbeWait { binary: binary.to_path_buf(), source }),
         }
     };
     let mut out = String::new();
@@ -435,7 +431,7 @@ pub fn version_of(binary: &Path, args: &[&str]) -> Result<String, String> {
         let _ = e.read_to_string(&mut err);
     }
     if !status.success() {
-        return Err(format!("`{} {}` failed ({status}): {}", binary.display(), args.join(" "), err.trim()));
+        return Err(VmmError::ProbeFailed { command: command(), status, stderr: err.trim().to_string() });
     }
     Ok(out.lines().next().unwrap_or("").trim().to_string())
 }

@@ -18,6 +18,7 @@ use super::process::{wait_answering, RunningVmm, HOLD_FD_FDSET};
 use super::qmp::QmpClient;
 use super::{
     DiskCounters, Driver, HypervisorError, HypervisorKind, NicBackend, StartFailure, UefiPflash, VfioAttach, VmSpec,
+    VmmError,
 };
 
 /// The QEMU driver.
@@ -225,9 +226,8 @@ impl Driver for Qemu {
     /// exit after accepting a connection.
     fn bring_up(&self, vmm: &RunningVmm, spec: &VmSpec, timeout: Duration) -> Result<(), StartFailure> {
         let what = format!("QMP on {}", vmm.control_socket.display());
-        let status = wait_answering(vmm, &what, timeout, |io| {
-            QmpClient::connect(&vmm.control_socket, io).and_then(|mut q| q.query_status()).map_err(|e| e.to_string())
-        })?;
+        let status =
+            wait_answering(vmm, &what, timeout, |io| QmpClient::connect(&vmm.control_socket, io)?.query_status())?;
         tracing::debug!(pid = vmm.identity.pid, %status, "QMP is up");
         if let Some(saved) = &spec.incoming {
             let file = std::fs::File::open(saved).map_err(|e| {
@@ -251,25 +251,26 @@ impl Driver for Qemu {
         Ok(())
     }
 
-    fn power_button(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
-        QmpClient::connect(socket, io_timeout).and_then(|mut c| c.system_powerdown()).map_err(|e| e.to_string())
+    fn power_button(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
+        Ok(QmpClient::connect(socket, io_timeout)?.system_powerdown()?)
     }
 
-    fn quit(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
-        QmpClient::connect(socket, io_timeout).and_then(|mut c| c.quit()).map_err(|e| e.to_string())
+    fn quit(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
+        Ok(QmpClient::connect(socket, io_timeout)?.quit()?)
     }
 
-    fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, String> {
-        QmpClient::connect(socket, io_timeout).and_then(|mut c| c.query_status()).map_err(|e| e.to_string())
+    fn vm_state(&self, socket: &Path, io_timeout: Duration) -> Result<String, VmmError> {
+        Ok(QmpClient::connect(socket, io_timeout)?.query_status()?)
     }
 
     /// `stop`, then the migration stream into the file `memory`, created by the agent and
     /// handed over as an fd (`getfd`, `migrate fd:`): it never enters the VMM's view.
-    fn save(&self, socket: &Path, _run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), String> {
-        let out = std::fs::File::create_new(memory).map_err(|e| format!("{}: {e}", memory.display()))?;
-        let mut q = QmpClient::connect(socket, super::qmp::DEFAULT_IO_TIMEOUT).map_err(|e| e.to_string())?;
-        q.stop().and_then(|()| q.save_to(std::os::fd::AsFd::as_fd(&out), timeout)).map_err(|e| e.to_string())?;
-        out.sync_all().map_err(|e| format!("{}: {e}", memory.display()))
+    fn save(&self, socket: &Path, _run_dir: &Path, memory: &Path, timeout: Duration) -> Result<(), VmmError> {
+        let out = std::fs::File::create_new(memory).map_err(|e| VmmError::io(memory, e))?;
+        let mut q = QmpClient::connect(socket, super::qmp::DEFAULT_IO_TIMEOUT)?;
+        q.stop()?;
+        q.save_to(std::os::fd::AsFd::as_fd(&out), timeout)?;
+        out.sync_all().map_err(|e| VmmError::io(memory, e))
     }
 
     /// `paused` (stopped for the save), `postmigrate`, `finish-migrate`.
@@ -277,21 +278,25 @@ impl Driver for Qemu {
         matches!(vm_state, "paused" | "postmigrate" | "finish-migrate")
     }
 
-    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
-        QmpClient::connect(socket, io_timeout).and_then(|mut c| c.system_reset()).map_err(|e| e.to_string())
+    fn reset(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
+        Ok(QmpClient::connect(socket, io_timeout)?.system_reset()?)
     }
 
     /// `query-blockstats`: the entries whose `device` (the `-drive` id) is the disk or the
     /// seed; `rd_bytes`, `wr_bytes`, `rd_operations`, `wr_operations`.
-    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<DiskCounters>, String> {
-        let v = QmpClient::connect(socket, io_timeout)
-            .and_then(|mut c| c.execute("query-blockstats", None))
-            .map_err(|e| e.to_string())?;
+    fn disk_counters(&self, socket: &Path, io_timeout: Duration) -> Result<Vec<DiskCounters>, VmmError> {
+        let v = QmpClient::connect(socket, io_timeout)?.execute("query-blockstats", None)?;
         let mut out = Vec::new();
         for id in [super::DISK_ID, super::SEED_ID] {
             let Some(e) = v.as_array().into_iter().flatten().find(|e| e["device"] == id) else { continue };
-            let n =
-                |k: &str| e["stats"][k].as_u64().ok_or_else(|| format!("query-blockstats gave {id} no stats.{k}: {e}"));
+            let n = |k: &str| {
+                e["stats"][k].as_u64().ok_or_else(|| VmmError::Missing {
+                    request: "query-blockstats",
+                    id,
+                    field: format!("stats.{k}"),
+                    entry: e.to_string(),
+                })
+            };
             out.push(DiskCounters {
                 id: id.to_string(),
                 read_bytes: n("rd_bytes")?,
@@ -303,12 +308,12 @@ impl Driver for Qemu {
         Ok(out)
     }
 
-    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), String> {
-        QmpClient::connect(socket, io_timeout).and_then(|mut c| c.cont()).map_err(|e| e.to_string())
+    fn resume(&self, socket: &Path, io_timeout: Duration) -> Result<(), VmmError> {
+        Ok(QmpClient::connect(socket, io_timeout)?.cont()?)
     }
 
     /// `<binary> --version`: its first line.
-    fn probe(&self, binary: &Path) -> Result<String, String> {
+    fn probe(&self, binary: &Path) -> Result<String, VmmError> {
         super::process::version_of(binary, &["--version"])
     }
 }

@@ -12,7 +12,9 @@ use super::inventory::{Candidate, PASSTHROUGH};
 use super::policy_calls::PlacementAsk;
 use super::release::{Release, ReleaseError, Released};
 use super::{now_rfc3339, Manager};
-use crate::devices::{self, passthrough, Answer, ConfigureSteps, Held, Refused, Verdict, WriteError, WriteSite};
+use crate::devices::{
+    self, passthrough, Answer, ConfigureSteps, Held, NotRecorded, Refused, Verdict, WriteError, WriteSite,
+};
 use crate::error::{ApiError, ErrorCode};
 use crate::host::proc;
 use crate::store::{Claim, ClaimState, Framework, InstanceRecord, MdevRecord, Owner, PassthroughWant, StoreError};
@@ -100,7 +102,7 @@ impl ConfigureSteps for Steps<'_> {
         self.m.quarantine(device, reason, detail);
     }
 
-    fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), String> {
+    fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), NotRecorded> {
         let rec = MdevRecord {
             uuid,
             parent: parent.to_string(),
@@ -110,7 +112,7 @@ impl ConfigureSteps for Steps<'_> {
             boot_id: self.claim.claim_boot_id.clone(),
             created_boottime_ms: proc::boottime_ms(),
         };
-        self.m.store.write_mdev(&rec).map_err(|e| e.to_string())
+        self.m.store.write_mdev(&rec).map_err(|e| NotRecorded(e.to_string()))
     }
 
     fn mdev_not_created(&self, uuid: uuid::Uuid) {
@@ -328,7 +330,7 @@ impl Manager {
     /// the configure and device locks, the backend configures it.
     fn configure(&self, claim: &mut Claim, cand: &Candidate) -> Result<(), Refusal> {
         let backend = devices::backend(&claim.kind);
-        let dirty = backend.dirty(&self.host, &Held::of(claim)).map_err(Refusal::untouched)?;
+        let dirty = backend.dirty(&self.host, &Held::of(claim)).map_err(|e| Refusal::untouched(e.to_string()))?;
         if let Some(cur) = dirty {
             self.repair(claim, cand, cur)?;
         }

@@ -15,7 +15,7 @@
 //!   observation).
 
 use super::{now_rfc3339, Manager};
-use crate::devices::{self, mdev, passthrough, vendor_vfio, HostMode, UnreadableDevice};
+use crate::devices::{self, mdev, passthrough, vendor_vfio, DeviceError, HostMode, UnreadableDevice};
 use crate::error::ApiError;
 use crate::store::{
     Claim, ClaimKind, ClaimState, Framework, FunctionRecord, HealthRecord, Listing, PassthroughClaim, Store,
@@ -210,7 +210,7 @@ impl Candidate {
 #[derive(Debug, Clone)]
 pub struct Observation {
     /// The framework, or the probe error.
-    pub mode: Result<HostMode, String>,
+    pub mode: Result<HostMode, DeviceError>,
     pub gpus: Vec<ObservedGpu>,
     /// Legal candidates for the requested profile (empty without one).
     pub candidates: Vec<Candidate>,
@@ -254,7 +254,7 @@ impl Observation {
         Observation::framework_of(&self.mode)
     }
 
-    fn framework_of(mode: &Result<HostMode, String>) -> Result<Framework, ApiError> {
+    fn framework_of(mode: &Result<HostMode, DeviceError>) -> Result<Framework, ApiError> {
         match mode {
             Ok(HostMode::VendorVfio) => Ok(Framework::VendorVfio),
             Ok(HostMode::Mdev) => Ok(Framework::Mdev),
@@ -361,7 +361,7 @@ pub struct ProfileBook {
     reported: Mutex<BTreeSet<String>>,
     /// The framework the last observation found (the capability gate's input; the claim
     /// re-checks it under the allocation lock).
-    last_mode: Mutex<Option<Result<HostMode, String>>>,
+    last_mode: Mutex<Option<Result<HostMode, DeviceError>>>,
 }
 
 impl ProfileBook {
@@ -484,7 +484,7 @@ impl Manager {
             self.book.learn(&c.profile, profile_framebuffer_mib(&c.profile));
         }
         let mut obs = Observation {
-            mode: scan.mode.clone().map_err(|e| e.to_string()),
+            mode: scan.mode.clone(),
             gpus: Vec::new(),
             candidates: Vec::new(),
             notes: Vec::new(),
@@ -604,7 +604,7 @@ impl Manager {
                 let mut recs = self.device_records(obs, &vf.bdf);
                 let current_type = match &vf.current_type {
                     Ok(t) => TypeReading::Id(*t),
-                    Err(e) => TypeReading::Unknown(e.clone()),
+                    Err(e) => TypeReading::Unknown(e.to_string()),
                 };
                 let unreadable = vf.unreadable_reason();
                 let state = recs.state(unreadable.is_some(), current_type.id().is_some_and(|t| t != 0));
@@ -713,7 +713,7 @@ impl Manager {
                 // parent is occupied (shown dirty), and only the sweep may remove our own.
                 let occupied = scan.mdevs.iter().any(|d| d.parent == p.bdf);
                 // An mdev on this parent that cannot be read: the parent is not known free.
-                let unreadable = p.types.as_ref().err().cloned().or_else(|| {
+                let unreadable = p.types.as_ref().err().map(ToString::to_string).or_else(|| {
                     scan.unreadable
                         .iter()
                         .find(|u| u.parent.as_deref() == Some(p.bdf.as_str()))
@@ -783,7 +783,7 @@ impl Manager {
                     obs.notes.push(format!("passthrough_gpus names {bdf}, which this host does not have"));
                     continue;
                 }
-                Err(e) => (None, Some(e)),
+                Err(e) => (None, Some(e.to_string())),
             };
             let problem = read.as_ref().and_then(|g| {
                 if !configured {

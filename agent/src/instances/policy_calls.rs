@@ -244,7 +244,7 @@ impl Manager {
             .into_iter()
             .map(|k| {
                 let binary = self.hypervisor_binary(k);
-                let probe = k.driver().probe(binary);
+                let probe = k.driver().probe(binary).map_err(|e| e.to_string());
                 match &probe {
                     Ok(v) => tracing::info!(hypervisor = %k, binary = %binary.display(), version = %v, "hypervisor available"),
                     Err(e) => tracing::info!(hypervisor = %k, binary = %binary.display(), problem = %e, "hypervisor not available"),

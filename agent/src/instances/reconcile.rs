@@ -30,7 +30,7 @@ use super::release::{scan, Release, Released};
 use super::supervise::Death;
 use super::vmm::Dead;
 use super::Manager;
-use crate::devices::{mdev, vendor_vfio};
+use crate::devices::{mdev, vendor_vfio, DeviceError};
 use crate::events::EventKind;
 use crate::host::proc::{self, HandleScan, Liveness};
 use crate::host::HostRoot;
@@ -215,7 +215,7 @@ impl Manager {
                     self.decide_and_release(eligible, &boot_id, &mut report);
                     self.finish_deletes(&boot_id, &mut report);
                 } else {
-                    let why = obs.mode.as_ref().err().cloned().unwrap_or_default();
+                    let why = obs.mode.as_ref().err().map(ToString::to_string).unwrap_or_default();
                     report.fail(
                         PassStage::Host,
                         format!(
@@ -944,7 +944,7 @@ fn record_release(
 }
 
 /// True when a fresh scan finds no holder of the device; otherwise records why it is kept.
-fn idle(device: &str, targets: Result<Vec<PathBuf>, String>, report: &mut PassReport) -> bool {
+fn idle(device: &str, targets: Result<Vec<PathBuf>, DeviceError>, report: &mut PassReport) -> bool {
     match scan(targets) {
         HandleScan::Clean => true,
         HandleScan::Held { pids } => {

@@ -26,7 +26,7 @@
 
 use super::vmm::Dead;
 use super::Manager;
-use crate::devices::{self, ClearError, ClearSteps, Cleared, Held, WriteError, WriteSite};
+use crate::devices::{self, ClearError, ClearSteps, Cleared, DeviceError, Held, WriteError, WriteSite};
 use crate::error::ReleaseFailure;
 use crate::events::EventKind;
 use crate::host::proc::{self, HandleScan};
@@ -140,10 +140,10 @@ impl ReleaseError {
 
 /// A fresh open-handle scan of a device's nodes; targets that could not be read make the
 /// result unknown (fail closed, docs/design/host.md §5).
-pub(crate) fn scan(targets: Result<Vec<PathBuf>, String>) -> HandleScan {
+pub(crate) fn scan(targets: Result<Vec<PathBuf>, DeviceError>) -> HandleScan {
     match targets {
         Ok(t) => proc::scan_open_handles(&t),
-        Err(reason) => HandleScan::Unknown { reason },
+        Err(e) => HandleScan::Unknown { reason: e.to_string() },
     }
 }
 
@@ -282,7 +282,7 @@ impl Manager {
     }
 
     /// The device nodes whose holders block the release (the backend's).
-    fn release_targets(&self, r: &Release<'_>) -> Result<Vec<PathBuf>, String> {
+    fn release_targets(&self, r: &Release<'_>) -> Result<Vec<PathBuf>, DeviceError> {
         self.with_held(r, |h| devices::backend(h.kind).release_targets(&self.host, h))
     }
 

@@ -608,7 +608,10 @@ impl Manager {
     /// Resumes the VM of `rec` (paused for a save).
     fn resume_vm(&self, rec: &InstanceRecord) -> Result<(), String> {
         let vmm = rec.vmm.as_ref().ok_or("no VMM recorded")?;
-        rec.hypervisor.driver().resume(&vmm.control_socket, crate::hypervisor::qmp::DEFAULT_IO_TIMEOUT)
+        rec.hypervisor
+            .driver()
+            .resume(&vmm.control_socket, crate::hypervisor::qmp::DEFAULT_IO_TIMEOUT)
+            .map_err(|e| e.to_string())
     }
 
     /// Replaces the VMM directory's disk files by the snapshot's (each copied under a

@@ -240,7 +240,7 @@ impl Manager {
             let socket = std::path::Path::new(&v.control_socket);
             match rec.hypervisor.driver().vm_state(socket, VM_STATE_TIMEOUT) {
                 Ok(state) => v.vm_state = Some(state),
-                Err(e) => v.vm_state_error = Some(e),
+                Err(e) => v.vm_state_error = Some(e.to_string()),
             }
         }
         Ok(view)
@@ -283,7 +283,7 @@ impl Manager {
         let names: HashMap<uuid::Uuid, String> =
             obs.claims.records.iter().filter_map(|c| Some((c.owner.instance()?, c.owner_name.clone()?))).collect();
         let held = self.held_by_policy();
-        let probe_error = obs.mode.as_ref().err().cloned();
+        let probe_error = obs.mode.as_ref().err().map(ToString::to_string);
         let gpus = obs
             .gpus
             .iter()
@@ -459,7 +459,7 @@ impl Manager {
         Resources {
             mode: obs.mode_name().to_string(),
             ready: matches!(obs.mode, Ok(HostMode::VendorVfio | HostMode::Mdev)),
-            error: obs.mode.as_ref().err().cloned(),
+            error: obs.mode.as_ref().err().map(ToString::to_string),
             devices: c,
             profiles,
             passthrough: pt,
