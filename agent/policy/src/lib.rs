@@ -1,10 +1,10 @@
 //! # gpuvisor plugin host
 //!
 //! Loads policy plugins into wasmtime and calls them under limits: WebAssembly core
-//! modules speaking ABI v1 (JSON; docs/plugins.md, the SDK's `abi` module) and components of
-//! the WIT package `gpuvisor:policy@2.0.0` (ABI v2, `sdk/wit/policy.wit`; `component.rs`),
-//! side by side behind one [`Plugin`]. This is the only crate of the agent that touches
-//! wasmtime.
+//! modules speaking ABI v1 (JSON; docs/plugins.md, the SDK's `abi` module; `core_module.rs`)
+//! and components of the WIT package `gpuvisor:policy@2.0.0` (ABI v2, `sdk/wit/policy.wit`;
+//! `component.rs`), side by side behind one [`Plugin`] (`plugin.rs`: the one host
+//! sequence). This is the only crate of the agent that touches wasmtime.
 //!
 //! Invariants this crate keeps:
 //! - a plugin is compiled once, at [`Plugin::load`] (or read compiled from the cache of
@@ -34,6 +34,7 @@
 
 mod cache;
 mod component;
+mod core_module;
 mod engine;
 mod error;
 mod plugin;

@@ -1,15 +1,22 @@
-//! [`Plugin`]: one loaded, checked policy module and its calls.
+//! [`Plugin`]: one loaded, checked policy plugin and its calls.
+//!
+//! The host's one sequence for both ABIs: the limits checked at load, the per-call store
+//! (fuel, the memory limiter, the epoch deadline, a place in the slot's share of the pool),
+//! the log budget, the classification of what went wrong ([`CallError`]), the stats and the
+//! report of each call. What differs between the ABIs sits beside it: `core_module.rs` (ABI
+//! v1: core modules speaking JSON through their memory) and `component.rs` (ABI v2:
+//! components of `gpuvisor:policy@2.0.0`).
 
 use crate::cache::{self, CacheOutcome};
 use crate::component;
+use crate::core_module;
 use crate::engine::{self, Share};
 use crate::error::{CallError, LoadError};
 use crate::text::{self, MAX_TEXT_BYTES};
-use gpuvisor_sdk::abi::unpack;
 pub(crate) use gpuvisor_sdk::abi::LogLevel;
 use gpuvisor_sdk::{
     GraceAnswer, GraceInput, HypervisorAnswer, HypervisorInput, Manifest, PlacementAnswer, PlacementInput, PolicyKind,
-    Reply, ABI_VERSION,
+    ABI_VERSION,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -19,10 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use wasmtime::{
-    Caller, Engine, ExternType, FuncType, Instance, InstancePre, Linker, Module, ResourceLimiter, Store, Trap,
-    TypedFunc, UpdateDeadline,
-};
+use wasmtime::{Engine, Instance, InstancePre, Module, ResourceLimiter, Store, Trap, UpdateDeadline};
 
 /// Per-plugin limits, applied to every call (and to the load-time manifest call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,8 +134,6 @@ pub const LOG_LINES_PER_CALL: u32 = 16;
 pub const LOG_LINES_PER_SECOND: u32 = 100;
 /// Longest log line kept, bytes (longer lines are truncated).
 pub const LOG_LINE_MAX_BYTES: usize = 1024;
-/// Longest manifest accepted, bytes.
-const MAX_MANIFEST_BYTES: usize = 64 << 10;
 /// The shortest deadline of a load's calls (`gpuvisor_abi_version`, `gpuvisor_manifest`):
 /// the slot's deadline when longer. A plugin that never answers them is still refused.
 pub const LOAD_DEADLINE: Duration = Duration::from_secs(5);
@@ -214,51 +216,35 @@ impl Plugin {
         if component::is_component(&bytes) {
             return Self::load_component(path, slot, limits, &shared.engine, &bytes);
         }
-        let (module, cached) = cache::compile::<Module>(&shared.engine, &bytes)
-            .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
-        check_imports(path, &module)?;
-        for (export, check, expected) in BASE_EXPORTS {
-            check_export(path, &module, export, *check, expected)?;
-        }
-        let pre =
-            link(&shared.engine, &module).map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
+        Self::load_module(path, slot, limits, &shared.engine, &bytes)
+    }
 
-        // Ask the module who it is, in a sandbox like any call's.
-        let sandbox = Sandbox {
-            label: Arc::from(path.display().to_string()),
-            code: Code::Module(pre),
-            cached,
-            limits,
-            log: Arc::new(LogLimiter::default()),
-            activity: Activity::default(),
-        };
-        let init = |what: &'static str| {
-            move |source: CallError| LoadError::Init { path: path.to_path_buf(), what, source: Box::new(source) }
-        };
+    /// The ABI v1 half of [`Plugin::load`]: compile, check and link the module
+    /// ([`core_module::compile`]), ask for its ABI version and manifest in a sandbox like any
+    /// call's ([`core_module::manifest`]), check the manifest and the entry points of the
+    /// kinds it lists.
+    fn load_module(
+        path: &Path,
+        slot: Option<PolicyKind>,
+        limits: Limits,
+        engine: &Engine,
+        bytes: &[u8],
+    ) -> Result<Plugin, LoadError> {
+        let p = || path.to_path_buf();
+        let (module, cached) = cache::compile::<Module>(engine, bytes)
+            .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
+        let pre = core_module::compile(engine, path, &module)?;
+        let sandbox = Sandbox::new(path, Code::Module(pre), cached, limits);
         let kind_for_errors = slot.unwrap_or(PolicyKind::Placement);
         let (version, manifest_bytes) = sandbox
             .with_instance(kind_for_errors, Share::Load, &mut CallReport::default(), |store, instance, label| {
-                let abi: TypedFunc<(), i32> = typed(instance, store, "gpuvisor_abi_version", label, kind_for_errors)?;
-                let version =
-                    abi.call(&mut *store, ()).map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
-                if version != ABI_VERSION {
-                    return Ok((version, Vec::new()));
-                }
-                let manifest: TypedFunc<(), i64> = typed(instance, store, "gpuvisor_manifest", label, kind_for_errors)?;
-                let packed =
-                    manifest.call(&mut *store, ()).map_err(|e| classify(e, store, label, kind_for_errors, &limits))?;
-                let bytes = read_reply(
-                    store,
-                    instance,
-                    packed,
-                    MAX_MANIFEST_BYTES,
-                    "gpuvisor_manifest",
-                    label,
-                    kind_for_errors,
-                )?;
-                Ok((version, bytes))
+                core_module::manifest(store, instance, label, kind_for_errors, &limits)
             })
-            .map_err(init("calling gpuvisor_abi_version / gpuvisor_manifest"))?;
+            .map_err(|source| LoadError::Init {
+                path: p(),
+                what: "calling gpuvisor_abi_version / gpuvisor_manifest",
+                source: Box::new(source),
+            })?;
         if version != ABI_VERSION {
             return Err(LoadError::AbiVersion {
                 path: p(),
@@ -272,7 +258,7 @@ impl Plugin {
         check_name(path, &manifest.name)?;
         let slot = slot_of(path, slot, &manifest)?;
         for kind in &manifest.kinds {
-            check_entry_point(path, &module, *kind)?;
+            core_module::check_entry_point(path, &module, *kind)?;
         }
         Ok(Self::loaded(path, slot, manifest, sandbox))
     }
@@ -292,14 +278,7 @@ impl Plugin {
         let (compiled, cached) = cache::compile::<wasmtime::component::Component>(engine, bytes)
             .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
         let compiled = component::compile(engine, path, compiled, &exported)?;
-        let sandbox = Sandbox {
-            label: Arc::from(path.display().to_string()),
-            code: Code::Component(Box::new(compiled)),
-            cached,
-            limits,
-            log: Arc::new(LogLimiter::default()),
-            activity: Activity::default(),
-        };
+        let sandbox = Sandbox::new(path, Code::Component(Box::new(compiled)), cached, limits);
         let kind_for_errors = slot.unwrap_or(exported[0]);
         let (manifest, abi_version) = sandbox
             .with_store(kind_for_errors, Share::Load, &mut CallReport::default(), |store, code, label| match code {
@@ -484,6 +463,19 @@ impl Plugin {
         if let Code::Component(_) = self.sandbox.code {
             return self.call_component(kind, input, report);
         }
+        self.call_module(kind, input, report)
+    }
+
+    /// The v1 half of the call sequence: the input as JSON, its size checked, the call in a
+    /// fresh instance ([`core_module::call`]), the reply envelope decoded as `T`
+    /// ([`core_module::answer`]).
+    fn call_module<I: Serialize + Any, T: DeserializeOwned + Any>(
+        &self,
+        kind: PolicyKind,
+        input: &I,
+        report: &mut CallReport,
+    ) -> Result<T, CallError> {
+        let label = &self.sandbox.label;
         let bytes = serde_json::to_vec(input).map_err(|e| CallError::InputEncode {
             plugin: label.to_string(),
             kind,
@@ -499,55 +491,9 @@ impl Plugin {
         }
         let limits = self.limits;
         let reply = self.sandbox.with_instance(kind, Share::Slot(self.slot), report, |store, instance, label| {
-            let alloc: TypedFunc<i32, i32> = typed(instance, store, "gpuvisor_alloc", label, kind)?;
-            let len = i32::try_from(bytes.len()).map_err(|_| CallError::InputTooLarge {
-                plugin: label.to_string(),
-                kind,
-                len: bytes.len(),
-                max: limits.max_input_bytes,
-            })?;
-            let ptr = alloc.call(&mut *store, len).map_err(|e| classify(e, store, label, kind, &limits))?;
-            let memory = memory(instance, store, label, kind)?;
-            let bad_alloc = |store: &Store<CallState>| {
-                if store_memory_hit(store) {
-                    CallError::MemoryLimit { plugin: label.to_string(), kind, limit_bytes: limits.memory_bytes }
-                } else {
-                    CallError::BadPointer {
-                        plugin: label.to_string(),
-                        kind,
-                        what: "gpuvisor_alloc",
-                        ptr: ptr as u32,
-                        len: len as u32,
-                    }
-                }
-            };
-            if ptr == 0 && len > 0 {
-                return Err(bad_alloc(store));
-            }
-            if memory.write(&mut *store, ptr as u32 as usize, &bytes).is_err() {
-                return Err(bad_alloc(store));
-            }
-            let entry: TypedFunc<(i32, i32), i64> = typed(instance, store, kind.export_name(), label, kind)?;
-            let packed = entry.call(&mut *store, (ptr, len)).map_err(|e| classify(e, store, label, kind, &limits))?;
-            read_reply(store, instance, packed, limits.max_output_bytes, kind.export_name(), label, kind)
+            core_module::call(store, instance, label, kind, &limits, &bytes)
         })?;
-        match serde_json::from_slice::<Reply<T>>(&reply) {
-            Ok(Reply::Ok(answer)) => Ok(answer),
-            Ok(Reply::Error(message)) => Err(CallError::Plugin {
-                plugin: label.to_string(),
-                kind,
-                message: text::shown(&message, MAX_TEXT_BYTES),
-            }),
-            Err(e) => Err(CallError::UndecodableReply {
-                plugin: label.to_string(),
-                kind,
-                // serde's message quotes the plugin's own text (e.g. an unknown variant).
-                reason: text::shown(
-                    &format!("expected {{\"ok\": <{} answer>}} or {{\"error\": \"message\"}}: {e}", kind.as_str()),
-                    MAX_TEXT_BYTES,
-                ),
-            }),
-        }
+        core_module::answer(&reply, label, kind)
     }
 }
 
@@ -741,6 +687,13 @@ pub(crate) struct CallState {
     fuel_uncounted: bool,
 }
 
+impl CallState {
+    /// A memory growth of this call was refused by the limiter.
+    pub(crate) fn memory_hit(&self) -> bool {
+        self.limiter.memory_hit
+    }
+}
+
 /// Memory/table limits of one call; remembers a refused memory growth so the resulting
 /// trap is reported as [`CallError::MemoryLimit`]. `memory_bytes` bounds the sum of every
 /// linear memory of the call (a component may have several).
@@ -913,6 +866,18 @@ impl Drop for Count<'_> {
 }
 
 impl Sandbox {
+    /// The sandbox of `code` loaded from `path` (its label until the manifest names it).
+    fn new(path: &Path, code: Code, cached: CacheOutcome, limits: Limits) -> Sandbox {
+        Sandbox {
+            label: Arc::from(path.display().to_string()),
+            code,
+            cached,
+            limits,
+            log: Arc::new(LogLimiter::default()),
+            activity: Activity::default(),
+        }
+    }
+
     /// Runs `f` with a fresh store and a fresh instance of the v1 module.
     fn with_instance<R>(
         &self,
@@ -1029,7 +994,7 @@ impl Sandbox {
 }
 
 /// Maps a wasmtime error from instantiation or a call to a [`CallError`].
-fn classify(
+pub(crate) fn classify(
     e: wasmtime::Error,
     store: &mut Store<CallState>,
     label: &str,
@@ -1053,101 +1018,6 @@ fn classify(
         Some(trap) => CallError::Trap { plugin, kind, message: text::shown(&trap.to_string(), MAX_TEXT_BYTES) },
         None => CallError::Trap { plugin, kind, message: text::shown(&format!("{e:#}"), MAX_TEXT_BYTES) },
     }
-}
-
-fn store_memory_hit(store: &Store<CallState>) -> bool {
-    store.data().limiter.memory_hit
-}
-
-fn typed<P, R>(
-    instance: &Instance,
-    store: &mut Store<CallState>,
-    name: &'static str,
-    label: &str,
-    kind: PolicyKind,
-) -> Result<TypedFunc<P, R>, CallError>
-where
-    P: wasmtime::WasmParams,
-    R: wasmtime::WasmResults,
-{
-    // Checked at load, so this only fails if the module changed under us.
-    instance.get_typed_func::<P, R>(&mut *store, name).map_err(|e| CallError::Trap {
-        plugin: label.to_string(),
-        kind,
-        message: format!("export {name}: {e:#}"),
-    })
-}
-
-fn memory(
-    instance: &Instance,
-    store: &mut Store<CallState>,
-    label: &str,
-    kind: PolicyKind,
-) -> Result<wasmtime::Memory, CallError> {
-    instance.get_memory(&mut *store, "memory").ok_or_else(|| CallError::Trap {
-        plugin: label.to_string(),
-        kind,
-        message: "export memory is missing".into(),
-    })
-}
-
-/// Copies the `(ptr << 32) | len` buffer out of the instance's memory, checking the size
-/// limit first and the bounds second.
-fn read_reply(
-    store: &mut Store<CallState>,
-    instance: &Instance,
-    packed: i64,
-    max: usize,
-    what: &'static str,
-    label: &str,
-    kind: PolicyKind,
-) -> Result<Vec<u8>, CallError> {
-    let (ptr, len) = unpack(packed);
-    if len as usize > max {
-        return Err(CallError::OutputTooLarge { plugin: label.to_string(), kind, len: len as usize, max });
-    }
-    let memory = memory(instance, store, label, kind)?;
-    let data = memory.data(&*store);
-    let start = ptr as usize;
-    match start.checked_add(len as usize).and_then(|end| data.get(start..end)) {
-        Some(bytes) => Ok(bytes.to_vec()),
-        None => Err(CallError::BadPointer { plugin: label.to_string(), kind, what, ptr, len }),
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// linking and load-time checks
-
-fn link(engine: &Engine, module: &Module) -> wasmtime::Result<InstancePre<CallState>> {
-    let mut linker: Linker<CallState> = Linker::new(engine);
-    let (import_module, import_name) = gpuvisor_sdk::abi::LOG_IMPORT;
-    linker.func_wrap(import_module, import_name, host_log)?;
-    linker.instantiate_pre(module)
-}
-
-/// `gpuvisor.log(level, ptr, len)`: one line to the log ([`CallLog::line`]). Never traps:
-/// an unreadable line is dropped and counted.
-fn host_log(mut caller: Caller<'_, CallState>, level: i32, ptr: i32, len: i32) {
-    let Some(memory) = caller.get_export("memory").and_then(|e| e.into_memory()) else {
-        caller.data_mut().log.unreadable();
-        return;
-    };
-    let data = memory.data(&caller);
-    let start = ptr as u32 as usize;
-    let len = (len as u32 as usize).min(LOG_LINE_MAX_BYTES);
-    let Some(bytes) = start.checked_add(len).and_then(|end| data.get(start..end)) else {
-        caller.data_mut().log.unreadable();
-        return;
-    };
-    let line = String::from_utf8_lossy(bytes).into_owned();
-    let level = match level {
-        0 => LogLevel::Error,
-        1 => LogLevel::Warn,
-        2 => LogLevel::Info,
-        3 => LogLevel::Debug,
-        _ => LogLevel::Trace,
-    };
-    caller.data_mut().log.line(level, line);
 }
 
 impl CallLog {
@@ -1183,98 +1053,14 @@ impl CallLog {
     }
 
     /// A line that could not be read from the plugin's memory: dropped and counted.
-    fn unreadable(&mut self) {
+    pub(crate) fn unreadable(&mut self) {
         self.shared.drop_one();
         self.dropped += 1;
     }
 }
 
-fn check_imports(path: &Path, module: &Module) -> Result<(), LoadError> {
-    for import in module.imports() {
-        let (m, n) = (import.module(), import.name());
-        let allowed = (m, n) == gpuvisor_sdk::abi::LOG_IMPORT
-            && matches!(import.ty(), ExternType::Func(ref f) if sig_is(f, &[I32, I32, I32], &[]));
-        if allowed {
-            continue;
-        }
-        if m.starts_with("wasi") {
-            return Err(LoadError::WasiImport { path: path.to_path_buf(), module: m.to_string(), name: n.to_string() });
-        }
-        return Err(LoadError::ForbiddenImport {
-            path: path.to_path_buf(),
-            module: m.to_string(),
-            name: n.to_string(),
-        });
-    }
-    Ok(())
-}
-
-#[derive(Clone, Copy)]
-enum Ty {
-    I32,
-    I64,
-}
-use Ty::{I32, I64};
-
-#[derive(Clone, Copy)]
-enum ExportCheck {
-    Memory,
-    Func(&'static [Ty], &'static [Ty]),
-}
-
-const BASE_EXPORTS: &[(&str, ExportCheck, &str)] = &[
-    ("memory", ExportCheck::Memory, "a linear memory"),
-    ("gpuvisor_abi_version", ExportCheck::Func(&[], &[I32]), "func () -> i32"),
-    ("gpuvisor_alloc", ExportCheck::Func(&[I32], &[I32]), "func (i32) -> i32"),
-    ("gpuvisor_free", ExportCheck::Func(&[I32, I32], &[]), "func (i32, i32)"),
-    ("gpuvisor_manifest", ExportCheck::Func(&[], &[I64]), "func () -> i64"),
-];
-
-fn check_entry_point(path: &Path, module: &Module, kind: PolicyKind) -> Result<(), LoadError> {
-    check_export(path, module, kind.export_name(), ExportCheck::Func(&[I32, I32], &[I64]), "func (i32, i32) -> i64")
-}
-
-fn check_export(
-    path: &Path,
-    module: &Module,
-    export: &'static str,
-    check: ExportCheck,
-    expected: &'static str,
-) -> Result<(), LoadError> {
-    let Some(ty) = module.get_export(export) else {
-        return Err(LoadError::MissingExport { path: path.to_path_buf(), export, expected });
-    };
-    let ok = match (check, &ty) {
-        (ExportCheck::Memory, ExternType::Memory(m)) => !m.is_64() && !m.is_shared(),
-        (ExportCheck::Func(params, results), ExternType::Func(f)) => sig_is(f, params, results),
-        _ => false,
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(LoadError::ExportType { path: path.to_path_buf(), export, expected })
-    }
-}
-
-fn sig_is(f: &FuncType, params: &[Ty], results: &[Ty]) -> bool {
-    fn same(actual: impl ExactSizeIterator<Item = wasmtime::ValType>, want: &[Ty]) -> bool {
-        actual.len() == want.len()
-            && actual.zip(want).all(|(a, w)| match w {
-                Ty::I32 => a.is_i32(),
-                Ty::I64 => a.is_i64(),
-            })
-    }
-    same(f.params(), params) && same(f.results(), results)
-}
-
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn the_checked_exports_are_the_sdks() {
-        let names: Vec<&str> = super::BASE_EXPORTS.iter().map(|e| e.0).collect();
-        assert_eq!(names, gpuvisor_sdk::abi::BASE_EXPORTS);
-    }
-
     use super::*;
 
     fn assert_send_sync<T: Send + Sync>() {}
