@@ -383,7 +383,7 @@ pub(crate) mod testing {
         fn quarantine(&self, device: &str, reason: &str, detail: &str) {
             ClearSteps::quarantine(self, device, reason, detail);
         }
-        fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), NotRecorded> {
+        fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), super::NotRecorded> {
             self.steps.borrow_mut().push(Step::MdevCreating {
                 uuid,
                 parent: parent.into(),
