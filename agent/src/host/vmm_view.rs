@@ -269,8 +269,8 @@ impl VmmView {
         };
         let root = self.root.as_ptr();
         let none = std::ptr::null::<libc::c_char>();
-        // SAFETY (whole block): every pointer is a NUL-terminated string prepared before the
-        // fork, or null where the call allows it.
+        // SAFETY: (the whole block) every pointer is a NUL-terminated string prepared before
+        // the fork, or null where the call allows it.
         unsafe {
             if libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWIPC) != 0 {
                 return Err(fail(b"gpuvisor: the VMM's view cannot be made: unshare: errno "));

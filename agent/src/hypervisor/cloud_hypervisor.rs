@@ -382,15 +382,16 @@ impl Driver for CloudHypervisor {
         wait_answering(vmm, &what, timeout, |io| ChApi::new(socket, io).get("vmm.ping"))?;
         let config = vm_config(spec).map_err(|e| StartFailure::from(e.to_string()))?;
         let api = ChApi::new(socket, timeout);
-        // SAFETY: the agent holds each tap open for the whole spawn (instances::nics), of
-        // which this is a part; the VMM gets its own copies.
         let taps: Vec<(usize, &NicSpec, std::os::fd::BorrowedFd<'_>)> = spec
             .nics
             .iter()
             .enumerate()
             .filter_map(|(i, nic)| match &nic.backend {
                 NicBackend::Tap { agent_fd, .. } => {
-                    Some((i, nic, unsafe { std::os::fd::BorrowedFd::borrow_raw(*agent_fd) }))
+                    // SAFETY: the agent holds each tap open for the whole spawn
+                    // (instances::nics), of which this is a part; the VMM gets its own copies.
+                    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(*agent_fd) };
+                    Some((i, nic, fd))
                 }
                 NicBackend::User { .. } => None,
             })
