@@ -1771,3 +1771,36 @@ pub fn devices_in(report: &Value, key: &str) -> Vec<String> {
         .map(String::from)
         .collect()
 }
+
+/// A QMP-speaking stand-in for `qemu_binary` (a Python script): it answers `--version` like
+/// QEMU (the agent probes its binary), runs `setup` (top-level Python; `qmp` is the QMP
+/// socket's path, e.g. for a SIGTERM handler), then answers every QMP command (`running` to
+/// `query-status`) and holds whatever the agent handed it across exec (its VF's VFIO group,
+/// with `hold-fd`) — a VMM whose guest is idle, without a guest.
+pub fn qmp_stand_in(setup: &str) -> String {
+    format!(
+        r#"#!/usr/bin/env python3
+import sys
+if sys.argv[1:] == ["--version"]:
+    print("QEMU emulator version 7.2.0 (test stand-in)")
+    sys.exit(0)
+import json, os, signal, socket, threading
+args = sys.argv[1:]
+qmp = args[args.index("-qmp") + 1].split("unix:", 1)[1].split(",", 1)[0]
+{setup}
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(qmp)
+srv.listen(4)
+def serve(c):
+    f = c.makefile("rw")
+    f.write(json.dumps({{"QMP": {{"version": {{}}, "capabilities": []}}}}) + "\n"); f.flush()
+    for line in f:
+        cmd = json.loads(line).get("execute")
+        ret = {{"status": "running", "running": True}} if cmd == "query-status" else {{}}
+        f.write(json.dumps({{"return": ret}}) + "\n"); f.flush()
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#
+    )
+}

@@ -82,32 +82,6 @@ fn bench_reconcile_pass_over_many_records() {
     );
 }
 
-/// A QMP-speaking stand-in for QEMU (Python): it answers the agent's QMP commands and holds
-/// what the agent hands it across exec (its VF's VFIO group, with `hold-fd`), like a VMM
-/// whose guest is idle — 256 of them fit on a test machine where 256 TCG guests do not.
-const IDLE_VMM: &str = r#"#!/usr/bin/env python3
-import sys
-if sys.argv[1:] == ["--version"]:
-    print("QEMU emulator version 7.2.0 (test stand-in)")
-    sys.exit(0)
-import json, socket, threading
-args = sys.argv[1:]
-qmp = args[args.index("-qmp") + 1].split("unix:", 1)[1].split(",", 1)[0]
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(qmp)
-srv.listen(4)
-def serve(c):
-    f = c.makefile("rw")
-    f.write(json.dumps({"QMP": {"version": {}, "capabilities": []}}) + "\n"); f.flush()
-    for line in f:
-        cmd = json.loads(line).get("execute")
-        ret = {"status": "running", "running": True} if cmd == "query-status" else {}
-        f.write(json.dumps({"return": ret}) + "\n"); f.flush()
-while True:
-    c, _ = srv.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"#;
-
 /// The fds of `pids` read the bare way: `readdir` of `/proc/<pid>/fd` and a `readlink` of
 /// each entry (what an open-handle scan cannot do with less). Returns the links read.
 fn bare_fd_scan(pids: &[i32]) -> usize {
@@ -134,7 +108,8 @@ fn bench_reconcile_pass_with_256_vfs_held_by_live_vmms_vs_a_bare_fd_scan() {
         .collect();
     let tools = vmm_writable_tempdir("gpuvisor-idle-vmm.").unwrap();
     let fake = tools.path().join("idle-vmm");
-    std::fs::write(&fake, IDLE_VMM).unwrap();
+    // 256 stand-ins fit on a test machine where 256 TCG guests do not.
+    std::fs::write(&fake, qmp_stand_in("")).unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
     let qemu_binary = format!("{fake:?}");
     let a = Agent::start_tuned(

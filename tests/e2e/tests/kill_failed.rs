@@ -12,42 +12,21 @@ use serde_json::json;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
-const FAKE_VMM: &str = r#"#!/usr/bin/env python3
-import sys
-if sys.argv[1:] == ["--version"]:
-    # The agent probes its QEMU at start.
-    print("QEMU emulator version 7.2.0 (test stand-in)")
-    sys.exit(0)
-# A QMP-speaking stand-in for QEMU: answers the agent's QMP commands; on SIGTERM it writes
-# to STUCK_PATH (a delayed FUSE file), where SIGKILL cannot reach it until the write ends.
-import json, os, signal, socket, sys, threading
-args = sys.argv[1:]
-qmp = args[args.index("-qmp") + 1].split("unix:", 1)[1].split(",", 1)[0]
+/// On SIGTERM the stand-in writes to STUCK_PATH (a delayed FUSE file), where SIGKILL cannot
+/// reach it until the write ends.
+const ON_TERM_STUCK: &str = r#"
 def on_term(signum, frame):
     stuck = open(os.path.join(os.path.dirname(qmp), "stuck-path")).read().strip()
     with open(stuck, "w") as f:
         f.write("frame_rate_limiter=0")
 signal.signal(signal.SIGTERM, on_term)
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(qmp)
-srv.listen(4)
-def serve(c):
-    f = c.makefile("rw")
-    f.write(json.dumps({"QMP": {"version": {}, "capabilities": []}}) + "\n"); f.flush()
-    for line in f:
-        cmd = json.loads(line).get("execute")
-        ret = {"status": "running", "running": True} if cmd == "query-status" else {}
-        f.write(json.dumps({"return": ret}) + "\n"); f.flush()
-while True:
-    c, _ = srv.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
 "#;
 
 #[test]
 fn s036_a_vmm_that_outlives_sigkill_stops_the_teardown() {
     let tools = vmm_writable_tempdir("gpuvisor-fake-vmm.").unwrap();
     let fake = tools.path().join("fake-vmm");
-    std::fs::write(&fake, FAKE_VMM).unwrap();
+    std::fs::write(&fake, qmp_stand_in(ON_TERM_STUCK)).unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
     let qemu_binary = format!("{:?}", fake);
     let a = Agent::start_tuned(
