@@ -5,10 +5,10 @@
 //!
 //! | type | published by |
 //! |---|---|
-//! | `instance_state`, `instance_deleted` | the store, once the record is durable ([`crate::store::Store::write_instance`], [`crate::store::Store::remove_instance`]) |
-//! | `claimed` | the store, once the claim file exists ([`crate::store::Store::create_claim`]) |
+//! | `instance_state`, `instance_deleted` | the lifecycle's records, once the record is durable ([`crate::instances::records::Records::write_instance`], [`crate::instances::records::Records::remove_instance`]) |
+//! | `claimed` | the lifecycle's records, once the claim file exists ([`crate::instances::records::Records::create_claim`]) |
 //! | `released`, `release_failed` | the release path (`instances/release.rs`) |
-//! | `health_mark`, `health_cleared` | the store ([`crate::store::Store::write_health`], [`crate::store::Store::remove_health`]) |
+//! | `health_mark`, `health_cleared` | the lifecycle's records ([`crate::instances::records::Records::write_health`], [`crate::instances::records::Records::remove_health`]) |
 //! | `reconcile_pass` | the end of every pass |
 //! | `policy_failure` | the one sequence of a plugin call (`instances/policy_calls.rs`) |
 //!

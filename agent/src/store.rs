@@ -41,7 +41,6 @@ use std::path::{Path, PathBuf};
 use uuid::Uuid;
 
 pub use crate::domain::*;
-use crate::events::{EventKind, Events};
 
 /// Errors of the store. Messages are one sentence and name the file.
 #[derive(Debug, thiserror::Error)]
@@ -177,9 +176,6 @@ impl<T> Listing<T> {
 #[derive(Debug, Clone)]
 pub struct Store {
     root: PathBuf,
-    /// What the store makes durable is published here (instance states, claims, health
-    /// marks): one publishing place per event type (see [`crate::events`]).
-    events: Events,
 }
 
 const SUBDIRS: [&str; 9] = ["", "instances", "names", "claims", "mdevs", "health", "images", "vmm-ids", "vmm-root"];
@@ -203,7 +199,7 @@ impl Store {
                 tracing::warn!(data_dir = %root.display(), error = %e, "the data directory cannot be made mode 0700");
             }
         }
-        let store = Store { root, events: Events::default() };
+        let store = Store { root };
         if !had_names {
             for rec in store.scan_instances()?.records {
                 if let Err(e) = store.claim_name(&rec.name, rec.id) {
@@ -217,11 +213,6 @@ impl Store {
     /// The data directory.
     pub fn root(&self) -> &Path {
         &self.root
-    }
-
-    /// The event bus the store publishes on.
-    pub fn events(&self) -> &Events {
-        &self.events
     }
 
     /// Takes the exclusive `flock` on `<data-dir>/lock` (non-blocking). Hold the returned
@@ -263,31 +254,19 @@ impl Store {
         self.instance_dir(id).join("instance.json")
     }
 
-    /// Writes an instance record atomically (creating its directory). A record written in
-    /// a new state (or for the first time) publishes `instance_state` once it is durable.
-    pub fn write_instance(&self, rec: &InstanceRecord) -> Result<()> {
+    /// Writes an instance record atomically (creating its directory). Answers the state the
+    /// record had on disk before (`None`: no record, or one that cannot be read), for the
+    /// caller that publishes the change (`instances::records`).
+    pub fn persist_instance(&self, rec: &InstanceRecord) -> Result<Option<InstanceState>> {
         let dir = self.instance_dir(rec.id);
         if !dir.exists() {
             fs::create_dir_all(&dir).map_err(|e| StoreError::io(&dir, e))?;
             fsync_dir(&self.root.join("instances"))?;
             crate::crash_point!("instance_dir_created");
         }
-        // The state it had on disk: an unreadable record counts as a change (from unknown).
         let before = read_json_opt::<InstanceRecord>(&self.instance_path(rec.id)).ok().flatten().map(|r| r.state());
         write_json_atomic(&self.instance_path(rec.id), rec)?;
-        if before != Some(rec.state()) {
-            let reason = matches!(rec.state(), InstanceState::Stopped | InstanceState::CleanupPending)
-                .then(|| rec.last_error.clone())
-                .flatten();
-            self.events.publish(EventKind::InstanceState {
-                instance_id: rec.id.to_string(),
-                name: rec.name.clone(),
-                from: before,
-                to: rec.state(),
-                reason,
-            });
-        }
-        Ok(())
+        Ok(before)
     }
 
     /// Reads one instance record; `Ok(None)` if it does not exist.
@@ -327,8 +306,8 @@ impl Store {
     /// name index entry, then its VMM id record — so a crash midway leaves a recognisable
     /// record, or a stale name entry that the next [`Store::claim_name`] replaces, or a VMM id
     /// record of a gone instance that the next allocation frees, never an orphan directory
-    /// without a record.
-    pub fn remove_instance(&self, id: Uuid) -> Result<()> {
+    /// without a record. Answers the instance's name (`None`: its record could not be read).
+    pub fn erase_instance(&self, id: Uuid) -> Result<Option<String>> {
         let dir = self.instance_dir(id);
         let rec = self.read_instance(id).ok().flatten();
         let name = rec.as_ref().map(|r| r.name.clone());
@@ -378,8 +357,7 @@ impl Store {
                 self.remove_vmm_id(uid)?;
             }
         }
-        self.events.publish(EventKind::InstanceDeleted { instance_id: id.to_string(), name });
-        Ok(())
+        Ok(name)
     }
 
     // ----- leftovers of interrupted operations
@@ -521,22 +499,11 @@ impl Store {
 
     /// Creates the claim file exclusively (`renameat2(RENAME_NOREPLACE)`).
     /// Errors: [`StoreError::ClaimExists`] when the device already has a claim.
-    pub fn create_claim(&self, claim: &Claim) -> Result<()> {
+    pub fn persist_new_claim(&self, claim: &Claim) -> Result<()> {
         create_exclusive(&self.claim_path(&claim.device), claim).map_err(|e| match e {
             StoreError::ClaimExists { .. } => StoreError::ClaimExists { device: claim.device.clone() },
             e => e,
-        })?;
-        self.events.publish(EventKind::Claimed {
-            device: claim.device.clone(),
-            gpu: claim.gpu.clone(),
-            framework: claim.kind.framework().as_str().to_string(),
-            profile: claim.profile.clone(),
-            instance_id: claim.owner.instance().map(|i| i.to_string()),
-            owner: claim.owner.clone(),
-            name: claim.owner_name.clone(),
-            labels: claim.owner_labels.clone().unwrap_or_default(),
-        });
-        Ok(())
+        })
     }
 
     /// Replaces an existing claim atomically (state changes, release attempts).
@@ -608,15 +575,8 @@ impl Store {
     }
 
     /// Writes a health mark.
-    pub fn write_health(&self, rec: &HealthRecord) -> Result<()> {
-        write_json_atomic(&self.health_path(&rec.device), rec)?;
-        self.events.publish(EventKind::HealthMark {
-            device: rec.device.clone(),
-            reason: rec.reason.clone(),
-            quarantined: rec.quarantined,
-            detail: rec.detail.clone(),
-        });
-        Ok(())
+    pub fn persist_health(&self, rec: &HealthRecord) -> Result<()> {
+        write_json_atomic(&self.health_path(&rec.device), rec)
     }
 
     /// The health record of `device`, if any (an undecodable one is an error).
@@ -629,15 +589,12 @@ impl Store {
         scan_records(&self.root.join("health"))
     }
 
-    /// Clears a health mark.
-    pub fn remove_health(&self, device: &str) -> Result<()> {
+    /// Clears a health mark; answers whether there was one.
+    pub fn erase_health(&self, device: &str) -> Result<bool> {
         let path = self.health_path(device);
         let had = path.exists();
         remove_file_durable(&path, &self.root.join("health"))?;
-        if had {
-            self.events.publish(EventKind::HealthCleared { device: device.to_string() });
-        }
-        Ok(())
+        Ok(had)
     }
 
     /// `images/`.
@@ -963,7 +920,7 @@ mod tests {
             let c: Claim = serde_json::from_slice(&old).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(c.kind, kind, "{name}");
             assert_eq!(c.owner, owner, "{name}");
-            s.create_claim(&c).unwrap();
+            s.persist_new_claim(&c).unwrap();
             let new = fs::read(s.claim_path(&c.device)).unwrap();
             assert_eq!(String::from_utf8_lossy(&new), String::from_utf8_lossy(&old), "{name}: written back as before");
             assert_eq!(s.read_claim(&c.device).unwrap().as_ref(), Some(&c), "{name}");
@@ -1025,8 +982,8 @@ mod tests {
     fn a_second_exclusive_claim_of_a_device_fails() {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
-        s.create_claim(&claim("0000:41:00.4")).unwrap();
-        let err = s.create_claim(&claim("0000:41:00.4")).unwrap_err();
+        s.persist_new_claim(&claim("0000:41:00.4")).unwrap();
+        let err = s.persist_new_claim(&claim("0000:41:00.4")).unwrap_err();
         assert!(matches!(err, StoreError::ClaimExists { .. }), "{err}");
         assert_eq!(s.list_claims().unwrap().len(), 1);
         // no temp files left behind
@@ -1067,7 +1024,7 @@ mod tests {
         illegal(s.update_claim(&c));
         assert!(s.read_claim(dev).unwrap().is_none());
         c.state = ClaimState::Claimed;
-        s.create_claim(&c).unwrap();
+        s.persist_new_claim(&c).unwrap();
         c.state = ClaimState::Configured;
         s.update_claim(&c).unwrap();
         c.state = ClaimState::ReleasePending;
@@ -1081,7 +1038,7 @@ mod tests {
         // Another claim of the device (released and claimed again meanwhile): refused.
         s.remove_claim(dev).unwrap();
         let other = claim(dev);
-        s.create_claim(&other).unwrap();
+        s.persist_new_claim(&other).unwrap();
         illegal(s.update_claim(&c));
         assert_eq!(s.read_claim(dev).unwrap(), Some(other));
     }
@@ -1090,10 +1047,10 @@ mod tests {
     fn removing_a_claim_frees_the_device() {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
-        s.create_claim(&claim("0000:41:00.4")).unwrap();
+        s.persist_new_claim(&claim("0000:41:00.4")).unwrap();
         s.remove_claim("0000:41:00.4").unwrap();
         s.remove_claim("0000:41:00.4").unwrap();
-        s.create_claim(&claim("0000:41:00.4")).unwrap();
+        s.persist_new_claim(&claim("0000:41:00.4")).unwrap();
     }
 
     #[test]
@@ -1159,7 +1116,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
         let a = record("a");
-        s.write_instance(&a).unwrap();
+        s.persist_instance(&a).unwrap();
         let bad = Uuid::new_v4();
         fs::create_dir_all(s.instance_dir(bad)).unwrap();
         fs::write(s.instance_path(bad), b"{not json").unwrap();
@@ -1176,11 +1133,11 @@ mod tests {
         let s = Store::open(d.path()).unwrap();
         let a = record("a");
         s.claim_name("a", a.id).unwrap();
-        s.write_instance(&a).unwrap();
+        s.persist_instance(&a).unwrap();
         let other = Uuid::new_v4();
         assert!(matches!(s.claim_name("a", other), Err(StoreError::NameTaken { owner, .. }) if owner == a.id));
         assert_eq!(s.name_owner("a").unwrap(), Some(a.id));
-        s.remove_instance(a.id).unwrap();
+        s.erase_instance(a.id).unwrap();
         assert_eq!(s.name_owner("a").unwrap(), None, "delete removes the name");
         // A create that crashed after its name entry, before its record: the entry is stale.
         s.claim_name("b", Uuid::new_v4()).unwrap();
@@ -1193,7 +1150,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let s = Store::open(d.path()).unwrap();
         let a = record("a");
-        s.write_instance(&a).unwrap();
+        s.persist_instance(&a).unwrap();
         fs::remove_dir_all(d.path().join("names")).unwrap();
         let s = Store::open(d.path()).unwrap();
         assert_eq!(s.name_owner("a").unwrap(), Some(a.id));

@@ -69,9 +69,9 @@ fn store_writer_child() {
     let mut n = 0u64;
     loop {
         for (i, id) in ids.iter().enumerate() {
-            store.write_instance(&record(*id, n)).unwrap();
+            store.persist_instance(&record(*id, n)).unwrap();
             let dev = format!("0000:41:00.{}", 4 + i);
-            match store.create_claim(&claim(&dev, *id, n)) {
+            match store.persist_new_claim(&claim(&dev, *id, n)) {
                 Ok(()) => {}
                 Err(_) => {
                     store.update_claim(&claim(&dev, *id, n)).unwrap();

@@ -27,6 +27,7 @@
 //! | [`stats`] | `instance.stats`: a running VM's CPU, memory, disk and NIC counters |
 //! | [`view`] | the read side: the operations that build the views ([`crate::wire`]) of get, list, gpus, resources, dry run, health, plugins |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
+//! | [`records`] | the store as the lifecycle writes it: the one place its durable changes (instance states, deletes, claims, health marks) are published as events |
 //!
 //! Locks, always taken in this order (a later one may be taken while an earlier one is
 //! held, never the reverse): one lock **per instance** (held for a whole operation, so the
@@ -61,6 +62,7 @@ pub mod owners;
 pub mod policy_calls;
 pub mod power;
 pub mod reconcile;
+pub mod records;
 pub mod release;
 pub mod request;
 pub mod rollback;
@@ -100,7 +102,7 @@ pub fn now_rfc3339() -> String {
 pub struct Manager {
     cfg: Config,
     host: HostRoot,
-    store: Store,
+    store: records::Records,
     /// The loaded plugins with their params and limits; swapped whole by `plugin.reload`.
     policies: RwLock<Arc<Policies>>,
     /// The config file the agent was started with (re-read by `plugin.reload`).
@@ -148,6 +150,7 @@ impl Manager {
         let book = inventory::ProfileBook::load(&store);
         let reconciler = reconcile::ReconcileState::load(&store, &host);
         let metrics = Metrics::new();
+        let store = records::Records::new(store);
         store.events().count_with(metrics.event_counter());
         policies.announce(&metrics);
         Manager {
@@ -181,8 +184,8 @@ impl Manager {
         &self.cfg
     }
 
-    /// The store.
-    pub fn store(&self) -> &Store {
+    /// The store, publishing what it makes durable ([`records`]).
+    pub fn store(&self) -> &records::Records {
         &self.store
     }
 
