@@ -7,7 +7,8 @@
 //! differs (from the other plugin's with `--against`, else from the recorded one);
 //! 2 for bad usage (unknown `--kind`, unreadable `--params`/`--config`).
 
-use super::{exit, table, Output};
+use super::print::table;
+use super::{exit, Output};
 use crate::config::Config;
 use gpuvisor_policy::{CallError, CallReport, InputFile, Limits, Plugin};
 use gpuvisor_sdk::PolicyKind;
