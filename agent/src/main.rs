@@ -147,8 +147,8 @@ async fn serve(cfg: Config, config_path: Option<std::path::PathBuf>) -> anyhow::
     let cm = manager.clone();
     std::thread::Builder::new().name("console-logs".into()).spawn(move || loop {
         std::thread::sleep(gpuvisor::console::ROTATE_EVERY);
-        cm.relay_serial_ports();
-        cm.rotate_console_logs();
+        cm.consoles().relay_all();
+        cm.consoles().rotate_logs();
     })?;
     let sm = manager.clone();
     std::thread::Builder::new().name("supervisor".into()).spawn(move || loop {

@@ -6,16 +6,43 @@
 //! after the VMM, and again after an agent restart. A failure is logged once per instance
 //! until it succeeds again.
 
-use super::Manager;
 use crate::domain::InstanceState;
 use crate::hypervisor::{SerialPort, SERIAL_LOG, SERIAL_SOCKET};
-use crate::store::InstanceRecord;
+use crate::store::{InstanceRecord, Store};
 use crate::sync::lock;
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use uuid::Uuid;
 
-impl Manager {
+/// The consoles of every instance: what this room owns, and all it needs (the store to find
+/// the instances' directories and records, the log cap). [`super::Manager`] holds one.
+pub struct Consoles {
+    store: Store,
+    /// `console_log_max_bytes`.
+    max_bytes: u64,
+    /// Instances whose console log rotation failed (logged once until it works again).
+    rotation_failures: Mutex<HashSet<Uuid>>,
+    /// The serial relays of running VMMs that serve their serial port on a socket.
+    relays: Mutex<HashMap<Uuid, crate::serial_relay::Relay>>,
+    /// Instances whose serial relay failed to start (logged once until it starts).
+    relay_failures: Mutex<HashSet<Uuid>>,
+}
+
+impl Consoles {
+    /// The consoles of the instances in `store`, logs capped at `max_bytes`.
+    pub fn new(store: Store, max_bytes: u64) -> Consoles {
+        Consoles {
+            store,
+            max_bytes,
+            rotation_failures: Mutex::default(),
+            relays: Mutex::default(),
+            relay_failures: Mutex::default(),
+        }
+    }
+
     /// One check of every instance's console log (see the module docs).
-    pub fn rotate_console_logs(&self) {
-        let max = self.cfg.console_log_max_bytes;
+    pub fn rotate_logs(&self) {
+        let max = self.max_bytes;
         let Ok(entries) = std::fs::read_dir(self.store.root().join("instances")) else { return };
         for e in entries.flatten() {
             let vmm = e.path().join(crate::hypervisor::confine::VMM_DIR);
@@ -29,7 +56,7 @@ impl Manager {
             else {
                 continue;
             };
-            let mut failing = lock(&self.console_rotation_failures);
+            let mut failing = lock(&self.rotation_failures);
             match crate::console::rotate(&vmm, &e.path(), max) {
                 Ok(true) => {
                     failing.remove(&rec.id);
@@ -50,7 +77,7 @@ impl Manager {
     /// One check of the serial relays: a running instance whose VMM serves its serial port
     /// on a socket and has no live relay gets one. Cheap for the others: only a VMM
     /// directory with a serial socket costs a record read.
-    pub fn relay_serial_ports(&self) {
+    pub fn relay_all(&self) {
         let Ok(entries) = std::fs::read_dir(self.store.root().join("instances")) else { return };
         for e in entries.flatten() {
             let vmm = e.path().join(crate::hypervisor::confine::VMM_DIR);
@@ -58,22 +85,22 @@ impl Manager {
                 continue;
             }
             let Some(id) = uuid::Uuid::parse_str(&e.file_name().to_string_lossy()).ok() else { continue };
-            if lock(&self.serial_relays).get(&id).is_some_and(|r| !r.is_done()) {
+            if lock(&self.relays).get(&id).is_some_and(|r| !r.is_done()) {
                 continue;
             }
             if let Ok(Some(rec)) = self.store.read_instance(id) {
-                self.relay_serial(&rec);
+                self.relay(&rec);
             }
         }
     }
 
     /// Starts the serial relay of `rec` when its VMM runs, serves its serial port on a
     /// socket and has no live relay yet. A failure is logged (once until a relay starts).
-    pub(crate) fn relay_serial(&self, rec: &InstanceRecord) {
+    pub fn relay(&self, rec: &InstanceRecord) {
         if rec.state() != InstanceState::Running || rec.hypervisor.driver().serial_port() != SerialPort::Relayed {
             return;
         }
-        let mut relays = lock(&self.serial_relays);
+        let mut relays = lock(&self.relays);
         relays.retain(|_, r| !r.is_done());
         if relays.contains_key(&rec.id) {
             return;
@@ -82,17 +109,17 @@ impl Manager {
         match crate::serial_relay::start(
             &self.store.vmm_dir(rec.id),
             &self.store.instance_dir(rec.id),
-            self.cfg.console_log_max_bytes,
+            self.max_bytes,
             &who,
         ) {
             Ok(relay) => {
                 relays.insert(rec.id, relay);
-                if lock(&self.serial_relay_failures).remove(&rec.id) {
+                if lock(&self.relay_failures).remove(&rec.id) {
                     tracing::info!(instance.id = %rec.id, instance.name = %rec.name, "the serial console is relayed again");
                 }
             }
             Err(err) => {
-                if lock(&self.serial_relay_failures).insert(rec.id) {
+                if lock(&self.relay_failures).insert(rec.id) {
                     tracing::warn!(instance.id = %rec.id, instance.name = %rec.name, error = %err,
                         "the VMM's serial port cannot be relayed: no console log and no console until it can");
                 }

@@ -124,12 +124,8 @@ pub struct Manager {
     metrics: Metrics,
     /// Each hypervisor as probed at start ([`Manager::probe_hypervisors`]); `None` before.
     hypervisor_probes: Mutex<Option<Vec<crate::wire::HypervisorView>>>,
-    /// Instances whose console log rotation failed (logged once until it works again).
-    console_rotation_failures: Mutex<std::collections::HashSet<Uuid>>,
-    /// The serial relays of running VMMs that serve their serial port on a socket.
-    serial_relays: Mutex<std::collections::HashMap<Uuid, crate::serial_relay::Relay>>,
-    /// Instances whose serial relay failed to start (logged once until it starts).
-    serial_relay_failures: Mutex<std::collections::HashSet<Uuid>>,
+    /// The console logs' rotation and the serial relays ([`console_logs`]).
+    consoles: console_logs::Consoles,
     /// The restart supervisor's watches and due restarts.
     supervise: supervise::SuperviseState,
     /// The VMs' cgroups, once detected (`None` inside: none on this host).
@@ -150,6 +146,7 @@ impl Manager {
         let book = inventory::ProfileBook::load(&store);
         let reconciler = reconcile::ReconcileState::load(&store, &host);
         let metrics = Metrics::new();
+        let consoles = console_logs::Consoles::new(store.clone(), cfg.console_log_max_bytes);
         let store = records::Records::new(store);
         store.events().count_with(metrics.event_counter());
         policies.announce(&metrics);
@@ -170,9 +167,7 @@ impl Manager {
             ready: AtomicBool::new(false),
             metrics,
             hypervisor_probes: Mutex::new(None),
-            console_rotation_failures: Mutex::new(Default::default()),
-            serial_relays: Mutex::new(Default::default()),
-            serial_relay_failures: Mutex::new(Default::default()),
+            consoles,
             supervise: Default::default(),
             vm_cgroups: Default::default(),
             last_policy_inputs: Default::default(),
@@ -182,6 +177,11 @@ impl Manager {
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// The consoles: log rotation and serial relays.
+    pub fn consoles(&self) -> &console_logs::Consoles {
+        &self.consoles
     }
 
     /// The store, publishing what it makes durable ([`records`]).

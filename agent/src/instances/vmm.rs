@@ -254,7 +254,7 @@ impl Manager {
         self.store.write_instance(&running)?;
         *rec = running;
         self.watch_exit(rec.id, vmm.identity.pid, vmm.exit.clone());
-        self.relay_serial(rec);
+        self.consoles.relay(rec);
         crate::crash_point!("after_running");
         tracing::info!(instance.id = %rec.id, instance.name = %rec.name, hypervisor = %rec.hypervisor, pid = vmm.identity.pid, vmm_id, "VMM running");
         Ok(())
