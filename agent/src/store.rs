@@ -818,7 +818,7 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn claim(device: &str) -> Claim {
@@ -1085,7 +1085,8 @@ mod tests {
         assert!(matches!(s.lock_exclusive(), Err(StoreError::Locked { .. })));
     }
 
-    fn record(name: &str) -> InstanceRecord {
+    /// A stopped plain instance record named `name`.
+    pub(crate) fn record(name: &str) -> InstanceRecord {
         InstanceRecord::new(
             InstanceDefinition {
                 id: Uuid::new_v4(),

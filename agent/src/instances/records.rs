@@ -99,3 +99,68 @@ impl Records {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::Event;
+
+    fn drain(rx: &mut tokio::sync::broadcast::Receiver<Event>) -> Vec<EventKind> {
+        std::iter::from_fn(|| rx.try_recv().ok()).map(|e| e.kind).collect()
+    }
+
+    /// A state change is published once, after the write; the same state written again,
+    /// and a write that fails, publish nothing.
+    #[test]
+    fn an_instance_state_is_published_once_when_durable_and_never_for_a_failed_write() {
+        let d = tempfile::tempdir().unwrap();
+        let r = Records::new(Store::open(d.path()).unwrap());
+        let mut rx = r.events().subscribe();
+        let mut rec = crate::store::tests::record("a");
+        r.write_instance(&rec).unwrap();
+        r.write_instance(&rec).unwrap();
+        let got = drain(&mut rx);
+        assert!(
+            matches!(got.as_slice(), [EventKind::InstanceState { from: None, to: InstanceState::Stopped, .. }]),
+            "{got:?}"
+        );
+        assert_eq!(r.read_instance(rec.id).unwrap().unwrap().state(), InstanceState::Stopped, "durable first");
+
+        // The instance's directory replaced by a file: the write fails, nothing is published.
+        let other = crate::store::tests::record("b");
+        std::fs::write(r.instance_dir(other.id), b"not a directory").unwrap();
+        assert!(r.write_instance(&other).is_err());
+        rec.transition(InstanceState::Starting).unwrap();
+        r.write_instance(&rec).unwrap();
+        let got = drain(&mut rx);
+        assert!(
+            matches!(
+                got.as_slice(),
+                [EventKind::InstanceState { from: Some(InstanceState::Stopped), to: InstanceState::Starting, .. }]
+            ),
+            "only the durable change of a: {got:?}"
+        );
+    }
+
+    /// A health mark cleared where there was none publishes nothing.
+    #[test]
+    fn health_cleared_is_published_only_for_a_mark_that_existed() {
+        let d = tempfile::tempdir().unwrap();
+        let r = Records::new(Store::open(d.path()).unwrap());
+        let mut rx = r.events().subscribe();
+        r.remove_health("0000:41:00.4").unwrap();
+        assert!(drain(&mut rx).is_empty());
+        let mark = HealthRecord {
+            device: "0000:41:00.4".into(),
+            reason: "eio".into(),
+            quarantined: false,
+            detail: "test".into(),
+            at: "2026-01-01T00:00:00Z".into(),
+            eio_in_a_row: 1,
+        };
+        r.write_health(&mark).unwrap();
+        r.remove_health("0000:41:00.4").unwrap();
+        let got = drain(&mut rx);
+        assert!(matches!(got.as_slice(), [EventKind::HealthMark { .. }, EventKind::HealthCleared { .. }]), "{got:?}");
+    }
+}
