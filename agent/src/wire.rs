@@ -723,8 +723,8 @@ pub struct KeptItem {
     /// Why it was kept (e.g. `grace: ...` with the grace plugin's reason, `maybe alive:
     /// ...`).
     pub reason: String,
-    /// When the grace plugin asks to look at the device again, ms from now; `None`: at the
-    /// next pass.
+    /// When the grace plugin would look at the device again, ms (advisory: the next pass
+    /// runs on the agent's own schedule); `None` when it did not say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recheck_after_ms: Option<u64>,
 }
