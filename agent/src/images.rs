@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ImageManifest {
-    /// The image's name (`[a-z0-9][a-z0-9._-]{0,62}`, the directory's name).
+    /// The image's name (`[a-z0-9][a-z0-9._-]{0,62}`), as written at import.
     pub name: String,
     /// File name of the kernel inside the image directory; absent for a disk-only image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -58,7 +58,7 @@ pub struct Image {
     pub kernel: Option<PathBuf>,
     /// The initrd booted with the kernel; `None` when the image has none.
     pub initrd: Option<PathBuf>,
-    /// The kernel command line of a direct boot; `None`: the agent's default.
+    /// The kernel command line of a direct boot; `None`: the agent's `default_cmdline`.
     pub cmdline: Option<String>,
     /// Total size of the artifacts, bytes (files as stored).
     pub size_bytes: u64,

@@ -63,7 +63,7 @@ pub enum StoreError {
         /// Why it does not decode.
         reason: String,
     },
-    /// A claim of the device exists: it belongs to another instance or owner.
+    /// A claim of the device already exists (one claim per device).
     #[error("device {device} is already claimed")]
     ClaimExists {
         /// The device (BDF).

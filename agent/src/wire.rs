@@ -116,7 +116,7 @@ pub struct InstanceView {
     pub vcpus: u32,
     /// Guest memory, MiB.
     pub memory_mib: u64,
-    /// The labels given at create (`key=value`, e.g. `tenant=acme`), seen by the policy
+    /// The labels given at create (e.g. `{"tenant": "acme"}`), seen by the policy
     /// plugins.
     pub labels: Labels,
     /// The instance's lifecycle state.
@@ -297,7 +297,7 @@ pub struct ClaimView {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceStateView {
-    /// No claim, no vGPU type set: it can be claimed.
+    /// No claim, and clean: it can be claimed.
     Free,
     /// Held by a claim.
     Claimed,
@@ -511,7 +511,7 @@ pub struct PassthroughCounts {
     pub dirty: u64,
     /// Free, but refused (a foreign device in its IOMMU group, VFs enabled).
     pub refused: u64,
-    /// Passthrough GPUs whose drivers or IOMMU group cannot be read.
+    /// Passthrough GPUs whose state cannot be read.
     pub unreadable: u64,
 }
 
@@ -631,7 +631,7 @@ pub struct UnquarantineResult {
 /// One loaded plugin.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct PluginView {
-    /// The slot the plugin fills (`placement`, `hypervisor`, `grace`, ...).
+    /// The slot the plugin fills: `placement`, `hypervisor` or `grace`.
     pub slot: String,
     /// The plugin's name, as it reports it.
     pub name: String,

@@ -161,10 +161,10 @@ pub enum Answer {
     GpuBusy {
         /// The host driver's device node, e.g. `/dev/nvidia0`.
         node: String,
-        /// Each holding process, described (pid and command).
+        /// Each holding process, as `pid <N> (<comm>)`.
         holders: Vec<String>,
-        /// The configured `passthrough_stop_services` were stopped and the GPU is still
-        /// held.
+        /// The configured `passthrough_stop_services` were stopped (and started again) and
+        /// the GPU was still held; `false`: none are configured.
         services_stopped: bool,
     },
     /// Moving the group to `vfio-pci` failed with `error`.

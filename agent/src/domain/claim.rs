@@ -241,8 +241,8 @@ pub struct Claim {
     pub kind: ClaimKind,
     /// Wall time, RFC 3339.
     pub claimed_at: String,
-    /// The host's boot id at claim (a claim from an earlier boot holds nothing on the
-    /// device).
+    /// The host's boot id at claim (`/proc/sys/kernel/random/boot_id`): tells a claim of
+    /// this boot from one of an earlier boot.
     pub claim_boot_id: String,
     /// CLOCK_BOOTTIME at claim, ms.
     pub claimed_boottime_ms: u64,

@@ -76,7 +76,7 @@ pub enum NetError {
     Ip {
         /// The arguments given to `ip`.
         args: String,
-        /// What it said on stderr (or how it ended).
+        /// What `ip` wrote on stderr, or why it could not be run.
         message: String,
     },
 }
