@@ -60,6 +60,7 @@ pub struct Cli {
     /// Output format of client commands.
     #[arg(long, short = 'o', global = true, value_enum, default_value = "table")]
     pub output: Output,
+    /// The subcommand to run.
     #[command(subcommand)]
     pub command: Command,
 }
@@ -151,10 +152,15 @@ impl Cli {
 /// Output format of client commands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Output {
+    /// Aligned columns for people.
     Table,
+    /// The agent's JSON answer, as is.
     Json,
 }
 
+// The subcommands of `gpuvisor`. No doc comment: clap would make it the `about` of the command above,
+// replacing that command's own.
+#[allow(missing_docs)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the agent (JSON-RPC server).
@@ -167,7 +173,10 @@ pub enum Command {
     },
     /// Write the man pages (gpuvisor.1 and one per subcommand) into a directory.
     #[command(hide = true)]
-    Manpages { dir: PathBuf },
+    Manpages {
+        /// The directory the pages are written into (created if missing).
+        dir: PathBuf,
+    },
     /// Create and boot an instance.
     Create {
         /// The new instance's name: [a-z0-9][a-z0-9-]{0,62}, unique on this agent.
@@ -366,6 +375,7 @@ pub enum Command {
     },
     /// GPUs and their devices (type, claim owner).
     Gpus {
+        /// The `gpus` subcommand; none lists the GPUs.
         #[command(subcommand)]
         action: Option<GpusAction>,
     },
@@ -384,11 +394,13 @@ pub enum Command {
     },
     /// Images.
     Image {
+        /// The `image` subcommand.
         #[command(subcommand)]
         action: ImageAction,
     },
     /// Policy plugins.
     Plugin {
+        /// The `plugin` subcommand.
         #[command(subcommand)]
         action: PluginAction,
     },
@@ -418,11 +430,15 @@ pub enum Command {
     },
     /// This host, read directly (no agent needed).
     Host {
+        /// The `host` subcommand.
         #[command(subcommand)]
         action: HostAction,
     },
 }
 
+// The subcommands of `gpuvisor host`. No doc comment: clap would make it the `about` of the command above,
+// replacing that command's own.
+#[allow(missing_docs)]
 #[derive(Debug, Subcommand)]
 pub enum HostAction {
     /// Check what gpuvisor needs from this host (IOMMU, VFIO, NVIDIA driver and vGPU manager,
@@ -442,6 +458,9 @@ pub struct HostCheckArgs {
     pub host_root: Option<PathBuf>,
 }
 
+// The subcommands of `gpuvisor gpus`. No doc comment: clap would make it the `about` of the command above,
+// replacing that command's own.
+#[allow(missing_docs)]
 #[derive(Debug, Subcommand)]
 pub enum GpusAction {
     /// Clear health marks: of the devices named, or with --gpu of a whole GPU.
@@ -454,6 +473,9 @@ pub enum GpusAction {
     },
 }
 
+// The subcommands of `gpuvisor image`. No doc comment: clap would make it the `about` of the command above,
+// replacing that command's own.
+#[allow(missing_docs)]
 #[derive(Debug, Subcommand)]
 pub enum ImageAction {
     /// Copy a kernel (and initrd) and/or a disk (qcow2, or raw with an MBR/GPT) into the
@@ -483,6 +505,9 @@ pub enum ImageAction {
     },
 }
 
+// The subcommands of `gpuvisor plugin`. No doc comment: clap would make it the `about` of the command above,
+// replacing that command's own.
+#[allow(missing_docs)]
 #[derive(Debug, Subcommand)]
 pub enum PluginAction {
     /// Run a plugin locally (no agent needed) on a JSON input or a directory of recorded
@@ -533,6 +558,9 @@ pub enum PluginAction {
 /// `gpuvisor serve` flags; each overrides the config file's key of the same name. Their
 /// help lines are the keys' descriptions and defaults in [`config::KEYS`](crate::config::KEYS)
 /// (filled in by [`describe_key_flag`]), so the fields carry no doc comments.
+// The fields' docs are the keys' in `config::KEYS`: a doc comment here would be added to
+// the flag's help line.
+#[allow(missing_docs)]
 #[derive(Debug, Args)]
 #[command(mut_args(describe_key_flag))]
 pub struct ServeArgs {
@@ -591,8 +619,12 @@ fn describe_key_flag(a: clap::Arg) -> clap::Arg {
 /// `--restart` values.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum RestartArg {
+    /// The instance stays stopped.
     No,
+    /// Started again when its VMM failed (a non-zero exit, a signal, an exit the agent did
+    /// not see).
     OnFailure,
+    /// Started again whenever its VMM exits, also after the guest powered off.
     Always,
 }
 
@@ -609,8 +641,11 @@ impl RestartArg {
 /// `--boot`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BootArg {
+    /// The VMM loads the image's kernel and initrd itself.
     Direct,
+    /// The firmware (SeaBIOS) boots the disk overlay's boot loader.
     Bios,
+    /// UEFI firmware (OVMF) boots the disk overlay.
     Uefi,
 }
 

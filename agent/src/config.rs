@@ -82,10 +82,14 @@ pub struct PluginSlot {
 #[derive(Debug, Clone, Deserialize, Serialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Plugins {
+    /// The placement plugin (which device a request gets); absent: the default one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub placement: Option<PluginSlot>,
+    /// The hypervisor plugin (which VMM runs an instance); absent: the default one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hypervisor: Option<PluginSlot>,
+    /// The grace plugin (whether the reconciler releases an eligible device now); absent:
+    /// the default one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grace: Option<PluginSlot>,
 }
@@ -96,8 +100,11 @@ pub struct Plugins {
 pub enum Unit {
     /// Not a quantity (a path, a name, a list, a switch), or a plain count.
     None,
+    /// Seconds.
     Seconds,
+    /// MiB (2^20 bytes).
     Mib,
+    /// Bytes.
     Bytes,
     /// A multiple of a host quantity (its `MemTotal`, its CPUs).
     Times,
@@ -128,6 +135,7 @@ pub struct KeyDoc {
     /// The default as a TOML value (`"/var/lib/gpuvisor"`, `60`, `[]`), `None` when the key
     /// is absent by default. Checked against [`Config::default`] by a unit test.
     pub default: Option<&'static str>,
+    /// What the key's number counts, printed after its default.
     pub unit: Unit,
     /// A `gpuvisor serve` flag of the same name overrides the file's value.
     pub serve_flag: bool,
@@ -176,6 +184,7 @@ pub fn keys_markdown() -> String {
 
 /// The marker lines around the generated table in `docs/configuration.md`.
 pub const DOC_BEGIN: &str = "<!-- keys:begin (generated from agent/src/config.rs KEYS; do not edit) -->";
+/// The marker line after the generated table in `docs/configuration.md`.
 pub const DOC_END: &str = "<!-- keys:end -->";
 
 /// The [`KeyDoc`] of a key.

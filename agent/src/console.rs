@@ -104,7 +104,11 @@ const TAKEOVER: &[u8] = b"takeover\n";
 #[derive(Debug)]
 pub enum SessionError {
     /// Another session holds it (its pid, when the socket's peer credentials say).
-    Held { pid: Option<i32> },
+    Held {
+        /// The holder's pid, from the socket's peer credentials; `None` when they cannot be
+        /// read.
+        pid: Option<i32>,
+    },
     /// The session socket could not be bound or reached.
     Io(io::Error),
 }

@@ -48,6 +48,7 @@ impl std::fmt::Display for DiskFormat {
 /// What `qemu-img info` says about a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskInfo {
+    /// The file's format (`format`).
     pub format: DiskFormat,
     /// The size the guest sees, bytes (`virtual-size`).
     pub virtual_size_bytes: u64,

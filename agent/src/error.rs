@@ -14,29 +14,61 @@ use serde_json::{json, Map, Value};
 /// The stable `data.code` strings of docs/design/lifecycle.md "Errors".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorCode {
+    /// `invalid_request` (400): a parameter value is invalid.
     InvalidRequest,
+    /// `unknown_profile` (400): no GPU on this host has ever listed the vGPU profile.
     UnknownProfile,
+    /// `hypervisor_unsupported` (400): the hypervisor named cannot carry the request's GPU.
     HypervisorUnsupported,
+    /// `not_found` (404): no instance, image or health mark by that name or id.
     NotFound,
+    /// `name_taken` (409): an instance (or image) with that name exists.
     NameTaken,
+    /// `invalid_state` (409): the operation does not apply to the instance's state.
     InvalidState,
+    /// `no_capacity` (409): no device can take the profile now; nothing was left claimed.
     NoCapacity,
+    /// `instance_cleanup_pending` (409): the instance awaits the release of its GPU device;
+    /// only delete is allowed.
     InstanceCleanupPending,
+    /// `unsupported_with_gpu` (409): standby or snapshot of a running instance with a GPU.
     UnsupportedWithGpu,
+    /// `gpu_release_pending` (409): a claim left by an earlier failed release still cannot
+    /// be released.
     GpuReleasePending,
+    /// `device_unhealthy` (409): the passthrough GPU the request names is quarantined.
     DeviceUnhealthy,
+    /// `iommu_group_conflict` (409): the named passthrough GPU's IOMMU group holds a
+    /// foreign device.
     IommuGroupConflict,
+    /// `gpu_busy` (409): a host process holds the passthrough GPU through the host driver.
     GpuBusy,
+    /// `vgpu_cleanup_pending` (500): the operation failed and its GPU device could not be
+    /// released.
     VgpuCleanupPending,
+    /// `vmm_start_failed` (500): the VMM did not start; the claim was rolled back.
     VmmStartFailed,
+    /// `vmm_kill_failed` (500): the VMM outlived SIGTERM and SIGKILL; nothing was torn
+    /// down.
     VmmKillFailed,
+    /// `passthrough_bind_failed` (500): moving the passthrough GPU's group to `vfio-pci`
+    /// failed.
     PassthroughBindFailed,
+    /// `policy_failed` (500): a policy plugin call failed (the operation failed closed).
     PolicyFailed,
+    /// `internal` (500): an unexpected failure, or a record that cannot be decoded.
     Internal,
+    /// `not_ready` (503): the host cannot be used for vGPUs now (e.g. before the startup
+    /// reconcile pass).
     NotReady,
+    /// `vmm_liveness_unknown` (503): whether the instance's VMM is alive cannot be proved.
     VmmLivenessUnknown,
+    /// `image_in_use` (409): instance records still name the image.
     ImageInUse,
+    /// `device_taken` (409): the device's claim belongs to another owner.
     DeviceTaken,
+    /// `in_use` (409): the device is held open by a process, or its holders cannot be
+    /// verified.
     InUse,
 }
 
@@ -137,7 +169,9 @@ impl ErrorCode {
 /// A failed operation: code, one-sentence message, details (`data` minus `code`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
+    /// The stable code clients match on (`data.code`).
     pub code: ErrorCode,
+    /// One sentence saying what failed and why.
     pub message: String,
     details: Map<String, Value>,
 }
@@ -149,12 +183,14 @@ pub struct ReleaseFailure {
     /// `in_use`, `scan_incomplete`, `failed`, `foreign_write`, `store`, `not_ready`,
     /// `vmm_kill_failed`, `vmm_liveness_unknown`.
     pub code: String,
+    /// What the release failed on, one sentence.
     pub message: String,
 }
 
 /// What a `vgpu_cleanup_pending` answer says (docs/design/lifecycle.md Create step 6, Delete step 4).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CleanupPending {
+    /// The instance whose device is still held.
     pub instance_id: uuid::Uuid,
     /// The device's sysfs path, when a claim is known.
     pub device_path: Option<String>,

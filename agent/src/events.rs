@@ -32,6 +32,7 @@ pub struct Event {
     pub seq: u64,
     /// Wall time, RFC 3339 (UTC, milliseconds).
     pub time: String,
+    /// What happened (its `type` and fields, flattened into the event).
     #[serde(flatten)]
     pub kind: EventKind,
 }
@@ -42,9 +43,13 @@ pub struct Event {
 pub enum EventKind {
     /// An instance record was written in a new state (`from` is absent for a new record).
     InstanceState {
+        /// The instance's id (a UUID).
         instance_id: String,
+        /// The instance's name.
         name: String,
+        /// The state before (absent for a new record).
         from: Option<InstanceState>,
+        /// The state written.
         to: InstanceState,
         /// The record's `last_error` when it moved to `stopped` or `cleanup_pending` (e.g.
         /// "the VMM exited (signal: 9 (SIGKILL))").
@@ -52,63 +57,115 @@ pub enum EventKind {
         reason: Option<String>,
     },
     /// An instance record and its directory are gone.
-    InstanceDeleted { instance_id: String, name: Option<String> },
+    InstanceDeleted {
+        /// The deleted instance's id (a UUID).
+        instance_id: String,
+        /// Its name (`null` when its record could not be read).
+        name: Option<String>,
+    },
     /// A device was claimed for an instance or an external owner (the claim file exists).
     Claimed {
+        /// The device claimed (VF or mdev parent BDF, or the passthrough GPU's).
         device: String,
+        /// Its GPU (PF BDF).
         gpu: String,
+        /// How it is handed out: `vendor_vfio`, `mdev` or `passthrough`.
         framework: String,
+        /// The vGPU profile claimed, or `passthrough`.
         profile: String,
         /// The owning instance (`null` for an external owner).
         instance_id: Option<String>,
         /// The claim's owner.
         owner: Owner,
+        /// The owner's name (an instance's name; `null` when unknown).
         name: Option<String>,
+        /// The owning instance's labels (absent when none).
         #[serde(default, skip_serializing_if = "Labels::is_empty")]
         labels: Labels,
     },
     /// A device was cleared through the release path and its claim (if any) removed.
     Released {
+        /// The device released (BDF).
         device: String,
         /// `claim`, `orphan_vf`, `orphan_mdev` or `dirty_vf_repair`.
         what: String,
+        /// The instance whose claim was released (`null` for an orphan or an external
+        /// owner).
         instance_id: Option<String>,
         /// The claim's owner (`null` for an orphan).
         owner: Option<Owner>,
+        /// The owner's name (`null` when unknown).
         name: Option<String>,
     },
     /// A release did not complete: a claim stays `release_pending`, an orphan stays.
     ReleaseFailed {
+        /// The device whose release failed (BDF).
         device: String,
+        /// What was being released: `claim`, `orphan_vf`, `orphan_mdev` or
+        /// `dirty_vf_repair`.
         what: String,
+        /// The instance whose claim it is (`null` for an orphan or an external owner).
         instance_id: Option<String>,
         /// The claim's owner (`null` for an orphan).
         owner: Option<Owner>,
+        /// The owner's name (`null` when unknown).
         name: Option<String>,
         /// The failure's stable code (`in_use`, `write_failed`, …).
         code: String,
+        /// Why it failed, one sentence.
         error: String,
     },
     /// A health mark was written (suspect, or quarantined).
-    HealthMark { device: String, reason: String, quarantined: bool, detail: String },
+    HealthMark {
+        /// The device (VF or mdev parent BDF) or GPU (PF BDF) marked.
+        device: String,
+        /// Why, e.g. `foreign_write`, `eio`, `reset_failed`, `gpu_fault`.
+        reason: String,
+        /// `true`: quarantined (never handed out); `false`: suspect only.
+        quarantined: bool,
+        /// What was seen, in words.
+        detail: String,
+    },
     /// A health mark was cleared.
-    HealthCleared { device: String },
+    HealthCleared {
+        /// The device or GPU whose mark was cleared.
+        device: String,
+    },
     /// A reconcile pass ended.
     ReconcilePass {
+        /// Every store directory could be listed and the host observed without a probe
+        /// error.
         complete: bool,
+        /// How long the pass took, ms.
         duration_ms: u64,
+        /// Devices released.
         released: usize,
+        /// Claims, orphans and instances kept or left alone.
         kept: usize,
+        /// Releases that failed.
         failed: usize,
         /// Instance records the pass changed.
         records: usize,
+        /// Problems that did not stop the pass.
         errors: usize,
     },
     /// A policy plugin call failed (the operation failed closed).
-    PolicyFailure { plugin: String, kind: String, reason: String, message: String },
+    PolicyFailure {
+        /// The plugin's name.
+        plugin: String,
+        /// The policy kind called: `placement`, `hypervisor` or `grace`.
+        kind: String,
+        /// The failure's stable reason (e.g. `trap`, `fuel`, `deadline`, `busy`).
+        reason: String,
+        /// What went wrong, one sentence.
+        message: String,
+    },
     /// This subscriber fell behind and missed `missed` events (never published by the
     /// agent itself; sequence numbers show the gap).
-    Lagged { missed: u64 },
+    Lagged {
+        /// How many events this subscriber missed.
+        missed: u64,
+    },
 }
 
 impl Event {

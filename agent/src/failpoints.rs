@@ -118,6 +118,7 @@ macro_rules! crash_point {
 /// One point's pause state (`debug.failpoints`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct PauseStatus {
+    /// The failpoint's name, as the code spells it (e.g. `after_claim_commit`).
     pub name: String,
     /// The next thread that reaches the point is held there.
     pub armed: bool,

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ImageManifest {
+    /// The image's name (`[a-z0-9][a-z0-9._-]{0,62}`), as written at import.
     pub name: String,
     /// File name of the kernel inside the image directory; absent for a disk-only image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -51,10 +52,13 @@ pub struct ImageDisk {
 /// A resolved image.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Image {
+    /// The image's name (`[a-z0-9][a-z0-9._-]{0,62}`).
     pub name: String,
     /// The direct-boot kernel; `None` for a disk-only image.
     pub kernel: Option<PathBuf>,
+    /// The initrd booted with the kernel; `None` when the image has none.
     pub initrd: Option<PathBuf>,
+    /// The kernel command line of a direct boot; `None`: the agent's `default_cmdline`.
     pub cmdline: Option<String>,
     /// Total size of the artifacts, bytes (files as stored).
     pub size_bytes: u64,
@@ -197,9 +201,13 @@ fn write_error(what: &str, dest: &Path, e: std::io::Error) -> ApiError {
 /// both. Paths are absolute, on the agent's host.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ImportSource<'a> {
+    /// The kernel to copy in (direct boot).
     pub kernel: Option<&'a Path>,
+    /// The initrd to copy in with the kernel.
     pub initrd: Option<&'a Path>,
+    /// The disk to copy in.
     pub disk: Option<&'a Path>,
+    /// The kernel command line to record for a direct boot.
     pub cmdline: Option<String>,
 }
 

@@ -27,9 +27,13 @@ const RPC_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30
 /// (`gpuvisor_vgpu_stale_releases_total{result}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StaleResult {
+    /// The device was cleared and its claim removed.
     Released,
+    /// A process holds the device open: the claim stays.
     InUse,
+    /// Its holders could not be verified: the claim stays.
     ScanIncomplete,
+    /// The clear failed: the claim stays `release_pending`.
     Failed,
 }
 
@@ -88,8 +92,12 @@ pub struct Gauges {
     pub instances: Vec<(&'static str, i64)>,
     /// `(framework, state, count)` for every claim.
     pub claims: Vec<(&'static str, &'static str, i64)>,
+    /// Claims kept `release_pending` (`gpuvisor_vgpu_retained_assignments`).
     pub retained: i64,
+    /// Quarantined devices (`gpuvisor_vgpu_quarantined_devices`).
     pub quarantined: i64,
+    /// Eligible devices the grace plugin keeps past `claim_grace`
+    /// (`gpuvisor_vgpu_held_by_policy`).
     pub held_by_policy: i64,
     /// Devices whose state could not be read in the last observation.
     pub unreadable_devices: i64,

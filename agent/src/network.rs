@@ -79,8 +79,10 @@ fn default_host_addr() -> String {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Proto {
+    /// TCP.
     #[default]
     Tcp,
+    /// UDP.
     Udp,
 }
 

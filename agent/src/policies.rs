@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 /// One loaded slot: the plugin and the site's `params` for it.
 pub struct Slot {
+    /// The loaded plugin.
     pub plugin: Arc<Plugin>,
     /// `[plugins.<kind>.params]` as a JSON object (`{}` when absent).
     pub params: Value,
@@ -33,7 +34,9 @@ pub const PLUGIN_CACHE_DIR: &str = "plugin-cache";
 
 /// The loaded plugins.
 pub struct Policies {
+    /// Chooses the device a request gets.
     pub placement: Slot,
+    /// Chooses the hypervisor an instance runs under.
     pub hypervisor: Slot,
     /// Always loaded by [`Policies::load`]; `None` only for embedders that run no reconciler
     /// (every eligible item is then kept).
@@ -43,8 +46,11 @@ pub struct Policies {
 /// The names of the loaded plugins (`plugin.reload`'s answer).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct PluginNames {
+    /// The placement plugin's name.
     pub placement: String,
+    /// The hypervisor plugin's name.
     pub hypervisor: String,
+    /// The grace plugin's name (`null` when none is loaded).
     pub grace: Option<String>,
 }
 
@@ -125,8 +131,11 @@ impl Policies {
 /// An input the agent sent to a slot's plugin, kept for a trial reload.
 #[derive(Debug, Clone)]
 pub enum LastInput {
+    /// The last placement input.
     Placement(PlacementInput),
+    /// The last hypervisor input.
     Hypervisor(HypervisorInput),
+    /// The last grace input.
     Grace(GraceInput),
 }
 
@@ -248,7 +257,9 @@ pub struct ReloadParams {
 /// One trial call of a reload.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 pub struct TrialRun {
+    /// The slot called: `placement`, `hypervisor` or `grace`.
     pub slot: String,
+    /// The new plugin's name.
     pub plugin: String,
     /// `last` (the slot's last input) or `given` (from the request).
     pub input: String,

@@ -45,21 +45,55 @@ pub use crate::domain::*;
 /// Errors of the store. Messages are one sentence and name the file.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// A file or directory of the store could not be read, written or listed.
     #[error("cannot access {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// A record exists but does not decode (an unreadable record: listed, never taken as
+    /// absent).
     #[error("record {path} cannot be decoded: {reason}")]
-    Corrupt { path: PathBuf, reason: String },
+    Corrupt {
+        /// The record's file.
+        path: PathBuf,
+        /// Why it does not decode.
+        reason: String,
+    },
+    /// A claim of the device already exists (one claim per device).
     #[error("device {device} is already claimed")]
-    ClaimExists { device: String },
+    ClaimExists {
+        /// The device (BDF).
+        device: String,
+    },
+    /// Another instance has the name.
     #[error("the name {name} belongs to instance {owner}")]
-    NameTaken { name: String, owner: Uuid },
+    NameTaken {
+        /// The instance name asked for.
+        name: String,
+        /// The instance that has it.
+        owner: Uuid,
+    },
+    /// Another agent holds the store's lock: two agents never share a data directory.
     #[error("another gpuvisor agent holds {path}")]
-    Locked { path: PathBuf },
+    Locked {
+        /// The store's lock file.
+        path: PathBuf,
+    },
     /// An update of a claim the table of [`ClaimState::can_move_to`] does not allow, or of a
     /// claim whose record is gone or is another claim now (a bug in the caller: nothing is
     /// written).
     #[error("claim of {device}: {from} → {to} is not a legal claim update")]
-    IllegalClaimUpdate { device: String, from: String, to: ClaimState },
+    IllegalClaimUpdate {
+        /// The claim's device.
+        device: String,
+        /// The claim's state as found (or why there is none to update).
+        from: String,
+        /// The state asked for.
+        to: ClaimState,
+    },
 }
 
 impl StoreError {
@@ -73,6 +107,7 @@ impl StoreError {
     }
 }
 
+/// The store's result.
 pub type Result<T> = std::result::Result<T, StoreError>;
 
 /// A store error at the API: an undecodable record is `unreadable_record`, anything else
@@ -89,14 +124,20 @@ impl From<StoreError> for crate::error::ApiError {
 /// `mdevs/<uuid>.json` — written before gpuvisor creates an mdev, removed after it is gone.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MdevRecord {
+    /// The mdev's UUID.
     pub uuid: Uuid,
+    /// The parent device's address (the VF or GPU it is created on).
     pub parent: String,
+    /// The type directory name, e.g. `nvidia-1148`.
     pub mdev_type: String,
     /// The owning instance (`None`: an external owner).
     #[serde(default)]
     pub instance_id: Option<Uuid>,
+    /// When the record was written (RFC 3339, UTC).
     pub created_at: String,
+    /// The host's boot id then (an mdev does not outlive a reboot).
     pub boot_id: String,
+    /// CLOCK_BOOTTIME when the record was written, ms.
     pub created_boottime_ms: u64,
 }
 
@@ -104,6 +145,7 @@ pub struct MdevRecord {
 /// or mdev parent, or a GPU (PF) for a GPU-level mark.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthRecord {
+    /// The device (VF or mdev parent BDF) or GPU (PF BDF) the mark is on.
     pub device: String,
     /// e.g. `foreign_write`, `kill_escalation`, `eio`, `gpu_fault`.
     pub reason: String,
@@ -111,7 +153,9 @@ pub struct HealthRecord {
     /// never uses it and the sweep never clears it.
     #[serde(default = "yes")]
     pub quarantined: bool,
+    /// What was seen, in words (e.g. the failed write and its error).
     pub detail: String,
+    /// When the mark was set (RFC 3339, UTC).
     pub at: String,
     /// EIO strikes in a row on this device's releases (type clear, mdev remove); reset by a
     /// write that takes effect. Two quarantine the device.
@@ -142,7 +186,9 @@ pub struct Unreadable {
 /// A tolerant listing: the records that could be read, and those that could not.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Listing<T> {
+    /// The records that could be read.
     pub records: Vec<T>,
+    /// The records that exist but could not be read, each with why.
     pub unreadable: Vec<Unreadable>,
 }
 
@@ -634,7 +680,9 @@ impl Store {
 /// Exclusive: one record per id; removed only once nothing of the instance remains.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmmIdRecord {
+    /// The uid (and gid) of the VMM.
     pub uid: u32,
+    /// The instance whose VMM runs under it.
     pub instance_id: Uuid,
     /// The instance's name (for people reading the file).
     pub name: String,

@@ -36,11 +36,16 @@ impl std::fmt::Display for TypeValue {
 /// The VMM of an instance.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct VmmView {
+    /// The VMM's process id, as seen in the PID namespace `pid_namespace`.
     pub pid: i32,
+    /// The VMM's start time in clock ticks since boot (`/proc/<pid>/stat` field 22): with
+    /// `pid` and `boot_id`, tells the VMM from a later process that reuses its pid.
     pub start_time: u64,
+    /// The boot id of the host the VMM was started on (`/proc/sys/kernel/random/boot_id`).
     pub boot_id: String,
     /// The PID namespace the pid was recorded in.
     pub pid_namespace: Option<u64>,
+    /// The VMM's control socket: QEMU's QMP socket or Cloud Hypervisor's API socket.
     pub control_socket: String,
     /// `alive`, or `unknown` when it cannot be decided from here.
     pub liveness: String,
@@ -67,6 +72,7 @@ pub struct GpuAssignment {
     /// goes back to.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub functions: Vec<FunctionView>,
+    /// How the GPU is handed to the VM: `vendor_vfio`, `mdev` or `passthrough`.
     pub framework: Option<Framework>,
     /// The claimed device (VF / mdev parent).
     pub device: Option<String>,
@@ -74,14 +80,20 @@ pub struct GpuAssignment {
     pub gpu: Option<String>,
     /// The sysfs path of the device (VF, or the mdev).
     pub device_path: Option<String>,
+    /// The mdev's UUID (mdev hosts only).
     pub mdev_uuid: Option<String>,
     /// The type id configured at claim time.
     pub type_id: Option<u32>,
     /// The VF's type now (vendor VFIO; `"unknown"` when unreadable).
     pub current_type: Option<TypeValue>,
+    /// When the device was claimed (RFC 3339, UTC).
     pub claimed_at: Option<String>,
+    /// The claim's state: `claimed`, `configured` or `release_pending`.
     pub claim_state: Option<ClaimState>,
+    /// The device's release failed and is retried by the agent: the device stays blocked
+    /// until it succeeds.
     pub release_pending: bool,
+    /// The last error met on the claim (configure or release), if any.
     pub last_error: Option<String>,
     /// The VF holds another type than the claim's (a foreign write under the VM).
     pub type_mismatch: Option<String>,
@@ -92,18 +104,32 @@ pub struct GpuAssignment {
 /// One instance.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct InstanceView {
+    /// The instance's id (a UUID, fixed at create).
     pub id: String,
+    /// The instance's name (`[a-z0-9][a-z0-9-]{0,62}`, unique on this agent).
     pub name: String,
+    /// The name of the image the instance was created from.
     pub image: String,
+    /// The hypervisor that runs the instance's VMM.
     pub hypervisor: crate::hypervisor::HypervisorKind,
+    /// Virtual CPUs of the VM.
     pub vcpus: u32,
+    /// Guest memory, MiB.
     pub memory_mib: u64,
+    /// The labels given at create (e.g. `{"tenant": "acme"}`), seen by the policy
+    /// plugins.
     pub labels: Labels,
+    /// The instance's lifecycle state.
     pub state: InstanceState,
+    /// When the instance was created (RFC 3339, UTC).
     pub created_at: String,
+    /// Why the last operation on the instance failed (e.g. a start whose VMM did not come
+    /// up); `None` when the last one succeeded.
     pub last_error: Option<String>,
     /// The VMM, when one is recorded and not provably dead.
     pub vmm: Option<VmmView>,
+    /// The guest's serial console output (in the instance's VMM directory), appended across
+    /// boots.
     pub serial_log: String,
     /// Where the console log's older part goes when `serial_log` is rotated
     /// (`console_log_max_bytes`): in the instance directory, which the VMM never sees.
@@ -115,6 +141,7 @@ pub struct InstanceView {
     /// The serial console's Unix socket (`gpuvisor console`), for QEMU instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub console_socket: Option<String>,
+    /// The instance's GPU: its profile and its claim; `None` for an instance without a GPU.
     pub gpu: Option<GpuAssignment>,
     /// When the VMM dies without a stop: `no`, `on-failure`, `always`.
     pub restart: crate::store::RestartPolicy,
@@ -188,9 +215,11 @@ pub struct InstanceDiskView {
 /// A record that exists but cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct UnreadableRecord {
+    /// The record's file.
     pub path: String,
     /// What the file name says it is about (an instance id, a device).
     pub key: String,
+    /// Why it cannot be read.
     pub error: String,
 }
 
@@ -203,6 +232,7 @@ impl From<&crate::store::Unreadable> for UnreadableRecord {
 /// `instance.list`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct InstanceList {
+    /// The readable instances.
     pub instances: Vec<InstanceView>,
     /// Instance records that cannot be read (listed, never hidden).
     pub unreadable: Vec<UnreadableRecord>,
@@ -211,17 +241,22 @@ pub struct InstanceList {
 /// A device an operation gave back and quarantined (`released_device_quarantined`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct QuarantinedDevice {
+    /// The device's address (BDF).
     pub device: String,
     /// The mark's reason, e.g. `reset_failed`.
     pub reason: String,
+    /// What the mark says happened (e.g. the reset's error).
     pub detail: String,
 }
 
 /// A health mark.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct HealthMark {
+    /// Why the device was marked, e.g. `reset_failed`, `gpu_fault`.
     pub reason: String,
+    /// What was seen, in words (e.g. the error of the failed reset).
     pub detail: String,
+    /// When the mark was set (RFC 3339, UTC).
     pub at: String,
     /// `false`: suspect only.
     pub quarantined: bool,
@@ -238,14 +273,21 @@ impl From<&HealthRecord> for HealthMark {
 pub struct ClaimView {
     /// The owning instance (`null` for an external owner).
     pub instance_id: Option<String>,
+    /// The owning instance's name (`null` for an external owner or when the instance record
+    /// cannot be read).
     pub instance_name: Option<String>,
     /// The claim's owner: `{"kind": "instance", "id"}` or an external owner
     /// (`{"kind": "resource_claim", "namespace", "name", "uid"}`); `null` when unreadable.
     pub owner: Option<crate::store::Owner>,
+    /// The vGPU profile claimed (e.g. `L40S-2Q`), or `passthrough`.
     pub profile: Option<String>,
+    /// The vGPU type id the claim configures (`null` for passthrough).
     pub type_id: Option<u32>,
+    /// The mdev's UUID (mdev hosts only).
     pub mdev_uuid: Option<String>,
+    /// The claim's state: `claimed`, `configured` or `release_pending`.
     pub state: Option<ClaimState>,
+    /// The last error met on the claim (configure or release), if any.
     pub last_error: Option<String>,
     /// The claim file cannot be read (`path: error`): the device is blocked.
     pub unreadable: Option<String>,
@@ -255,10 +297,17 @@ pub struct ClaimView {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceStateView {
+    /// No claim, and clean: it can be claimed.
     Free,
+    /// Held by a claim.
     Claimed,
+    /// No claim but not clean (a type set, or a function on `vfio-pci`): cleaned before it
+    /// is handed out again.
     Dirty,
+    /// Marked unhealthy: not handed out until an operator clears the mark
+    /// (`gpu.unquarantine`).
     Quarantined,
+    /// Its state cannot be read: not handed out, never shown as free.
     Unreadable,
 }
 
@@ -278,11 +327,16 @@ impl From<gpuvisor_sdk::DeviceState> for DeviceStateView {
 /// One VF or mdev parent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct DeviceEntry {
+    /// The device's PCI address (BDF).
     pub address: String,
+    /// Whether the device can be handed out now.
     pub state: DeviceStateView,
     /// `current_vgpu_type` now (`"unknown"` when it cannot be read).
     pub current_type: TypeValue,
+    /// The vGPU profiles the device can take now (`creatable_vgpu_types`); empty when none
+    /// or unreadable.
     pub creatable: Vec<String>,
+    /// The claim on this device, if any.
     pub claim: Option<ClaimView>,
     /// Its health mark (`suspect` or quarantined).
     pub quarantine: Option<HealthMark>,
@@ -292,6 +346,7 @@ pub struct DeviceEntry {
     pub unreadable: Option<String>,
     /// The claim names another type than the VF holds now.
     pub type_mismatch: Option<String>,
+    /// The `creatable_vgpu_types` lines skipped (malformed, or id 0); absent when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub catalog_skipped_lines: Vec<String>,
 }
@@ -299,11 +354,15 @@ pub struct DeviceEntry {
 /// One GPU (PF).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct GpuEntry {
+    /// The GPU's PCI address (BDF).
     pub address: String,
+    /// The GPU's model name (e.g. `NVIDIA L40S`).
     pub model: String,
+    /// The GPU's framebuffer, MiB; `None` when it cannot be read.
     pub framebuffer_mib: Option<u64>,
     /// The GPU's NUMA node (sysfs `numa_node`); `None` when unreadable or none (`-1`).
     pub numa_node: Option<i32>,
+    /// Framebuffer held by the claims on the GPU's devices, MiB.
     pub claimed_framebuffer_mib: u64,
     /// gpuvisor may touch its devices (`managed_gpus`); unmanaged ones are only reported.
     pub managed: bool,
@@ -311,6 +370,7 @@ pub struct GpuEntry {
     pub health: Option<HealthMark>,
     /// The framework probe failed: this GPU is not usable now.
     pub probe_error: Option<String>,
+    /// The GPU's vGPU devices (VFs or mdev parents); a passthrough GPU lists itself.
     pub devices: Vec<DeviceEntry>,
     /// A whole GPU for passthrough (its one device is the GPU itself): its IOMMU group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -348,6 +408,7 @@ pub struct RestartView {
 /// One function of a passthrough GPU.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct FunctionView {
+    /// The function's PCI address (BDF).
     pub bdf: String,
     /// The driver bound now (`None`: unbound).
     pub driver: Option<String>,
@@ -360,7 +421,9 @@ pub struct FunctionView {
 pub struct GpuList {
     /// `vendor_vfio`, `mdev`, `mixed`, `waiting_for_vfs`, `none`, or `probe_error`.
     pub mode: String,
+    /// Why the framework probe failed; `None` when it succeeded.
     pub probe_error: Option<String>,
+    /// The GPUs of the host, managed or not.
     pub gpus: Vec<GpuEntry>,
     /// Devices whose state cannot be read, named (those of the GPUs above are also marked
     /// there; others — an unreadable `physfn` link, an mdev whose `mdev_type` link cannot be
@@ -373,18 +436,26 @@ pub struct GpuList {
 /// A device whose state cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct UnreadableDeviceView {
+    /// The device's PCI address (BDF).
     pub address: String,
+    /// Its GPU (PF), when known.
     pub gpu: Option<String>,
+    /// Why its state cannot be read.
     pub reason: String,
 }
 
 /// Device counts of `resources.get` (managed GPUs).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct DeviceCounts {
+    /// Devices of the managed GPUs.
     pub total: u64,
+    /// Devices held by a claim.
     pub claimed: u64,
+    /// Free devices that can take at least one profile now.
     pub allocatable: u64,
+    /// Devices with a quarantine mark (claimed or not).
     pub quarantined: u64,
+    /// Devices with no claim that are not clean (non-zero type): cleaned before reuse.
     pub dirty: u64,
     /// Devices whose type (or catalog) cannot be read, claimed or not.
     pub unreadable: u64,
@@ -395,22 +466,30 @@ pub struct DeviceCounts {
 /// How many more instances of a profile can be placed now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ProfileCapacity {
+    /// The vGPU profile (e.g. `L40S-2Q`).
     pub profile: String,
+    /// Its vGPU type id (vendor VFIO hosts; `None` on others, or when no VF lists it now).
     pub type_id: Option<u32>,
+    /// The framebuffer of one instance of the profile, MiB; `None` when unknown.
     pub framebuffer_mib: Option<u64>,
+    /// How many more instances of the profile can be placed now.
     pub placeable: u64,
 }
 
 /// `resources.get`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Resources {
+    /// The vGPU framework found: `vendor_vfio`, `mdev`, `mixed`, `waiting_for_vfs`, `none`,
+    /// or `probe_error`.
     pub mode: String,
     /// vGPU claims can be made now.
     pub ready: bool,
+    /// Why vGPU claims cannot be made now; `None` when `ready`.
     pub error: Option<String>,
     /// vGPU devices (VFs, mdev parents) of the managed GPUs; `allocatable` counts only
     /// free devices that can take at least one profile now.
     pub devices: DeviceCounts,
+    /// Per vGPU profile, how many more instances can be placed now.
     pub profiles: Vec<ProfileCapacity>,
     /// Whole GPUs (`passthrough_gpus`): `allocatable` is how many passthrough instances
     /// can be placed now.
@@ -420,52 +499,72 @@ pub struct Resources {
 /// The passthrough GPUs of `resources.get`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct PassthroughCounts {
+    /// Passthrough GPUs configured (`passthrough_gpus`).
     pub total: u64,
+    /// Passthrough GPUs held by a claim.
     pub claimed: u64,
     /// Free, with a group that can be moved whole.
     pub allocatable: u64,
+    /// Passthrough GPUs with a quarantine mark (claimed or not).
     pub quarantined: u64,
     /// On vfio-pci (or split between drivers) with no claim: not offered.
     pub dirty: u64,
     /// Free, but refused (a foreign device in its IOMMU group, VFs enabled).
     pub refused: u64,
+    /// Passthrough GPUs whose state cannot be read.
     pub unreadable: u64,
 }
 
 /// One device a dry run would try.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct RankedDevice {
+    /// The device's PCI address (BDF).
     pub device: String,
+    /// Its GPU (PF).
     pub gpu: String,
+    /// The device is dirty: it is cleaned before it is configured.
     pub dirty: bool,
 }
 
 /// `placement.dry_run`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct DryRun {
+    /// The vGPU profile asked for (or `passthrough`).
     pub profile: String,
+    /// The placement plugin that ranked the devices.
     pub plugin: String,
+    /// The devices a create would try, in order.
     pub ranked: Vec<RankedDevice>,
+    /// The plugin's notes, then one line per device skipped or refused.
     pub notes: Vec<String>,
 }
 
 /// `agent.health`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct HealthView {
+    /// The agent answers (always `true` in an answer).
     pub live: bool,
     /// New claims are accepted.
     pub ready: bool,
+    /// The reconcile pass run at agent start has finished.
     pub startup_reconcile_done: bool,
     /// The instance, claim, health and mdev directories can be listed.
     pub store_readable: bool,
+    /// The vGPU framework found: `vendor_vfio`, `mdev`, `mixed`, `waiting_for_vfs`, `none`,
+    /// or `probe_error`.
     pub gpu_mode: String,
+    /// The policy plugins are loaded (always `true` in an answer: the agent does not serve
+    /// without them).
     pub plugins_loaded: bool,
     /// Something is wrong that does not stop the agent (unreadable records, a probe
     /// error, another PID namespace): see `problems`.
     pub degraded: bool,
+    /// What makes the agent `degraded`, one line each; empty when it is not.
     pub problems: Vec<String>,
     /// The PID namespace the agent runs in, and whether it is the host's.
     pub pid_namespace: Option<u64>,
+    /// The agent runs in the host's PID namespace (otherwise VMM liveness cannot always be
+    /// decided).
     pub host_pid_namespace: bool,
     /// `production` or `failpoint build (not for production)`.
     pub build: String,
@@ -476,6 +575,7 @@ pub struct HealthView {
 /// One hypervisor as probed at start (`agent.health`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct HypervisorView {
+    /// The hypervisor.
     pub name: crate::hypervisor::HypervisorKind,
     /// The configured binary.
     pub binary: String,
@@ -494,7 +594,9 @@ pub struct HypervisorView {
 /// `instance.delete`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct DeleteResult {
+    /// The deleted instance's id (a UUID).
     pub id: String,
+    /// The instance and its records are gone (always `true` in an answer).
     pub deleted: bool,
     /// The device was given back but quarantined by the delete's release (as in
     /// `instance.stop`'s answer).
@@ -505,7 +607,10 @@ pub struct DeleteResult {
 /// `plugin.reload`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ReloadResult {
+    /// The new plugins are in place (always `true` in an answer: a failed reload is an
+    /// error and keeps the old ones).
     pub reloaded: bool,
+    /// The plugin loaded in each slot now.
     pub plugins: crate::policies::PluginNames,
     /// The trial calls made before the swap (`trial`), one per slot that had an input.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -519,16 +624,22 @@ pub struct UnquarantineResult {
     pub device: Option<String>,
     /// Every device whose mark was cleared.
     pub devices: Vec<String>,
+    /// The devices are still quarantined (always `false` in an answer).
     pub quarantined: bool,
 }
 
 /// One loaded plugin.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct PluginView {
+    /// The slot the plugin fills: `placement`, `hypervisor` or `grace`.
     pub slot: String,
+    /// The plugin's name, as it reports it.
     pub name: String,
+    /// The plugin's version, as it reports it.
     pub version: String,
+    /// The policy kinds the plugin implements.
     pub kinds: Vec<String>,
+    /// The plugin's `.wasm` file.
     pub path: String,
     /// The plugin ABI: 1 (a core module, JSON) or 2 (a component of
     /// `gpuvisor:policy@2.0.0`). Absent from older agents (= 1).
@@ -540,6 +651,8 @@ pub struct PluginView {
     pub compiled: Option<String>,
     /// Calls of this plugin in this slot since the agent started (kept across reloads).
     pub calls_ok: u64,
+    /// Calls of this plugin in this slot that failed since the agent started (kept across
+    /// reloads).
     pub calls_failed: u64,
     /// Its log lines dropped by the rate limits (stdout/stderr lines included) since the
     /// agent started (kept across reloads).
@@ -553,6 +666,7 @@ pub struct PluginView {
     /// pool (at most 8 calls of a slot run at once).
     #[serde(default)]
     pub calls_running: u64,
+    /// Its calls waiting for a place in the slot's share of the sandbox pool now.
     #[serde(default)]
     pub calls_waiting: u64,
 }
@@ -564,12 +678,14 @@ fn abi_one() -> u32 {
 /// `plugin.list`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct PluginList {
+    /// The loaded plugins, one per slot.
     pub plugins: Vec<PluginView>,
 }
 
 /// `image.list`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ImageList {
+    /// The readable images.
     pub images: Vec<crate::images::Image>,
     /// Image directories that cannot be read (a broken or missing `image.toml`): listed with
     /// why, never hidden.
@@ -580,25 +696,35 @@ pub struct ImageList {
 /// `image.delete`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ImageDeleted {
+    /// The deleted image's name.
     pub name: String,
+    /// The image is gone (always `true` in an answer).
     pub deleted: bool,
 }
 
 /// `debug.failpoints` (failpoint builds).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FailpointList {
+    /// `production` or `failpoint build (not for production)`.
     pub build: String,
+    /// Each failpoint and whether a call is paused at it.
     pub failpoints: Vec<crate::failpoints::PauseStatus>,
 }
 
 /// A claim or orphan the pass kept, or an instance it left alone.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct KeptItem {
+    /// The device kept (its BDF), when the item is a device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// The instance left alone (its id), when the item is an instance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
+    /// Why it was kept (e.g. `grace: ...` with the grace plugin's reason, `maybe alive:
+    /// ...`).
     pub reason: String,
+    /// When the grace plugin would look at the device again, ms (advisory: the next pass
+    /// runs on the agent's own schedule); `None` when it did not say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recheck_after_ms: Option<u64>,
 }
@@ -606,9 +732,11 @@ pub struct KeptItem {
 /// A device the pass released (something was written, or a claim removed).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ReleasedItem {
+    /// The device released (its BDF).
     pub device: String,
     /// `stale_claim`, `orphan_vf`, `orphan_mdev`.
     pub kind: String,
+    /// The instance the released claim belonged to, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
 }
@@ -616,17 +744,24 @@ pub struct ReleasedItem {
 /// A release the pass attempted that failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct FailedItem {
+    /// The device whose release failed (its BDF).
     pub device: String,
+    /// Why it failed.
     pub error: String,
 }
 
 /// A record the pass changed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct RecordChange {
+    /// The instance's id.
     pub instance: String,
+    /// The instance's name.
     pub name: String,
+    /// Its state before the pass.
     pub from: InstanceState,
+    /// Its state after the pass.
     pub to: InstanceState,
+    /// Why the pass changed it (e.g. the VMM is dead).
     pub reason: String,
 }
 
@@ -637,10 +772,15 @@ pub struct PassReport {
     pub inventory_complete: bool,
     /// The host's devices were observed completely (no probe error).
     pub host_complete: bool,
+    /// How long the pass took, ms.
     pub duration_ms: u64,
+    /// Claims, orphans and instances the pass kept or left alone, with why.
     pub kept: Vec<KeptItem>,
+    /// Devices the pass released.
     pub released: Vec<ReleasedItem>,
+    /// Releases the pass tried that failed (retried on the next pass).
     pub failed: Vec<FailedItem>,
+    /// Instance records the pass changed.
     pub records: Vec<RecordChange>,
     /// Interrupted deletes this pass finished (the VMM dead, the device released).
     #[serde(default)]
@@ -659,7 +799,9 @@ pub struct PassReport {
 /// An instance whose interrupted delete a reconcile pass finished.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct DeletedItem {
+    /// The instance's id.
     pub instance: String,
+    /// The instance's name.
     pub name: String,
 }
 

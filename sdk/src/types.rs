@@ -49,8 +49,12 @@ impl PolicyKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Manifest {
+    /// The plugin's name, shown in `plugin.list`, logs and errors (a safe set of
+    /// characters; not the name of one of gpuvisor's own plugins).
     pub name: String,
+    /// The plugin's version, free-form (e.g. `1.2.0`).
     pub version: String,
+    /// The policy kinds the plugin implements (the slot it is configured for must be one).
     pub kinds: Vec<PolicyKind>,
 }
 
@@ -59,7 +63,9 @@ pub struct Manifest {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Reply<T> {
+    /// The entry point's answer.
     Ok(T),
+    /// The call failed: why, one sentence (the agent fails closed, as for a trap).
     Error(String),
 }
 
@@ -94,7 +100,9 @@ impl Framework {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PlacementInput {
+    /// The instance asking for a device.
     pub request: PlacementRequest,
+    /// The managed GPUs and their devices.
     pub inventory: Inventory,
     /// The site's `[plugins.placement.params]` table, `{}` when absent.
     #[serde(default)]
@@ -105,10 +113,14 @@ pub struct PlacementInput {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PlacementRequest {
+    /// The instance's UUID (the nil UUID for `placement.dry_run`).
     pub instance_id: String,
+    /// The instance's name.
     pub name: String,
+    /// The create request's labels (e.g. `tenant`).
     #[serde(default)]
     pub labels: Labels,
+    /// How the GPU is given: the host's mode, or `passthrough` for a whole GPU.
     pub framework: Framework,
     /// Canonical profile name, e.g. `L40S-2Q`.
     pub profile: String,
@@ -120,6 +132,7 @@ pub struct PlacementRequest {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Inventory {
+    /// Every managed GPU (PF).
     pub gpus: Vec<GpuView>,
 }
 
@@ -131,7 +144,9 @@ pub struct GpuView {
     pub address: String,
     /// e.g. `NVIDIA L40S`, `unknown` when not known.
     pub model: String,
+    /// The GPU's framebuffer, MiB; `None` when unknown.
     pub framebuffer_mib: Option<u64>,
+    /// The PF's NUMA node; `None` when unknown (always on mdev hosts).
     pub numa_node: Option<i32>,
     /// Sum of the framebuffers of the profiles claimed on this GPU (from claims, not sysfs).
     pub claimed_framebuffer_mib: u64,
@@ -146,11 +161,15 @@ pub struct GpuView {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceState {
+    /// No claim, no type: it can be claimed.
     Free,
+    /// Held by a claim (`owner` says whose).
     Claimed,
     /// A non-zero type with no claim (vendor VFIO).
     Dirty,
+    /// Marked unhealthy by the agent: never a legal candidate.
     Quarantined,
+    /// Its state cannot be read: never a legal candidate.
     Unreadable,
 }
 
@@ -160,6 +179,7 @@ pub enum DeviceState {
 pub struct DeviceView {
     /// BDF of the VF / parent / GPU.
     pub address: String,
+    /// Whether it can be handed out now.
     pub state: DeviceState,
     /// The type id it holds now (vendor VFIO `current_vgpu_type`), `None` for `0`/unknown.
     pub current_type: Option<u32>,
@@ -176,7 +196,9 @@ pub struct DeviceView {
 pub struct DeviceOwner {
     /// Empty when even the owner's id is unknown (its claim record cannot be read).
     pub instance_id: String,
+    /// The profile the owner claimed (`None` when its claim cannot be read).
     pub profile: Option<String>,
+    /// The owner's labels, kept with the claim (empty when `labels_known` is `false`).
     #[serde(default)]
     pub labels: Labels,
     /// `false` when the owner's labels are unknown (its claim or instance record cannot be
@@ -195,7 +217,10 @@ fn yes() -> bool {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum PlacementAnswer {
+    /// Device addresses (BDFs), best first; the agent keeps only the legal candidates, in
+    /// this order.
     Ranked(Vec<String>),
+    /// No device should be given: the reason (the request fails with `no_capacity`).
     Reject(String),
 }
 
@@ -206,7 +231,9 @@ pub enum PlacementAnswer {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct HypervisorInput {
+    /// The instance to run.
     pub request: HypervisorRequest,
+    /// Every hypervisor the agent knows.
     pub hypervisors: Vec<HypervisorInfo>,
     /// The site's `[plugins.hypervisor.params]` table, `{}` when absent.
     #[serde(default)]
@@ -217,9 +244,13 @@ pub struct HypervisorInput {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct HypervisorRequest {
+    /// The instance's name.
     pub name: String,
+    /// The create request's labels.
     #[serde(default)]
     pub labels: Labels,
+    /// The hypervisor the create request names (`qemu`, `cloud-hypervisor`); `None` when it
+    /// names none.
     pub requested_hypervisor: Option<String>,
     /// The GPU framework the instance needs, `None` for a plain instance.
     pub framework: Option<Framework>,
@@ -233,10 +264,15 @@ pub struct HypervisorRequest {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Capability {
+    /// A vendor-VFIO VF (vGPU).
     VendorVfio,
+    /// An mdev (vGPU).
     Mdev,
+    /// A whole GPU through VFIO.
     Passthrough,
+    /// Standby: the running VM saved to disk and resumed later.
     Standby,
+    /// Snapshots of a VM.
     Snapshot,
 }
 
@@ -259,6 +295,7 @@ pub struct HypervisorInfo {
     pub name: String,
     /// Its binary was found.
     pub available: bool,
+    /// What it can carry on this agent.
     pub capabilities: Vec<Capability>,
 }
 
@@ -267,7 +304,11 @@ pub struct HypervisorInfo {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum HypervisorAnswer {
+    /// The hypervisor to run the instance (`qemu` or `cloud-hypervisor`): one the agent
+    /// knows and that can carry its GPU.
     Hypervisor(String),
+    /// No hypervisor should run it: the reason (the create fails with
+    /// `hypervisor_unsupported`).
     Reject(String),
 }
 
@@ -280,7 +321,9 @@ pub enum HypervisorAnswer {
 pub struct GraceInput {
     /// CLOCK_BOOTTIME now, in milliseconds.
     pub now_boottime_ms: u64,
+    /// The host's boot id.
     pub boot_id: String,
+    /// The eligible items, one decision asked per item.
     pub items: Vec<GraceItem>,
     /// The site's `[plugins.grace.params]` table (e.g. `claim_grace_s`), `{}` when absent.
     #[serde(default)]
@@ -292,8 +335,11 @@ pub struct GraceInput {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum GraceItemKind {
+    /// A claim whose owner is provably dead or absent.
     StaleClaim,
+    /// A VF holding a type with no claim.
     OrphanVf,
+    /// One of gpuvisor's own mdevs that no claim names.
     OrphanMdev,
 }
 
@@ -301,9 +347,13 @@ pub enum GraceItemKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceItem {
+    /// What kind of item it is.
     pub kind: GraceItemKind,
+    /// The VF or mdev parent BDF, or the mdev's UUID.
     pub device: String,
+    /// How the device is handed out.
     pub framework: Framework,
+    /// The owning instance, for a stale claim; `None` for an orphan.
     pub owner: Option<GraceOwner>,
     /// Age of the claim on CLOCK_BOOTTIME (same boot only), ms.
     pub claimed_age_ms: Option<u64>,
@@ -311,8 +361,10 @@ pub struct GraceItem {
     pub dirty_age_ms: Option<u64>,
     /// The claim was made in the current boot.
     pub same_boot: bool,
+    /// Releases of this item that failed so far (0 when none).
     #[serde(default)]
     pub release_attempts: u32,
+    /// The last release error, if any.
     pub last_error: Option<String>,
 }
 
@@ -320,11 +372,15 @@ pub struct GraceItem {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceOwner {
+    /// The instance's UUID.
     pub instance_id: String,
     /// The instance's state (`starting`, `running`, `stopped`, ...), `absent` when gone.
     pub state: String,
+    /// The instance's labels.
     #[serde(default)]
     pub labels: Labels,
+    /// The instance's record still names a VMM (one the agent found dead); `false`: it
+    /// names none (e.g. a start that failed before its VMM was recorded).
     pub vmm_identity_recorded: bool,
 }
 
@@ -332,6 +388,7 @@ pub struct GraceOwner {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceAnswer {
+    /// One decision per item asked about (an item with none is kept).
     pub decisions: Vec<GraceDecision>,
 }
 
@@ -339,9 +396,14 @@ pub struct GraceAnswer {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GraceDecision {
+    /// The item's `device`, as in the input.
     pub device: String,
+    /// Release now, or keep.
     pub action: GraceAction,
+    /// When to look again, ms (advisory: shown in the pass report; the agent's next pass
+    /// runs on its own schedule).
     pub recheck_after_ms: Option<u64>,
+    /// Why (advisory: shown as `grace: <reason>` in the pass report's `kept` list).
     #[serde(default)]
     pub reason: String,
 }
@@ -351,7 +413,10 @@ pub struct GraceDecision {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum GraceAction {
+    /// Release the item now (through the agent's native release path, one attempt per
+    /// pass).
     Release,
+    /// Keep it this pass.
     Keep,
 }
 

@@ -24,6 +24,7 @@ pub struct PreparedDevice {
     pub request: String,
     /// The pool and the published device name.
     pub pool: String,
+    /// The published device's name in the pool.
     pub device: String,
     /// What the agent answered.
     pub prepared: Prepared,
@@ -32,8 +33,11 @@ pub struct PreparedDevice {
 /// The claim the files belong to.
 #[derive(Debug, Clone)]
 pub struct ClaimRef {
+    /// The ResourceClaim's namespace.
     pub namespace: String,
+    /// The ResourceClaim's name.
     pub name: String,
+    /// The ResourceClaim's UID.
     pub uid: String,
     /// `pod.spec.resourceClaims[].name` for a claim made from a template.
     pub pod_claim_name: Option<String>,

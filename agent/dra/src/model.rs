@@ -40,8 +40,11 @@ pub const MAX_DEVICES_PER_SLICE: usize = 64;
 /// A ResourceClaim as the node component sees it in the API server.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ApiClaim {
+    /// The ResourceClaim's UID.
     pub uid: String,
+    /// Its namespace.
     pub namespace: String,
+    /// Its name.
     pub name: String,
     /// The devices of this driver and this node's pool in its allocation (`status.allocation`).
     pub devices: Vec<String>,
@@ -50,6 +53,7 @@ pub struct ApiClaim {
 /// Every ResourceClaim that exists (by UID), as far as the watch has seen them.
 #[derive(Debug, Clone, Default)]
 pub struct ApiView {
+    /// The claims by UID.
     pub claims: BTreeMap<String, ApiClaim>,
 }
 
@@ -64,25 +68,44 @@ impl ApiView {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Slot {
     /// A vGPU of `profile` on the GPU `gpu` (PF address); the VF is picked at prepare.
-    Vgpu { gpu: String, profile: String },
+    Vgpu {
+        /// The GPU's (PF's) address.
+        gpu: String,
+        /// The vGPU profile.
+        profile: String,
+    },
     /// A whole (passthrough) GPU.
-    Whole { gpu: String },
+    Whole {
+        /// The GPU's address.
+        gpu: String,
+    },
     /// A held or quarantined VF, shown with its taint (never allocatable).
-    Status { gpu: String, device: String },
+    Status {
+        /// The GPU's (PF's) address.
+        gpu: String,
+        /// The VF's address.
+        device: String,
+    },
 }
 
 /// Health of a published device for the kubelet (KEP-4680).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Health {
+    /// The device can be used.
     Healthy,
+    /// The device cannot be used (quarantined, unreadable, or its GPU faulted).
     Unhealthy,
+    /// Health cannot be told (KEP-4680's `Unknown`).
     Unknown,
 }
 
 /// The pool to publish.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Pool {
+    /// The counter sets of the pool: per GPU, its framebuffer and its VFs, which its
+    /// published devices consume.
     pub counter_sets: Vec<rv1::CounterSet>,
+    /// The devices to publish in the ResourceSlices.
     pub devices: Vec<rv1::Device>,
     /// Each published device's meaning, health and why.
     pub index: BTreeMap<String, (Slot, Health, String)>,

@@ -27,6 +27,7 @@ pub struct Plugin {
 }
 
 impl Plugin {
+    /// The services over the node's shared state.
     pub fn new(node: Arc<Node>) -> Plugin {
         Plugin { node }
     }

@@ -20,7 +20,9 @@ use std::collections::BTreeMap;
 /// One allocated device of a claim in this node's pool.
 #[derive(Debug, Clone)]
 pub struct Allocated {
+    /// The allocation result's request (`req` or `req/subrequest`).
     pub request: String,
+    /// The published device's name.
     pub device: String,
 }
 

@@ -29,11 +29,13 @@ use tracing::{debug, info, warn};
 pub struct Config {
     /// This node's name (also the pool's name).
     pub node: String,
+    /// The agent's JSON-RPC socket.
     pub agent_socket: PathBuf,
     /// The plugin's directory: `dra.sock` and the device metadata.
     pub plugin_dir: PathBuf,
     /// The kubelet's plugin registration directory.
     pub registry_dir: PathBuf,
+    /// The CDI spec directory the container runtime reads (`/var/run/cdi`).
     pub cdi_dir: PathBuf,
     /// The gRPC services advertised to the kubelet (short names).
     pub services: Vec<String>,
@@ -43,9 +45,13 @@ pub struct Config {
 
 /// The shared state.
 pub struct Node {
+    /// What the component was told at start.
     pub cfg: Config,
+    /// The agent's client.
     pub agent: Agent,
+    /// The Kubernetes API client.
     pub client: kube::Client,
+    /// Where the CDI specs and device metadata go.
     pub dirs: Dirs,
     /// The ResourceClaims the watch has seen.
     pub claims: reflector::Store<ResourceClaim>,

@@ -79,9 +79,13 @@ pub struct InputFile {
 pub struct Recording<'a, I: serde::Serialize> {
     /// Always [`RECORDING_TAG`]: tells a recording from a bare input.
     pub recorded: &'static str,
+    /// The policy kind called.
     pub kind: PolicyKind,
+    /// The plugin's manifest name.
     pub plugin: &'a str,
+    /// The input the agent sent (a `PlacementInput`, `HypervisorInput` or `GraceInput`).
     pub input: &'a I,
+    /// The reply: `{"ok": <answer>}` or `{"error": {"reason", "message"}}`.
     pub answer: serde_json::Value,
 }
 

@@ -79,7 +79,10 @@ pub enum Verdict {
     /// A strike against the device.
     Strike,
     /// One GPU-level problem: the rest of this GPU's candidates are skipped by the caller.
-    GpuFault { gpu: String },
+    GpuFault {
+        /// The GPU (PF) whose remaining candidates are skipped.
+        gpu: String,
+    },
 }
 
 /// The record of an mdev about to be created could not be written (why, from the store):
@@ -147,11 +150,28 @@ impl Refused {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
     /// The GPU's IOMMU group holds `foreign` functions gpuvisor does not manage.
-    GroupConflict { group: u32, foreign: Vec<String> },
+    GroupConflict {
+        /// The GPU's IOMMU group number.
+        group: u32,
+        /// The other devices in the group (BDFs): neither functions of the GPU nor PCI
+        /// bridges.
+        foreign: Vec<String>,
+    },
     /// Host processes (`holders`, described) hold the GPU through the host driver's `node`.
-    GpuBusy { node: String, holders: Vec<String>, services_stopped: bool },
+    GpuBusy {
+        /// The host driver's device node, e.g. `/dev/nvidia0`.
+        node: String,
+        /// Each holding process, as `pid <N> (<comm>)`.
+        holders: Vec<String>,
+        /// The configured `passthrough_stop_services` were stopped (and started again) and
+        /// the GPU was still held; `false`: none are configured.
+        services_stopped: bool,
+    },
     /// Moving the group to `vfio-pci` failed with `error`.
-    BindFailed { error: String },
+    BindFailed {
+        /// The failed write or check, in one sentence.
+        error: String,
+    },
 }
 
 /// Why a clear did not complete.
@@ -162,7 +182,10 @@ pub enum ClearError {
     Failed(WriteError),
     /// A VF reads another non-zero type than the one gpuvisor recorded (a foreign writer):
     /// nothing was written.
-    Foreign { value: u32 },
+    Foreign {
+        /// The type id the VF reads now.
+        value: u32,
+    },
 }
 
 /// What a VMM needs to attach a claimed device through VFIO.

@@ -26,6 +26,7 @@ pub struct CatalogEntry {
 /// What a VF can create now.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Catalog {
+    /// The types the VF can create now, as listed in `creatable_vgpu_types`.
     pub entries: Vec<CatalogEntry>,
     /// Malformed lines that were skipped (trimmed, at most 200 characters each).
     pub skipped: Vec<String>,

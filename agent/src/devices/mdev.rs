@@ -52,11 +52,13 @@ impl MdevParent {
 /// One existing mdev.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MdevDevice {
+    /// The mdev's UUID (its directory name under `/sys/bus/mdev/devices`).
     pub uuid: String,
     /// The parent's BDF (the path component before `mdev_supported_types`).
     pub parent: String,
     /// The type directory name (basename of the `mdev_type` link).
     pub mdev_type: String,
+    /// The IOMMU group the mdev is in; `None` when its `iommu_group` link cannot be read.
     pub iommu_group: Option<u32>,
 }
 

@@ -70,11 +70,19 @@ impl HostMode {
 pub enum DeviceError {
     /// A sysfs directory exists but cannot be listed: a probe error, never "no devices".
     #[error("cannot list {}: {errno}", path.display())]
-    List { path: PathBuf, errno: String },
+    List {
+        /// The directory.
+        path: PathBuf,
+        /// The errno name of the failed listing (e.g. `EACCES`).
+        errno: String,
+    },
     /// Vendor-VFIO VFs exist but none of their types can be read (docs/design/host.md §1: fail
     /// only if no VF at all is readable).
     #[error("no VF's current_vgpu_type can be read ({count} VFs)")]
-    NoReadableVf { count: usize },
+    NoReadableVf {
+        /// How many VFs were found.
+        count: usize,
+    },
     /// A VF attribute (`current_vgpu_type`, `creatable_vgpu_types`) cannot be read: the
     /// errno name (`EIO`), or what it reads when that is not what the driver writes.
     #[error("{0}")]
@@ -82,11 +90,21 @@ pub enum DeviceError {
     /// `what` (a sysfs file or link, named as a sentence starts: `its class`, `mdev
     /// <uuid>/mdev_type`) cannot be read: the errno name, or what it reads.
     #[error("{what} cannot be read: {reason}")]
-    Unreadable { what: String, reason: String },
+    Unreadable {
+        /// The file or link, named as a sentence starts.
+        what: String,
+        /// The errno name, or what it reads.
+        reason: String,
+    },
     /// `what` (a sysfs directory, named as a sentence starts) cannot be listed: the errno
     /// name.
     #[error("{what} cannot be listed: {errno}")]
-    Unlisted { what: String, errno: String },
+    Unlisted {
+        /// The directory, named as a sentence starts.
+        what: String,
+        /// The errno name of the failed listing.
+        errno: String,
+    },
     /// A VF's `current_vgpu_type` cannot be read now (a dirty check: the device's state is
     /// unknown).
     #[error("current_vgpu_type unreadable: {0}")]
@@ -94,27 +112,55 @@ pub enum DeviceError {
     /// The VFIO nodes of the PCI function `bdf` (its `iommu_group` link, its `vfio-dev/`)
     /// cannot be read: its holders are unknown.
     #[error("the VFIO paths of {bdf} cannot be read: {reason}")]
-    VfioPaths { bdf: String, reason: String },
+    VfioPaths {
+        /// The PCI function's address.
+        bdf: String,
+        /// Why they cannot be read.
+        reason: String,
+    },
     /// An mdev's `mdev_type` link does not point into a parent's `mdev_supported_types`.
     #[error("mdev {uuid}/mdev_type points to {}, not a parent's type", target.display())]
-    MdevTypeLink { uuid: String, target: PathBuf },
+    MdevTypeLink {
+        /// The mdev's UUID.
+        uuid: String,
+        /// Where its `mdev_type` link points.
+        target: PathBuf,
+    },
     /// A PCI function named as a passthrough GPU is not a display controller.
     #[error("it is not a GPU (PCI class {class}, not a display controller 0x03xxxx)")]
-    NotAGpu { class: String },
+    NotAGpu {
+        /// Its PCI class as read (e.g. `0x020000`).
+        class: String,
+    },
     /// A GPU's `iommu_group` link does not end in a group number.
     #[error("its iommu_group link does not name a group number")]
     GroupLink,
     /// A GPU's IOMMU group does not list the GPU itself.
     #[error("its IOMMU group {group} does not list it")]
-    NotInGroup { group: u32 },
+    NotInGroup {
+        /// The group the GPU's `iommu_group` link names.
+        group: u32,
+    },
     /// The NVIDIA driver's `information` file of a GPU has a `Device Minor` that is not a
     /// number.
     #[error("{}: Device Minor reads {value:?}", path.display())]
-    DeviceMinor { path: PathBuf, value: String },
+    DeviceMinor {
+        /// The `information` file.
+        path: PathBuf,
+        /// What its `Device Minor` line reads.
+        value: String,
+    },
     /// A backend was handed a claim of another kind (a bug: [`backend::backend`] picks by
     /// kind).
     #[error("the {backend} backend was handed a {framework} claim of {device}")]
-    WrongKind { backend: &'static str, framework: &'static str, device: String },
+    WrongKind {
+        /// The backend that was called (`vendor_vfio`, `mdev`, `passthrough`).
+        backend: &'static str,
+        /// The kind of the claim it was handed.
+        framework: &'static str,
+        /// The claimed device.
+        device: String,
+    },
 }
 
 impl DeviceError {
@@ -382,9 +428,14 @@ pub enum Cleared {
     FoundClear,
 }
 
+/// A sysfs write that failed: what was written where and what came back, with the errno
+/// when the kernel gave one (it feeds the device's health accounting).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WriteError {
+    /// The failure in one sentence (the file, the value, the error).
     pub message: String,
+    /// The errno the write failed with (`libc::EIO`, ...); `None` when it did not fail with
+    /// one (e.g. a write that never returned).
     pub errno: Option<i32>,
 }
 

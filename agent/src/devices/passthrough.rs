@@ -37,6 +37,7 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// One endpoint function of a passthrough GPU's card (the GPU, its audio function, …).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Function {
+    /// The function's PCI address (BDF).
     pub bdf: String,
     /// The driver bound now (`None`: unbound).
     pub driver: Option<String>,
@@ -49,6 +50,7 @@ pub struct PtGpu {
     pub bdf: String,
     /// PCI device id (`0x26b1`).
     pub device_id: String,
+    /// The GPU's NUMA node (sysfs `numa_node`); `None` when unreadable or none (`-1`).
     pub numa_node: Option<i32>,
     /// Its IOMMU group.
     pub group: u32,

@@ -64,10 +64,13 @@ impl VfInfo {
 /// One physical GPU with its VFs.
 #[derive(Debug, Clone)]
 pub struct GpuInfo {
+    /// The GPU's (PF's) PCI address.
     pub bdf: String,
     /// PCI device id, e.g. `0x26b9`.
     pub device_id: String,
+    /// The GPU's NUMA node (sysfs `numa_node`); `None` when unreadable or none (`-1`).
     pub numa_node: Option<i32>,
+    /// Its SR-IOV VFs, in `virtfn` order.
     pub vfs: Vec<VfInfo>,
 }
 
@@ -188,7 +191,10 @@ pub enum ConfigureError {
     /// §4); the errno only feeds the device's health accounting.
     NotCreatable(WriteError),
     /// The read-back shows a value gpuvisor did not write: another writer is on the VF.
-    Foreign { value: u32 },
+    Foreign {
+        /// The type id the VF reads back.
+        value: u32,
+    },
     /// Unexpected I/O error (the VF vanished, unreadable file).
     Io(String),
 }

@@ -235,18 +235,24 @@ pub struct Claim {
     pub owner_labels: Option<Labels>,
     /// The parent GPU's (PF's) address.
     pub gpu: String,
+    /// The vGPU profile claimed (canonical name, e.g. `L40S-2Q`), or `passthrough`.
     pub profile: String,
     /// What the claim holds, by device kind.
     pub kind: ClaimKind,
     /// Wall time, RFC 3339.
     pub claimed_at: String,
+    /// The host's boot id at claim (`/proc/sys/kernel/random/boot_id`): tells a claim of
+    /// this boot from one of an earlier boot.
     pub claim_boot_id: String,
     /// CLOCK_BOOTTIME at claim, ms.
     pub claimed_boottime_ms: u64,
     /// The driver version at claim time (diagnostics).
     pub driver_version: Option<String>,
+    /// Where the claim is in its life: claimed, configured, or release pending.
     pub state: ClaimState,
+    /// Release attempts that failed so far (0 for a claim never released).
     pub release_attempts: u32,
+    /// The last error met configuring or releasing the device, if any.
     pub last_error: Option<String>,
 }
 
@@ -255,10 +261,20 @@ pub struct Claim {
 pub enum ClaimKind {
     /// A vendor-VFIO VF. `type_id`: the type id looked up in the fresh catalog at
     /// configure time (diagnostics only; never written again without a new lookup).
-    Vf { type_id: Option<u32> },
+    Vf {
+        /// The type id found at configure time; `None` before configure.
+        type_id: Option<u32>,
+    },
     /// An mdev created on the VF (or GPU) `device`: its UUID and type directory name (e.g.
     /// `nvidia-1148`); `type_id` as for a VF.
-    Mdev { uuid: Uuid, mdev_type: String, type_id: Option<u32> },
+    Mdev {
+        /// The mdev's UUID (chosen at claim, recorded before the mdev is created).
+        uuid: Uuid,
+        /// The type directory name, e.g. `nvidia-1148`.
+        mdev_type: String,
+        /// The type id found at configure time; `None` before configure.
+        type_id: Option<u32>,
+    },
     /// A whole GPU and its IOMMU group: the group and each function's original driver,
     /// recorded before any driver changes (docs/design/host.md §7 Bind step 3).
     Passthrough(PassthroughClaim),
@@ -412,6 +428,7 @@ pub struct PassthroughClaim {
 /// One function of a passthrough claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FunctionRecord {
+    /// The function's PCI address (BDF).
     pub bdf: String,
     /// The driver it was bound to before gpuvisor touched it (`None`: unbound).
     pub original_driver: Option<String>,

@@ -11,7 +11,10 @@ use uuid::Uuid;
 /// The VMM of a running instance: identity plus control socket (QMP for QEMU).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmmRecord {
+    /// Who the VMM process is (pid, start time, boot id, PID namespace): never mistaken for
+    /// a later process with its pid.
     pub identity: ProcessIdentity,
+    /// The VMM's control socket: QEMU's QMP socket or Cloud Hypervisor's API socket.
     pub control_socket: PathBuf,
     /// What the VM was started with (an update since applies at the next start); `None`
     /// for a VMM recorded before this was kept, or found without a record of its spawn.
@@ -42,13 +45,19 @@ pub type Labels = BTreeMap<String, String>;
 /// labels and GPU profile.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InstanceDefinition {
+    /// The instance's id (a random UUID, fixed at create).
     pub id: Uuid,
+    /// The instance's name (`[a-z0-9][a-z0-9-]{0,62}`, unique on this agent).
     pub name: String,
+    /// The name of the image it boots.
     pub image: String,
     /// As chosen by the `hypervisor` plugin at create (`qemu`, `cloud-hypervisor`).
     pub hypervisor: crate::hypervisor::HypervisorKind,
+    /// Virtual CPUs of the VM.
     pub vcpus: u32,
+    /// Guest memory, MiB.
     pub memory_mib: u64,
+    /// The labels given at create (seen by the policy plugins).
     #[serde(default)]
     pub labels: Labels,
     /// The requested vGPU profile (canonical name, e.g. `L40S-2Q`), if any.
@@ -177,7 +186,9 @@ pub struct PassthroughWant {
 /// `gpu.resource_claim`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ResourceClaimRef {
+    /// The ResourceClaim's Kubernetes namespace.
     pub namespace: String,
+    /// The ResourceClaim's name in its namespace.
     pub name: String,
 }
 
@@ -204,12 +215,14 @@ pub struct InstanceRecord {
     #[serde(flatten)]
     def: InstanceDefinition,
     state: InstanceState,
+    /// The running VMM; `None` while no VMM is recorded.
     pub vmm: Option<VmmRecord>,
     /// The uid (and gid) the instance's VMM runs under, from `vmm_ids`: recorded (with its
     /// `vmm-ids/<uid>.json`) before the first spawn, kept for the instance's life. `None`
     /// before its first start (and in records written before VMMs had ids of their own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vmm_id: Option<u32>,
+    /// Why the last operation on the instance failed; `None` after one that succeeded.
     pub last_error: Option<String>,
     /// Restarts under the restart policy (absent while idle).
     #[serde(default, skip_serializing_if = "RestartState::is_idle")]

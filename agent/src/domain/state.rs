@@ -100,8 +100,11 @@ impl std::fmt::Display for InstanceState {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("instance {id}: {from} → {to} is not a legal state transition")]
 pub struct IllegalTransition {
+    /// The instance.
     pub id: Uuid,
+    /// Its state now.
     pub from: InstanceState,
+    /// The state asked for.
     pub to: InstanceState,
 }
 

@@ -57,13 +57,28 @@ pub enum NetError {
     NoBridge(String),
     /// The named interface exists but is not a bridge.
     #[error("{name} is not a bridge (it is a {kind} interface)")]
-    NotABridge { name: String, kind: String },
+    NotABridge {
+        /// The interface.
+        name: String,
+        /// Its link kind as `ip` reports it (e.g. `veth`).
+        kind: String,
+    },
     /// `/dev/net/tun` could not be opened or `TUNSETIFF` failed.
     #[error("creating tap {name} through {TUN_DEVICE} failed: {source}")]
-    Tun { name: String, source: std::io::Error },
+    Tun {
+        /// The tap to be created.
+        name: String,
+        /// The error of the open or the ioctl.
+        source: std::io::Error,
+    },
     /// An `ip` command failed.
     #[error("`ip {args}` failed: {message}")]
-    Ip { args: String, message: String },
+    Ip {
+        /// The arguments given to `ip`.
+        args: String,
+        /// What `ip` wrote on stderr, or why it could not be run.
+        message: String,
+    },
 }
 
 fn ip(args: &[&str]) -> Result<String, NetError> {

@@ -39,7 +39,9 @@ pub const PASSTHROUGH: &str = "passthrough";
 /// What `current_vgpu_type` of a device reads: a type id (`0`: none), or unknown.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TypeReading {
+    /// The type id (`0`: no vGPU).
     Id(u32),
+    /// The type cannot be read: why.
     Unknown(String),
 }
 
@@ -56,7 +58,9 @@ impl TypeReading {
 /// One device (VF or mdev parent) as observed.
 #[derive(Debug, Clone)]
 pub struct ObservedDevice {
+    /// The device's PCI address (BDF).
     pub address: String,
+    /// Whether it can be handed out now (free, claimed, dirty, quarantined, unreadable).
     pub state: DeviceState,
     /// Vendor VFIO: `current_vgpu_type`. mdev parents: `Id(0)` (no type file).
     pub current_type: TypeReading,
@@ -109,16 +113,24 @@ impl ObservedDevice {
 /// One managed GPU (PF) as observed.
 #[derive(Debug, Clone)]
 pub struct ObservedGpu {
+    /// The GPU's (PF's) PCI address.
     pub address: String,
+    /// The GPU's model name.
     pub model: String,
+    /// The GPU's framebuffer, MiB; `None` when it cannot be read.
     pub framebuffer_mib: Option<u64>,
+    /// The GPU's NUMA node; `None` when unreadable or none.
     pub numa_node: Option<i32>,
+    /// Framebuffer held by the claims on its devices, MiB (claims of unknown size count 0).
     pub claimed_framebuffer_mib: u64,
+    /// Every claim on its devices has a known framebuffer size (`claimed_framebuffer_mib`
+    /// is exact).
     pub load_known: bool,
     /// gpuvisor may touch its devices (`managed_gpus`).
     pub managed: bool,
     /// A GPU-level health mark (`health/<PF>.json`).
     pub health: Option<HealthRecord>,
+    /// Its vGPU devices (VFs or mdev parents); a passthrough GPU's one device is itself.
     pub devices: Vec<ObservedDevice>,
     /// A passthrough GPU (its one device is the GPU itself); `None` for a vGPU parent.
     pub passthrough: Option<PassthroughObserved>,
@@ -173,7 +185,9 @@ impl DeviceRecords {
 /// A placeable device as the native side sees it (the legal-candidate check).
 #[derive(Debug, Clone)]
 pub struct Candidate {
+    /// The device's PCI address (BDF).
     pub device: String,
+    /// Its GPU (PF BDF).
     pub gpu: String,
     /// A VF holding a type with no claim (repaired before configure).
     pub dirty: bool,
@@ -187,7 +201,10 @@ pub enum Offer {
     /// A VF (its type is looked up in its fresh catalog at configure time).
     Vf,
     /// An mdev of the type directory `mdev_type` on the candidate.
-    Mdev { mdev_type: String },
+    Mdev {
+        /// The type directory name, e.g. `nvidia-1148`.
+        mdev_type: String,
+    },
     /// A whole GPU: its group and every function's driver now (recorded in the claim as the
     /// original drivers, before anything changes).
     Passthrough(PassthroughClaim),
@@ -211,6 +228,7 @@ impl Candidate {
 pub struct Observation {
     /// The framework, or the probe error.
     pub mode: Result<HostMode, DeviceError>,
+    /// Every GPU seen (managed or not).
     pub gpus: Vec<ObservedGpu>,
     /// Legal candidates for the requested profile (empty without one).
     pub candidates: Vec<Candidate>,

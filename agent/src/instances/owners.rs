@@ -86,8 +86,11 @@ fn busy_error(device: &str) -> ApiError {
 /// A complete live list: the identities (ResourceClaim UIDs) and when it was received.
 #[derive(Debug, Clone)]
 pub struct LiveList {
+    /// The ResourceClaim UIDs the list names as live.
     pub live: BTreeSet<String>,
+    /// When it was received (monotonic).
     pub at: Instant,
+    /// When it was received (RFC 3339, UTC), for reports.
     pub at_wall: String,
 }
 

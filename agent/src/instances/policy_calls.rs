@@ -24,9 +24,13 @@ use std::time::Instant;
 /// A failed plugin call: the plugin, the failure's stable reason, the message.
 #[derive(Debug, Clone)]
 pub struct PolicyFailure {
+    /// The plugin's name.
     pub plugin: String,
+    /// The policy kind called.
     pub kind: PolicyKind,
+    /// The failure's stable reason (e.g. `trap`, `fuel`, `deadline`, `busy`).
     pub reason: String,
+    /// What went wrong, one sentence.
     pub message: String,
 }
 
@@ -89,15 +93,21 @@ fn not_a_candidate(input: &PlacementInput, dev: &str, profile: &str) -> String {
 /// The placement plugin's answer, validated: the legal candidates in its order, and notes
 /// on what was dropped (bounded).
 pub struct Ranking {
+    /// The legal candidates, in the plugin's order.
     pub candidates: Vec<Candidate>,
+    /// What was dropped and why, and the plugin's own notes.
     pub notes: Vec<String>,
 }
 
 /// Who asks for a placement.
 pub struct PlacementAsk<'a> {
+    /// The instance to place (a fresh id for a create or a dry run).
     pub instance_id: uuid::Uuid,
+    /// The instance's name.
     pub name: &'a str,
+    /// The instance's labels.
     pub labels: &'a Labels,
+    /// The vGPU profile asked for, or `passthrough`.
     pub profile: &'a str,
 }
 

@@ -43,11 +43,23 @@ pub enum Release<'a> {
     /// A claim whose owner is provably dead (or absent).
     Claim(&'a Claim, Dead),
     /// A dirty VF with no claim that the sweep may clear (`type_id`: what it read).
-    OrphanVf { vf: &'a str, gpu: &'a str, type_id: u32 },
+    OrphanVf {
+        /// The VF's address.
+        vf: &'a str,
+        /// Its GPU (PF).
+        gpu: &'a str,
+        /// The type id it read.
+        type_id: u32,
+    },
     /// One of gpuvisor's own mdevs that no claim names.
     OrphanMdev(&'a MdevRecord),
     /// A dirty VF that `claim` (ours, durable) picked: cleared before its type is written.
-    Repair { claim: &'a Claim, type_id: u32 },
+    Repair {
+        /// The claim that picked the VF.
+        claim: &'a Claim,
+        /// The type id it read.
+        type_id: u32,
+    },
 }
 
 impl Release<'_> {

@@ -26,12 +26,15 @@ pub const LABEL_KEY_MAX: usize = 63;
 pub const LABEL_VALUE_MAX: usize = 255;
 /// vCPUs of an instance.
 pub const VCPUS_MIN: u32 = 1;
+/// The most vCPUs an instance may have.
 pub const VCPUS_MAX: u32 = 64;
 /// Guest memory, MiB.
 pub const MEMORY_MIB_MIN: u64 = 64;
+/// The most guest memory an instance may have, MiB (1 TiB).
 pub const MEMORY_MIB_MAX: u64 = 1_048_576;
 /// Defaults when a create omits them.
 pub const DEFAULT_VCPUS: u32 = 1;
+/// Guest memory when a create omits it, MiB.
 pub const DEFAULT_MEMORY_MIB: u64 = 256;
 
 fn labels_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
@@ -69,6 +72,7 @@ pub struct CreateRequest {
     /// passthrough GPU) or `{"passthrough": true, "address": "0000:82:00.0"}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuRequest>,
+    /// Labels (`key: value`) the policy plugins see; at most 64.
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
     #[schemars(schema_with = "labels_schema")]
     pub labels: Labels,
@@ -166,7 +170,10 @@ pub enum GpuWant {
     /// A vGPU of this profile (as given; the catalog's spelling is looked up later).
     Profile(String),
     /// A whole GPU: any, or the one at `address` (lower case).
-    Passthrough { address: Option<String> },
+    Passthrough {
+        /// The GPU's PCI address (lower case); `None`: any free passthrough GPU.
+        address: Option<String>,
+    },
     /// The device prepared for a Kubernetes ResourceClaim.
     ResourceClaim(crate::store::ResourceClaimRef),
 }
@@ -417,6 +424,7 @@ pub struct DryRunParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "optional_name_schema")]
     pub name: Option<String>,
+    /// The instance's labels the plugin sees.
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
     #[schemars(schema_with = "labels_schema")]
     pub labels: Labels,
@@ -487,7 +495,9 @@ pub struct FailpointParams {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FailpointAction {
+    /// Arm the point: the next thread that reaches it waits there.
     Pause,
+    /// Let the waiting threads go on and disarm the point.
     Release,
 }
 

@@ -14,10 +14,22 @@ use std::path::Path;
 pub enum ClientError {
     /// The agent is not running (or the socket is not reachable).
     #[error("cannot reach the gpuvisor agent at {socket}: {reason} (is `gpuvisor serve` running?)")]
-    Unreachable { socket: String, reason: String },
+    Unreachable {
+        /// The agent's socket path.
+        socket: String,
+        /// Why the connection failed.
+        reason: String,
+    },
     /// The agent answered with a JSON-RPC error.
     #[error("{message} ({})", data.get("code").and_then(|c| c.as_str()).unwrap_or("error"))]
-    Rpc { code: i64, message: String, data: Value },
+    Rpc {
+        /// The JSON-RPC error code (e.g. 409).
+        code: i64,
+        /// The error's message.
+        message: String,
+        /// The error's `data` (its `code` is the stable error code).
+        data: Value,
+    },
     /// The answer was not JSON-RPC.
     #[error("the agent answered something that is not JSON-RPC: {0}")]
     Protocol(String),

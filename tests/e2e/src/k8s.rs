@@ -31,11 +31,14 @@ pub struct Kube {
 /// An API answer that is not success: the HTTP status and the Status object.
 #[derive(Debug)]
 pub struct ApiError {
+    /// The HTTP status (`0` when the request did not reach the API server).
     pub code: u16,
+    /// The Status object's message and reason, or the client's error.
     pub body: String,
 }
 
 impl Kube {
+    /// A client of the cluster in `kubeconfig`, on a runtime of its own.
     pub fn new(kubeconfig: &Path) -> Kube {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
         let client = rt.block_on(async {
@@ -68,6 +71,7 @@ impl Kube {
         })
     }
 
+    /// GETs `path`: `None` on 404; panics on any other error.
     pub fn get(&self, path: &str) -> Option<Value> {
         match self.request("GET", path, Value::Null, "application/json") {
             Ok(v) => Some(v),
@@ -76,11 +80,13 @@ impl Kube {
         }
     }
 
+    /// POSTs `obj` to `path` and returns the created object; panics on an error.
     pub fn create(&self, path: &str, obj: Value) -> Value {
         self.request("POST", path, obj.clone(), "application/json")
             .unwrap_or_else(|e| panic!("POST {path} {obj}: {e:?}"))
     }
 
+    /// DELETEs `path`, with `gracePeriodSeconds` = `grace` when given.
     pub fn delete(&self, path: &str, grace: Option<i64>) -> Result<Value, ApiError> {
         let body = match grace {
             Some(g) => json!({ "kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": g }),
@@ -89,10 +95,12 @@ impl Kube {
         self.request("DELETE", path, body, "application/json")
     }
 
+    /// The `items` of the list at `path` (empty when it is not found).
     pub fn list(&self, path: &str) -> Vec<Value> {
         self.get(path).and_then(|v| v["items"].as_array().cloned()).unwrap_or_default()
     }
 
+    /// Applies a JSON merge patch to `path`; panics on an error.
     pub fn merge_patch(&self, path: &str, patch: Value) -> Value {
         self.request("PATCH", path, patch, "application/merge-patch+json")
             .unwrap_or_else(|e| panic!("PATCH {path}: {e:?}"))
@@ -113,9 +121,12 @@ pub fn quantity(q: &str) -> u64 {
 
 /// A control plane on loopback.
 pub struct Cluster {
+    /// The control plane's files (certificates, etcd data, logs).
     pub dir: tempfile::TempDir,
     child: Child,
+    /// The admin kubeconfig of the cluster.
     pub kubeconfig: PathBuf,
+    /// A client of the cluster.
     pub k: Kube,
 }
 
@@ -217,14 +228,17 @@ impl Cluster {
         )
     }
 
+    /// The ResourceClaim `ns/name`, `None` when it does not exist.
     pub fn get_claim(&self, ns: &str, name: &str) -> Option<Value> {
         self.k.get(&format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}"))
     }
 
+    /// The Pod `ns/name`, `None` when it does not exist.
     pub fn get_pod(&self, ns: &str, name: &str) -> Option<Value> {
         self.k.get(&format!("/api/v1/namespaces/{ns}/pods/{name}"))
     }
 
+    /// Deletes the Pod `ns/name` (with `grace` seconds when given).
     pub fn delete_pod(&self, ns: &str, name: &str, grace: Option<i64>) {
         match self.k.delete(&format!("/api/v1/namespaces/{ns}/pods/{name}"), grace) {
             Ok(_) => {}
@@ -317,7 +331,9 @@ impl Drop for Cluster {
 
 /// The node side: `gpuvisor-dra` and the kubelet driver.
 pub struct KubeNode {
+    /// The node's name (also its pool's name).
     pub name: String,
+    /// The node's kubelet, plugin and CDI directories and the logs.
     pub dir: tempfile::TempDir,
     kubeconfig: PathBuf,
     agent_socket: PathBuf,
@@ -329,6 +345,7 @@ pub struct KubeNode {
     pub dra_args: Vec<String>,
     /// Extra arguments of the next kubelet driver start (e.g. `--dra-services v1beta1.DRAPlugin`).
     pub kubelet_args: Vec<String>,
+    /// Extra environment of the next `gpuvisor-dra` start.
     pub dra_env: Vec<(String, String)>,
 }
 
@@ -356,22 +373,27 @@ impl KubeNode {
         }
     }
 
+    /// The kubelet's plugin registration directory.
     pub fn registry_dir(&self) -> PathBuf {
         self.dir.path().join("kubelet/plugins_registry")
     }
 
+    /// The DRA plugin's directory (its socket and device metadata).
     pub fn plugin_dir(&self) -> PathBuf {
         self.dir.path().join("kubelet/plugins").join(DRIVER)
     }
 
+    /// The CDI spec directory `gpuvisor-dra` writes.
     pub fn cdi_dir(&self) -> PathBuf {
         self.dir.path().join("cdi")
     }
 
+    /// What `gpuvisor-dra` logged so far (empty before its first start).
     pub fn dra_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("gpuvisor-dra.log")).unwrap_or_default()
     }
 
+    /// What the kubelet driver logged so far.
     pub fn kubelet_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("kubelet-driver.log")).unwrap_or_default()
     }

@@ -175,7 +175,9 @@ pub struct RpcError {
     pub code: i64,
     /// `data.code`.
     pub data_code: String,
+    /// The error's message.
     pub message: String,
+    /// The error's whole `data` object.
     pub data: Value,
 }
 
@@ -270,12 +272,17 @@ impl Drop for PidNs {
 
 /// A running agent on its own simulated host.
 pub struct Agent {
+    /// The simulated host (sysfs, `/dev`) the agent sees as its host root.
     pub sim: SimMount,
     /// The agent's PID namespace (dropped after everything else).
     pub ns: PidNs,
+    /// The agent's temporary directory (its config, socket and data).
     pub dir: tempfile::TempDir,
+    /// The agent's JSON-RPC socket.
     pub socket: PathBuf,
+    /// The agent's `data_dir` (its records).
     pub data_dir: PathBuf,
+    /// The agent's config file.
     pub config_path: PathBuf,
     /// Extra environment for the next [`Agent::spawn`] (e.g. `FAILPOINTS`).
     pub env: Vec<(String, String)>,
@@ -889,18 +896,24 @@ impl Agent {
 /// A live QEMU process as the invariant checker sees it.
 #[derive(Debug, Clone)]
 pub struct LiveQemu {
+    /// The QEMU's pid in the root PID namespace.
     pub pid: i32,
+    /// The instance id from its `-uuid` argument.
     pub instance_id: Option<String>,
+    /// The VFs (BDFs) whose VFIO group node or cdev it holds open.
     pub vfs: Vec<String>,
 }
 
 /// One observation of everything the invariant checker reads.
 #[derive(Debug, Clone)]
 pub struct World {
+    /// The simulator's state dump.
     pub state: Value,
     /// `(device, claim)`; an undecodable claim is `Null`.
     pub claims: Vec<(String, Value)>,
+    /// `(id, record)` of every instance record; an unreadable one is `Err(why)`.
     pub instances: Vec<(String, Result<Value, String>)>,
+    /// The live QEMUs of the agent.
     pub qemus: Vec<LiveQemu>,
     /// `(uid, record)` of `vmm-ids/`; an undecodable record is `Null`.
     pub vmm_ids: Vec<(String, Value)>,
@@ -913,6 +926,7 @@ pub fn uid_of(pid: i32) -> Option<u32> {
 }
 
 impl World {
+    /// Reads everything the invariant checker needs from `a`, once.
     pub fn observe(a: &Agent) -> World {
         let claims = a
             .data_files("claims")
@@ -1238,12 +1252,16 @@ impl Agent {
 /// execs the real QEMU with `-S` (the guest stays paused: the lifecycle tests need a real
 /// VMM holding its VF and QMP socket, not a booting guest, and the host has 2 shared cores).
 pub struct QemuWrapper {
+    /// The wrapper's directory (writable by the VMM's uid).
     pub dir: tempfile::TempDir,
+    /// The wrapper script, to give as `qemu_binary`.
     pub binary: PathBuf,
+    /// The hook file the wrapper sources before it execs QEMU.
     pub hook: PathBuf,
 }
 
 impl QemuWrapper {
+    /// A wrapper in a fresh directory; its hook file does not exist yet.
     pub fn new() -> QemuWrapper {
         use std::os::unix::fs::PermissionsExt;
         let dir = vmm_writable_tempdir("gpuvisor-qemu-wrap.").unwrap();
@@ -1523,9 +1541,13 @@ pub fn real_cloud_hypervisor() -> Option<PathBuf> {
 /// (`CH_FAKE_CONTROL`: fail a request, hang, ignore the power button, ...) and a request
 /// log (`CH_FAKE_LOG`), or the real binary.
 pub struct ChWrapper {
+    /// The wrapper's directory.
     pub dir: tempfile::TempDir,
+    /// The wrapper script, to give as `cloud_hypervisor_binary`.
     pub binary: PathBuf,
+    /// The control file (`CH_FAKE_CONTROL`).
     pub control: PathBuf,
+    /// The request log (`CH_FAKE_LOG`): one JSON line per API request.
     pub requests_log: PathBuf,
     /// `true`: the real Cloud Hypervisor (the control file and request log do nothing).
     pub real: bool,
@@ -1647,10 +1669,12 @@ pub struct NetNs {
     pub host_pid: i32,
     /// The holder's pid inside the agent's PID namespace.
     pub ns_pid: i32,
+    /// The dnsmasq serving the namespace, once started.
     pub dnsmasq: Option<Child>,
 }
 
 impl NetNs {
+    /// A new network namespace, held by a process in `a`'s PID namespace.
     pub fn new(a: &Agent) -> NetNs {
         let holder = a.ns.command("unshare").args(["--net", "sleep", "infinity"]).stdin(Stdio::null()).spawn().unwrap();
         let nsenter_pid = holder.id() as i32;
@@ -1669,21 +1693,25 @@ impl NetNs {
         NetNs { holder, host_pid, ns_pid, dnsmasq: None }
     }
 
+    /// A command that runs `program` inside the namespace.
     pub fn cmd(&self, program: &str) -> Command {
         let mut c = Command::new("nsenter");
         c.arg(format!("--net=/proc/{}/ns/net", self.host_pid)).arg("--").arg(program);
         c
     }
 
+    /// Runs `program args` inside the namespace and returns its output.
     pub fn run(&self, program: &str, args: &[&str]) -> std::process::Output {
         self.cmd(program).args(args).stdin(Stdio::null()).output().unwrap()
     }
 
+    /// Runs `program args` inside the namespace; panics when it fails.
     pub fn ok(&self, program: &str, args: &[&str]) {
         let o = self.run(program, args);
         assert!(o.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
     }
 
+    /// True when the interface `name` exists in the namespace.
     pub fn link_exists(&self, name: &str) -> bool {
         self.run("ip", &["link", "show", "dev", name]).status.success()
     }
