@@ -24,7 +24,8 @@ fn base_value(name: &str, schema: &Value) -> Value {
             Some("boolean") => json!(false),
             Some("object") => json!({}),
             Some("array") => json!([]),
-            _ => schema["enum"].get(0).cloned().unwrap_or(json!("x")),
+            // An enum of strings: `enum`, or `oneOf` of documented `const`s.
+            _ => schema["enum"].get(0).or_else(|| schema["oneOf"][0].get("const")).cloned().unwrap_or(json!("x")),
         },
     }
 }
