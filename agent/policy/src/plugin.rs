@@ -212,7 +212,7 @@ impl Plugin {
         }
         let shared = engine::shared().map_err(|reason| LoadError::Engine { path: p(), reason })?;
         let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: p(), source })?;
-        let bytes = wat::parse_bytes(&bytes).map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
+        let bytes = wat::parse_bytes(&bytes).map_err(compile_error(path))?;
         if component::is_component(&bytes) {
             return Self::load_component(path, slot, limits, &shared.engine, &bytes);
         }
@@ -231,8 +231,7 @@ impl Plugin {
         bytes: &[u8],
     ) -> Result<Plugin, LoadError> {
         let p = || path.to_path_buf();
-        let (module, cached) = cache::compile::<Module>(engine, bytes)
-            .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
+        let (module, cached) = cache::compile::<Module>(engine, bytes).map_err(compile_error(path))?;
         let pre = core_module::compile(engine, path, &module)?;
         let sandbox = Sandbox::new(path, Code::Module(pre), cached, limits);
         let kind_for_errors = slot.unwrap_or(PolicyKind::Placement);
@@ -275,8 +274,8 @@ impl Plugin {
     ) -> Result<Plugin, LoadError> {
         let p = || path.to_path_buf();
         let exported = component::inspect(path, bytes)?;
-        let (compiled, cached) = cache::compile::<wasmtime::component::Component>(engine, bytes)
-            .map_err(|e| LoadError::Compile { path: p(), reason: format!("{e:#}") })?;
+        let (compiled, cached) =
+            cache::compile::<wasmtime::component::Component>(engine, bytes).map_err(compile_error(path))?;
         let compiled = component::compile(engine, path, compiled, &exported)?;
         let sandbox = Sandbox::new(path, Code::Component(Box::new(compiled)), cached, limits);
         let kind_for_errors = slot.unwrap_or(exported[0]);
@@ -495,6 +494,11 @@ impl Plugin {
         })?;
         core_module::answer(&reply, label, kind)
     }
+}
+
+/// A compile failure of the plugin at `path` (the cause with its chain, `{:#}`).
+fn compile_error<E: std::fmt::Display>(path: &Path) -> impl FnOnce(E) -> LoadError + '_ {
+    move |e| LoadError::Compile { path: path.to_path_buf(), reason: format!("{e:#}") }
 }
 
 /// Checks the manifest's name: 1 to [`MAX_NAME_BYTES`] bytes of ASCII letters, digits,
