@@ -180,7 +180,9 @@ impl Soak {
                 if before == Known::Gone {
                     self.violation(format!("I5: create {name} says name_taken after an acknowledged delete"));
                 }
-                Known::Exists
+                // A delete that died with the agent left its record marked: the name stays
+                // taken until the restarted agent finishes that delete, so it proves nothing.
+                if before == Known::Unknown { Known::Unknown } else { Known::Exists }
             }
             // A failed create may leave a delete-only cleanup_pending record (retained).
             ("create", Err(e)) if e.data_code == "vgpu_cleanup_pending" => Known::Unknown,
@@ -198,11 +200,13 @@ impl Soak {
                 }
                 Known::Gone
             }
-            (_, _) => {
+            (_, r) => {
                 if before == Known::Gone {
                     self.violation(format!("I5: {what} on deleted instance {name} did not answer not_found"));
                 }
-                Known::Exists
+                // A refusal (invalid_state, …) of an instance whose delete died with the agent
+                // may come from its deleting mark: only a success proves it stays.
+                if before == Known::Unknown && r.is_err() { Known::Unknown } else { Known::Exists }
             }
         };
         self.known.insert(name, after);
