@@ -141,32 +141,6 @@ pub struct MdevRecord {
     pub created_boottime_ms: u64,
 }
 
-/// `health/<device>.json` — a health mark (docs/design/lifecycle.md, Device health). `device` is a VF
-/// or mdev parent, or a GPU (PF) for a GPU-level mark.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct HealthRecord {
-    /// The device (VF or mdev parent BDF) or GPU (PF BDF) the mark is on.
-    pub device: String,
-    /// e.g. `foreign_write`, `kill_escalation`, `eio`, `gpu_fault`.
-    pub reason: String,
-    /// `false`: the device is only `suspect`; placement still uses it. `true`: placement
-    /// never uses it and the sweep never clears it.
-    #[serde(default = "yes")]
-    pub quarantined: bool,
-    /// What was seen, in words (e.g. the failed write and its error).
-    pub detail: String,
-    /// When the mark was set (RFC 3339, UTC).
-    pub at: String,
-    /// EIO strikes in a row on this device's releases (type clear, mdev remove); reset by a
-    /// write that takes effect. Two quarantine the device.
-    #[serde(default)]
-    pub eio_in_a_row: u32,
-}
-
-fn yes() -> bool {
-    true
-}
-
 /// A record that exists but could not be read or decoded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Unreadable {

@@ -10,7 +10,7 @@
 //! (never `0`), an unreadable record is listed as unreadable with its path and error, and
 //! a VMM whose liveness cannot be decided is shown with `liveness: "unknown"` and why.
 
-use crate::store::{ClaimState, Framework, HealthRecord, InstanceState, Labels};
+use crate::domain::{ClaimState, Framework, HealthRecord, InstanceState, Labels};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -144,7 +144,7 @@ pub struct InstanceView {
     /// The instance's GPU: its profile and its claim; `None` for an instance without a GPU.
     pub gpu: Option<GpuAssignment>,
     /// When the VMM dies without a stop: `no`, `on-failure`, `always`.
-    pub restart: crate::store::RestartPolicy,
+    pub restart: crate::domain::RestartPolicy,
     /// Started again when the agent starts after a host reboot.
     pub autostart: bool,
     /// The restarts under the policy within `restart_window_s`.
@@ -166,7 +166,7 @@ pub struct InstanceView {
     pub seed: Option<SeedView>,
     /// How the VM boots: `direct`, `bios`, `uefi`.
     #[serde(default)]
-    pub boot: crate::store::BootMode,
+    pub boot: crate::domain::BootMode,
     /// The instance's disk overlay, when its image has a disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk: Option<InstanceDiskView>,
@@ -223,12 +223,6 @@ pub struct UnreadableRecord {
     pub error: String,
 }
 
-impl From<&crate::store::Unreadable> for UnreadableRecord {
-    fn from(u: &crate::store::Unreadable) -> Self {
-        UnreadableRecord { path: u.path.display().to_string(), key: u.key.clone(), error: u.error.clone() }
-    }
-}
-
 /// `instance.list`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct InstanceList {
@@ -278,7 +272,7 @@ pub struct ClaimView {
     pub instance_name: Option<String>,
     /// The claim's owner: `{"kind": "instance", "id"}` or an external owner
     /// (`{"kind": "resource_claim", "namespace", "name", "uid"}`); `null` when unreadable.
-    pub owner: Option<crate::store::Owner>,
+    pub owner: Option<crate::domain::Owner>,
     /// The vGPU profile claimed (e.g. `L40S-2Q`), or `passthrough`.
     pub profile: Option<String>,
     /// The vGPU type id the claim configures (`null` for passthrough).

@@ -693,3 +693,10 @@ impl Manager {
         FailpointList { build: crate::failpoints::BUILD.to_string(), failpoints: crate::failpoints::pause_status() }
     }
 }
+
+// The wire's view of a record the store could not read (here: `wire` names no store type).
+impl From<&crate::store::Unreadable> for UnreadableRecord {
+    fn from(u: &crate::store::Unreadable) -> Self {
+        UnreadableRecord { path: u.path.display().to_string(), key: u.key.clone(), error: u.error.clone() }
+    }
+}
