@@ -12,7 +12,8 @@
 //! proved the owner done and scanned for holders under the device lock (a test there checks
 //! that no other file calls it).
 
-use super::{Cleared, DeviceError, WriteError};
+use super::observed::{ObserveSteps, Observed};
+use super::{Cleared, DeviceError, HostScan, WriteError};
 use crate::domain::{Claim, ClaimKind};
 use crate::host::HostRoot;
 use std::path::PathBuf;
@@ -252,6 +253,19 @@ pub trait Backend: Sync {
     /// What the VMM attaches for `held` (docs/design/host.md §5: the group node and the
     /// device's sysfs directory).
     fn vfio_device(&self, host: &HostRoot, held: &Held<'_>) -> VfioDevice;
+
+    /// Adds this kind's GPUs in `scan` to `out` (none when the host does not run this kind),
+    /// each device with its state from `steps`' records, and — for a vGPU `profile` — the
+    /// legal candidates. Reads the host beyond the scan only for what the scan does not
+    /// hold; writes nothing.
+    fn observe(
+        &self,
+        host: &HostRoot,
+        scan: &HostScan,
+        profile: Option<&str>,
+        steps: &dyn ObserveSteps,
+        out: &mut Observed,
+    );
 }
 
 /// The backend of a claim's kind.
@@ -261,6 +275,11 @@ pub fn backend(kind: &ClaimKind) -> &'static dyn Backend {
         ClaimKind::Mdev { .. } => &super::mdev::Mdev,
         ClaimKind::Passthrough(_) => &super::passthrough::Passthrough,
     }
+}
+
+/// Every backend, in the order an observation lists their GPUs.
+pub fn backends() -> [&'static dyn Backend; 3] {
+    [&super::vendor_vfio::VendorVfio, &super::mdev::Mdev, &super::passthrough::Passthrough]
 }
 
 /// The error of a backend handed a claim of another kind (a bug: [`backend`] picks by kind).
@@ -274,8 +293,11 @@ pub(crate) fn wrong_kind(backend: &'static str, held: &Held<'_>) -> DeviceError 
 #[cfg(test)]
 pub(crate) mod testing {
     use super::{Answer, ClearSteps, ConfigureSteps, Refused, Verdict, WriteSite};
-    use crate::devices::WriteError;
+    use crate::devices::observed::{DeviceRecords, ObserveSteps, Observed};
+    use crate::devices::{HostMode, HostScan, WriteError};
+    use crate::domain::{Claim, HealthRecord};
     use crate::host::HostRoot;
+    use gpuvisor_sdk::DeviceState;
     use std::cell::RefCell;
     use std::fs;
     use std::path::{Path, PathBuf};
@@ -437,5 +459,98 @@ pub(crate) mod testing {
     /// True when `p` exists (a file, directory or link).
     pub fn exists(p: &Path) -> bool {
         fs::symlink_metadata(p).is_ok()
+    }
+
+    /// What an observation's records say, for the backends' observe tests: every GPU is
+    /// managed; `claims` are the readable claims; `quarantined` devices have a quarantine
+    /// mark; `unreadable_claims` have a claim file that cannot be read; every profile is
+    /// known, of the framebuffer its name says.
+    #[derive(Default)]
+    pub struct Records {
+        pub claims: Vec<Claim>,
+        pub quarantined: Vec<String>,
+        pub unreadable_claims: Vec<String>,
+        pub passthrough_gpus: Vec<String>,
+    }
+
+    impl ObserveSteps for Records {
+        fn records(&self, device: &str) -> DeviceRecords {
+            DeviceRecords {
+                claim: self.claims.iter().find(|c| c.device == device).cloned(),
+                claim_unreadable: self
+                    .unreadable_claims
+                    .iter()
+                    .find(|d| *d == device)
+                    .map(|d| format!("claims/{d}.json: not JSON")),
+                claim_unreadable_owner: None,
+                health: self.quarantined.iter().find(|d| *d == device).map(|d| HealthRecord {
+                    device: d.clone(),
+                    reason: "eio".into(),
+                    quarantined: true,
+                    detail: "test".into(),
+                    at: "2026-12-05T00:00:00Z".into(),
+                    eio_in_a_row: 2,
+                }),
+                owner_labels: Some(Default::default()),
+                unknown_claim: None,
+            }
+        }
+        fn claims(&self) -> &[Claim] {
+            &self.claims
+        }
+        fn manages(&self, _gpu: &str) -> bool {
+            true
+        }
+        fn passthrough_gpus(&self) -> &[String] {
+            &self.passthrough_gpus
+        }
+        fn gpu_mark(&self, _gpu: &str) -> Option<HealthRecord> {
+            None
+        }
+        fn learn(&self, _name: &str, _fb: Option<u64>) {}
+        fn learn_type(&self, _driver: &Option<String>, _gpu: &str, _id: u32, _name: &str) {}
+        fn learn_gpu_size(&self, _gpu: &str, _fb: Option<u64>) {}
+        fn type_name(&self, _gpu: &str, _id: u32) -> Option<String> {
+            None
+        }
+        fn profile_fb(&self, profile: &str) -> Option<u64> {
+            gpuvisor_sdk::profile_framebuffer_mib(profile)
+        }
+        fn known(&self, _profile: &str) -> bool {
+            true
+        }
+        fn gpu_size(&self, _gpu: &str, _device_id: &str) -> Option<u64> {
+            None
+        }
+    }
+
+    /// A host scan of `mode` with nothing in it (a test fills what its kind reads).
+    pub fn scan(mode: HostMode) -> HostScan {
+        HostScan {
+            mode: Ok(mode),
+            vendor: vec![],
+            parents: vec![],
+            mdevs: vec![],
+            unreadable: vec![],
+            driver_version: None,
+        }
+    }
+
+    /// What `b` observes of `scan` for `profile` with `records`.
+    pub fn observe(
+        b: &dyn super::Backend,
+        host: &HostRoot,
+        scan: &HostScan,
+        profile: Option<&str>,
+        records: &Records,
+    ) -> Observed {
+        let mut out = Observed::default();
+        b.observe(host, scan, profile, records, &mut out);
+        out
+    }
+
+    /// The (device, state) pairs of an observation.
+    pub fn states(o: &Observed) -> Vec<(String, DeviceState)> {
+        o.gpus.iter().flat_map(|g| g.devices.iter().map(|d| (d.address.clone(), d.state))).collect()
     }
 }

@@ -11,9 +11,13 @@ use super::backend::{
     group_of, wrong_kind, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice,
     WriteSite,
 };
+use super::observed::{load_of, Candidate, ObserveSteps, Observed, ObservedDevice, ObservedGpu};
 use super::{link_basename, read_attr, write_attr, Cleared, DeviceError, UnreadableDevice, WriteError};
+use super::{HostMode, HostScan};
 use crate::domain::ClaimKind;
 use crate::host::HostRoot;
+use gpuvisor_sdk::DeviceState;
+use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -248,6 +252,76 @@ fn remove(host: &HostRoot, uuid: &str) -> Result<Cleared, WriteError> {
 #[derive(Debug, Clone, Copy)]
 pub struct Mdev;
 
+/// [`Backend::observe`] of mdev parents, grouped by GPU: a parent with an mdev and no
+/// claim is occupied (dirty); candidates are free parents offering the profile now.
+fn observe_gpus(host: &HostRoot, scan: &HostScan, profile: Option<&str>, steps: &dyn ObserveSteps, out: &mut Observed) {
+    if !matches!(scan.mode, Ok(HostMode::Mdev)) {
+        return;
+    }
+    let mut by_pf: BTreeMap<String, Vec<&MdevParent>> = BTreeMap::new();
+    for p in &scan.parents {
+        for t in p.types() {
+            steps.learn(&t.name, t.framebuffer_mib);
+            steps.learn_gpu_size(&p.pf, t.framebuffer_mib);
+        }
+        by_pf.entry(p.pf.clone()).or_default().push(p);
+    }
+    for (pf, parents) in by_pf {
+        let managed = steps.manages(&pf);
+        let mut devices = Vec::new();
+        for p in parents {
+            let mut recs = steps.records(&p.bdf);
+            // An mdev on a parent without a claim is another tool's (or an orphan): the
+            // parent is occupied (shown dirty), and only the sweep may remove our own.
+            let occupied = scan.mdevs.iter().any(|d| d.parent == p.bdf);
+            // An mdev on this parent that cannot be read: the parent is not known free.
+            let unreadable = p.types.as_ref().err().map(ToString::to_string).or_else(|| {
+                scan.unreadable
+                    .iter()
+                    .find(|u| u.parent.as_deref() == Some(p.bdf.as_str()))
+                    .map(|u| format!("an mdev on it cannot be read: {}", u.reason))
+            });
+            let state = recs.state(unreadable.is_some(), occupied);
+            let creatable: Vec<String> = if state == DeviceState::Free {
+                p.types()
+                    .iter()
+                    .filter(|t| t.available > 0)
+                    .map(|t| gpuvisor_sdk::canonical_profile(&t.name).to_string())
+                    .collect()
+            } else {
+                vec![]
+            };
+            if let (true, Some(want), DeviceState::Free) = (managed, profile, state) {
+                if let Some(t) =
+                    p.types().iter().find(|t| t.available > 0 && gpuvisor_sdk::profile_matches(want, &t.name))
+                {
+                    out.candidates.push(Candidate {
+                        device: p.bdf.clone(),
+                        gpu: pf.clone(),
+                        dirty: false,
+                        offer: ClaimKind::Mdev { uuid: uuid::Uuid::nil(), mdev_type: t.dir.clone(), type_id: None },
+                    });
+                }
+            }
+            devices.push(ObservedDevice::without_type(&p.bdf, state, creatable, recs, unreadable));
+        }
+        let device_id = super::read_attr(&host.pci_device(&pf).join("device")).unwrap_or_default();
+        let (claimed_framebuffer_mib, load_known) = load_of(&devices, steps);
+        out.gpus.push(ObservedGpu {
+            model: super::model_by_device_id(&device_id).unwrap_or("NVIDIA GPU").to_string(),
+            framebuffer_mib: steps.gpu_size(&pf, &device_id),
+            numa_node: None,
+            claimed_framebuffer_mib,
+            load_known,
+            managed,
+            health: steps.gpu_mark(&pf),
+            devices,
+            address: pf,
+            passthrough: None,
+        });
+    }
+}
+
 impl Backend for Mdev {
     /// The mdev's group node and iommufd cdev ([`targets`]).
     fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, DeviceError> {
@@ -320,6 +394,17 @@ impl Backend for Mdev {
         let d = read_device(host, &uuid).ok().flatten();
         VfioDevice { sysfs: vec![host.mdev_device(&uuid)], group: d.and_then(|d| d.iommu_group) }
     }
+
+    fn observe(
+        &self,
+        host: &HostRoot,
+        scan: &HostScan,
+        profile: Option<&str>,
+        steps: &dyn ObserveSteps,
+        out: &mut Observed,
+    ) {
+        observe_gpus(host, scan, profile, steps, out)
+    }
 }
 
 #[cfg(test)]
@@ -348,6 +433,54 @@ mod tests {
         t.link(&format!("{d}/iommu_group"), "../../../../kernel/iommu_groups/40");
         t.dir(&format!("{d}/vfio-dev/vfio5"));
         t.file(&format!("{d}/remove"), "");
+    }
+
+    #[test]
+    fn observing_mdev_parents_tells_free_occupied_unreadable_and_quarantined_and_offers_a_free_type() {
+        use crate::devices::backend::testing::{observe, scan, states, Records};
+        let t = Tree::new();
+        let l40s_2q = || MdevType {
+            dir: "nvidia-1148".into(),
+            name: "NVIDIA L40S-2Q".into(),
+            framebuffer_mib: Some(2048),
+            available: 1,
+        };
+        let parent =
+            |bdf: &str, types: Result<Vec<MdevType>, DeviceError>| MdevParent { bdf: bdf.into(), pf: PF.into(), types };
+        let mut host = scan(HostMode::Mdev);
+        host.parents = vec![
+            parent("0000:41:00.4", Ok(vec![l40s_2q()])),
+            parent(PARENT, Ok(vec![l40s_2q()])),
+            parent("0000:41:00.6", Err(DeviceError::Attr("EIO".into()))),
+            parent("0000:41:00.7", Ok(vec![l40s_2q()])),
+        ];
+        // Another tool's mdev on PARENT (no claim): the parent is occupied.
+        host.mdevs = vec![MdevDevice {
+            uuid: UUID.into(),
+            parent: PARENT.into(),
+            mdev_type: "nvidia-1148".into(),
+            iommu_group: Some(9),
+        }];
+        let records = Records { quarantined: vec!["0000:41:00.7".into()], ..Default::default() };
+        let o = observe(&Mdev, &t.host, &host, Some("L40S-2Q"), &records);
+        assert_eq!(
+            states(&o),
+            vec![
+                ("0000:41:00.4".to_string(), DeviceState::Free),
+                (PARENT.to_string(), DeviceState::Dirty),
+                ("0000:41:00.6".to_string(), DeviceState::Unreadable),
+                ("0000:41:00.7".to_string(), DeviceState::Quarantined),
+            ]
+        );
+        let offered: Vec<(&str, &ClaimKind)> = o.candidates.iter().map(|c| (c.device.as_str(), &c.offer)).collect();
+        assert!(
+            matches!(offered.as_slice(), [("0000:41:00.4", ClaimKind::Mdev { mdev_type, .. })] if mdev_type == "nvidia-1148"),
+            "{offered:?}"
+        );
+        // Each claim of the candidate creates its own mdev.
+        assert_ne!(o.candidates[0].claim_kind().mdev_uuid(), o.candidates[0].claim_kind().mdev_uuid());
+        // A vendor-VFIO host's scan is not this kind's.
+        assert!(observe(&Mdev, &t.host, &scan(HostMode::VendorVfio), None, &records).gpus.is_empty());
     }
 
     #[test]

@@ -5,9 +5,11 @@
 //! (docs/design/host.md §1), every VF and its catalog, every mdev parent and mdev — reading each
 //! sysfs file once; nothing here is cached (catalogs shrink as GPUs fill).
 //!
-//! What each kind means for a claim is its [`backend::Backend`] (one implementation per
-//! kind file; [`backend::backend`] picks it by the claim's kind). The primitives that clear a
-//! device are private to their kind's file and reached only through
+//! What each kind means — observing its GPUs, configuring and clearing a claimed device,
+//! attaching it — is its [`backend::Backend`] (one implementation per kind file;
+//! [`backend::backend`] picks it by the claim's kind, [`backend::backends`] lists them for
+//! an observation). The primitives that clear a device are private to their kind's file
+//! and reached only through
 //! [`backend::Backend::clear`], which only the release path (`instances::release`) calls,
 //! always after a fresh open-handle scan under the device lock.
 //!
@@ -18,12 +20,13 @@
 pub mod backend;
 pub mod catalog;
 pub mod mdev;
+pub mod observed;
 pub mod passthrough;
 pub mod vendor_vfio;
 
 pub use backend::{
-    backend, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, NotRecorded, Refused,
-    Verdict, VfioDevice, WriteSite,
+    backend, backends, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, NotRecorded,
+    Refused, Verdict, VfioDevice, WriteSite,
 };
 
 use crate::host::HostRoot;

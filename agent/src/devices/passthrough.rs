@@ -17,9 +17,12 @@ use super::backend::{
     wrong_kind, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice,
     WriteSite,
 };
+use super::observed::{ObserveSteps, Observed, ObservedDevice, ObservedGpu, PassthroughObserved};
+use super::HostScan;
 use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, DeviceError, WriteError};
-use crate::domain::{ClaimKind, PassthroughClaim};
+use crate::domain::{ClaimKind, ClaimState, PassthroughClaim};
 use crate::host::HostRoot;
+use gpuvisor_sdk::DeviceState;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -394,6 +397,83 @@ impl Passthrough {
     }
 }
 
+/// The configured passthrough GPUs (`passthrough_gpus`) the host has: each one GPU
+/// whose one device is the GPU itself. States: claimed; quarantined; unreadable (its
+/// group or a driver link cannot be read); dirty (a function on `vfio-pci`, or the
+/// functions split between drivers, with no claim: not gpuvisor's binding, never
+/// touched); free otherwise. A free GPU with a [`PassthroughObserved::problem`] is not
+/// a candidate.
+fn observe_gpus(host: &HostRoot, steps: &dyn ObserveSteps, out: &mut Observed) {
+    // A GPU taken out of passthrough_gpus while claimed stays visible (and is given back
+    // through its claim) until the claim is gone; it is never offered again.
+    let mut gpus: Vec<(String, bool)> = steps.passthrough_gpus().iter().map(|g| (g.clone(), true)).collect();
+    for c in steps.claims().iter().filter(|c| matches!(c.kind, ClaimKind::Passthrough(_))) {
+        if !gpus.iter().any(|(g, _)| g.eq_ignore_ascii_case(&c.device)) {
+            gpus.push((c.device.clone(), false));
+        }
+    }
+    for (bdf, configured) in &gpus {
+        let bdf = &bdf.clone();
+        let (read, unreadable) = match read_gpu(host, bdf) {
+            Ok(Some(g)) => (Some(g), None),
+            Ok(None) => {
+                out.notes.push(format!("passthrough_gpus names {bdf}, which this host does not have"));
+                continue;
+            }
+            Err(e) => (None, Some(e.to_string())),
+        };
+        let problem = read.as_ref().and_then(|g| {
+            if !configured {
+                Some("it is no longer in passthrough_gpus (shown while its claim exists)".to_string())
+            } else if !g.foreign.is_empty() {
+                Some(format!(
+                    "its IOMMU group {} also holds {}, which is not a function of this GPU",
+                    g.group,
+                    g.foreign.join(", ")
+                ))
+            } else if g.numvfs > 0 {
+                Some(format!("it has {} SR-IOV VFs enabled (a vGPU parent)", g.numvfs))
+            } else {
+                None
+            }
+        });
+        let mut recs = steps.records(bdf);
+        // Dirty: on vfio-pci, split between drivers, or the GPU itself driverless — not a
+        // binding gpuvisor made or can give back (a driverless GPU is never free).
+        let dirty = read.as_ref().is_some_and(|g| !g.on_host_drivers() || g.functions[0].driver.is_none());
+        let state = recs.state(unreadable.is_some(), dirty);
+        let device_id = read.as_ref().map(|g| g.device_id.clone()).unwrap_or_default();
+        let fb = super::framebuffer_by_device_id(&device_id);
+        out.gpus.push(ObservedGpu {
+            address: bdf.clone(),
+            model: super::model_by_device_id(&device_id).unwrap_or("NVIDIA GPU").to_string(),
+            framebuffer_mib: fb,
+            numa_node: read.as_ref().and_then(|g| g.numa_node),
+            claimed_framebuffer_mib: if state == DeviceState::Claimed { fb.unwrap_or(0) } else { 0 },
+            load_known: fb.is_some() || state != DeviceState::Claimed,
+            managed: true,
+            health: None,
+            devices: vec![{
+                // A configured claim whose group is no longer all on vfio-pci: another
+                // tool rebound a function under the VM (reported, never repaired).
+                let moved = match (&recs.claim, &read) {
+                    (Some(c), Some(g)) if c.state == ClaimState::Configured && !g.on_vfio() => Some(format!(
+                        "its group is bound {}, not all vfio-pci, under the claim of {}: another tool \
+                         rebound it under the VM",
+                        g.binding(),
+                        c.owner_label()
+                    )),
+                    _ => None,
+                };
+                let mut d = ObservedDevice::without_type(bdf, state, vec![], recs, unreadable);
+                d.type_mismatch = moved;
+                d
+            }],
+            passthrough: Some(PassthroughObserved { read, problem }),
+        });
+    }
+}
+
 impl Backend for Passthrough {
     /// The group node, and every function's iommufd cdev.
     fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, DeviceError> {
@@ -524,6 +604,17 @@ impl Backend for Passthrough {
             Err(_) => VfioDevice { sysfs: vec![], group: None },
         }
     }
+
+    fn observe(
+        &self,
+        host: &HostRoot,
+        _scan: &HostScan,
+        _profile: Option<&str>,
+        steps: &dyn ObserveSteps,
+        out: &mut Observed,
+    ) {
+        observe_gpus(host, steps, out)
+    }
 }
 
 #[cfg(test)]
@@ -531,8 +622,9 @@ mod tests {
     use super::*;
     use crate::devices::backend::testing::{Recorder, Step, Tree};
     use crate::devices::backend::{backend, Held};
-    use crate::devices::Refused;
+    use crate::devices::{HostMode, Refused};
     use crate::domain::FunctionRecord;
+    use gpuvisor_sdk::DeviceState;
 
     /// A card (the GPU and its audio function) in IOMMU group 42, bound to `drivers`, each
     /// function with its cdev; `gpu`/`audio` are unique per test (the in-flight writes are
@@ -579,6 +671,32 @@ mod tests {
 
     fn configure_card(t: &Tree, gpu: &str, kind: &ClaimKind, steps: &Recorder) -> Result<ClaimKind, Refused> {
         backend(kind).configure(&t.host, &Held { device: gpu, gpu, kind }, "passthrough", steps)
+    }
+
+    #[test]
+    fn observing_a_configured_gpu_tells_free_from_a_binding_not_ours_and_notes_a_missing_one() {
+        use crate::devices::backend::testing::{observe, scan, states, Records};
+        let records = |gpus: &[&str]| Records {
+            passthrough_gpus: gpus.iter().map(|g| g.to_string()).collect(),
+            ..Default::default()
+        };
+        let host = scan(HostMode::None);
+        let t = Tree::new();
+        card(&t, "0000:06:00.0", "0000:06:00.1", ["nvidia", "snd_hda_intel"]);
+        observable(&t, "0000:06:00.0", "0000:06:00.1");
+        let o = observe(&Passthrough, &t.host, &host, None, &records(&["0000:06:00.0", "0000:09:00.0"]));
+        assert_eq!(states(&o), vec![("0000:06:00.0".to_string(), DeviceState::Free)]);
+        let pt = o.gpus[0].passthrough.as_ref().unwrap();
+        assert_eq!((pt.problem.as_deref(), pt.read.as_ref().map(|r| r.group)), (None, Some(42)));
+        assert_eq!(o.notes, vec!["passthrough_gpus names 0000:09:00.0, which this host does not have".to_string()]);
+        // On vfio-pci with no claim: not a binding gpuvisor made, never free.
+        let t = Tree::new();
+        card(&t, "0000:07:00.0", "0000:07:00.1", [VFIO_PCI, VFIO_PCI]);
+        observable(&t, "0000:07:00.0", "0000:07:00.1");
+        let o = observe(&Passthrough, &t.host, &host, None, &records(&["0000:07:00.0"]));
+        assert_eq!(states(&o), vec![("0000:07:00.0".to_string(), DeviceState::Dirty)]);
+        // Not configured and not claimed: not observed.
+        assert!(observe(&Passthrough, &t.host, &host, None, &records(&[])).gpus.is_empty());
     }
 
     #[test]

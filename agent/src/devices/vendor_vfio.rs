@@ -12,9 +12,15 @@ use super::backend::{
     VfioDevice, WriteSite,
 };
 use super::catalog::{parse_creatable_vgpu_types, Catalog};
+use super::observed::{
+    load_of, Candidate, DeviceRecords, ObserveSteps, Observed, ObservedDevice, ObservedGpu, TypeReading as Reading,
+};
 use super::{errno_name, link_basename, read_attr, write_attr, Cleared, DeviceError, WriteError};
-use crate::domain::ClaimKind;
+use super::{HostMode, HostScan};
+use crate::domain::{ClaimKind, ClaimState};
 use crate::host::HostRoot;
+use gpuvisor_sdk::{profile_framebuffer_mib, DeviceState};
+use std::collections::BTreeSet;
 use std::fs;
 use std::io;
 use std::num::NonZeroU32;
@@ -282,6 +288,176 @@ fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<super::Clea
     }
 }
 
+/// [`Backend::observe`] of vendor-VFIO VFs: each managed GPU with its VFs; a VF's type
+/// read now; candidates are free VFs whose catalog lists the profile, and dirty VFs whose
+/// repair leaves every other vGPU on the GPU at the requested size (equal-size rule).
+fn observe_gpus(
+    _host: &HostRoot,
+    scan: &HostScan,
+    profile: Option<&str>,
+    steps: &dyn ObserveSteps,
+    out: &mut Observed,
+) {
+    // A probe error still shows every VF that was found (each unreadable one named).
+    if matches!(scan.mode, Ok(HostMode::Mdev)) {
+        return;
+    }
+    let driver = &scan.driver_version;
+    let want_fb = profile.and_then(|p| steps.profile_fb(p));
+    for g in &scan.vendor {
+        let managed = steps.manages(&g.bdf);
+        for vf in &g.vfs {
+            if let Ok(cat) = &vf.catalog {
+                for e in &cat.entries {
+                    let fb = profile_framebuffer_mib(&e.name);
+                    steps.learn(&e.name, fb);
+                    steps.learn_type(driver, &g.bdf, e.id, &e.name);
+                    steps.learn_gpu_size(&g.bdf, fb);
+                }
+            }
+        }
+        let mut devices = Vec::new();
+        for vf in &g.vfs {
+            let mut recs = steps.records(&vf.bdf);
+            let current_type = match &vf.current_type {
+                Ok(t) => Reading::Id(*t),
+                Err(e) => Reading::Unknown(e.to_string()),
+            };
+            let unreadable = vf.unreadable_reason();
+            let state = recs.state(unreadable.is_some(), current_type.id().is_some_and(|t| t != 0));
+            let DeviceRecords { claim, claim_unreadable, claim_unreadable_owner, health, owner_labels, .. } = recs;
+            let creatable = match (&vf.catalog, state) {
+                (Ok(c), DeviceState::Free) => {
+                    c.entries.iter().map(|e| gpuvisor_sdk::canonical_profile(&e.name).to_string()).collect()
+                }
+                _ => vec![],
+            };
+            let type_mismatch = claim.as_ref().and_then(|c| match (c.state, c.kind.type_id(), current_type.id()) {
+                (ClaimState::Configured, Some(want), Some(now)) if now != want => Some(format!(
+                    "reads type {now}, but its claim by {} recorded type {want}: another writer changed \
+                     it under the VM",
+                    c.owner
+                )),
+                _ => None,
+            });
+            devices.push(ObservedDevice {
+                address: vf.bdf.clone(),
+                state,
+                current_type,
+                creatable,
+                claim,
+                claim_unreadable,
+                claim_unreadable_owner,
+                owner_labels,
+                health,
+                unreadable,
+                catalog_skipped: vf.catalog.as_ref().map(|c| c.skipped.clone()).unwrap_or_default(),
+                type_mismatch,
+            });
+        }
+        // Framebuffer of every active vGPU on the GPU (claimed or dirty).
+        let active: Vec<(&str, Option<u64>)> = devices
+            .iter()
+            .filter_map(|d| match (&d.claim, d.current_type.id()) {
+                (Some(c), _) => Some((d.address.as_str(), steps.profile_fb(&c.profile))),
+                (None, _) if d.claim_unreadable.is_some() => Some((d.address.as_str(), None)),
+                (None, Some(t)) if t != 0 => Some((d.address.as_str(), type_fb(g, t, steps))),
+                _ => None,
+            })
+            .collect();
+        if let (true, Some(p)) = (managed, profile) {
+            let offered = out.candidates.len();
+            for d in &devices {
+                let legal = match d.state {
+                    DeviceState::Free => d.creatable.iter().any(|c| gpuvisor_sdk::profile_matches(p, c)),
+                    // Repairable: once this VF is cleared, every other active vGPU on the
+                    // GPU has the requested size (equal-size rule).
+                    DeviceState::Dirty => {
+                        steps.known(p)
+                            && active
+                                .iter()
+                                .filter(|(b, _)| *b != d.address)
+                                .all(|(_, fb)| fb.is_some() && want_fb.is_some() && *fb == want_fb)
+                    }
+                    _ => false,
+                };
+                if legal {
+                    out.candidates.push(Candidate {
+                        device: d.address.clone(),
+                        gpu: g.bdf.clone(),
+                        dirty: d.state == DeviceState::Dirty,
+                        offer: ClaimKind::Vf { type_id: None },
+                    });
+                }
+            }
+            if out.candidates.len() == offered {
+                if let Some(why) = equal_size_note(p, want_fb, &active) {
+                    out.notes.push(format!("GPU {}: {why}", g.bdf));
+                }
+            }
+        }
+        let (claimed_framebuffer_mib, load_known) = load_of(&devices, steps);
+        out.gpus.push(ObservedGpu {
+            model: gpu_model(g),
+            framebuffer_mib: steps.gpu_size(&g.bdf, &g.device_id),
+            numa_node: g.numa_node,
+            claimed_framebuffer_mib,
+            load_known,
+            managed,
+            health: steps.gpu_mark(&g.bdf),
+            devices,
+            address: g.bdf.clone(),
+            passthrough: None,
+        });
+    }
+}
+
+/// The framebuffer of a type id set on a VF of `g`, from any catalog of the GPU that
+/// lists it; `None` when no catalog does (a VF holding a type shows an empty catalog).
+fn type_fb(g: &GpuInfo, type_id: u32, steps: &dyn ObserveSteps) -> Option<u64> {
+    g.vfs
+        .iter()
+        .filter_map(|v| v.catalog.as_ref().ok())
+        .flat_map(|c| c.entries.iter())
+        .find(|e| e.id == type_id)
+        .map(|e| e.name.clone())
+        .or_else(|| steps.type_name(&g.bdf, type_id))
+        .and_then(|name| profile_framebuffer_mib(&name))
+}
+
+/// The GPU's model: by its PCI device id, else from a profile name of its catalogs.
+fn gpu_model(g: &GpuInfo) -> String {
+    if let Some(m) = super::model_by_device_id(&g.device_id) {
+        return m.to_string();
+    }
+    g.vfs
+        .iter()
+        .filter_map(|v| v.catalog.as_ref().ok())
+        .flat_map(|c| c.entries.iter())
+        .next()
+        .and_then(|e| e.name.rsplit_once('-').map(|(a, _)| a.to_string()))
+        .unwrap_or_else(|| "NVIDIA GPU".into())
+}
+
+/// Why a GPU offers no device for `profile` (of `want_fb` MiB) when the vGPUs it runs
+/// (`active`: device, framebuffer) are of another size: the driver runs each GPU in
+/// equal-size mode, so the answer says which size it runs and that the profile fits once
+/// they are released. `None` when the sizes are not what stands in the way.
+fn equal_size_note(profile: &str, want_fb: Option<u64>, active: &[(&str, Option<u64>)]) -> Option<String> {
+    let want = want_fb?;
+    let sizes: BTreeSet<u64> = active.iter().filter_map(|(_, fb)| *fb).collect();
+    if active.is_empty() || sizes.iter().all(|fb| *fb == want) {
+        return None;
+    }
+    let sizes: Vec<String> = sizes.iter().map(|fb| format!("{fb} MiB")).collect();
+    Some(format!(
+        "it runs {} of {} each, and the driver puts vGPUs of only one framebuffer size on a GPU \
+         (equal-size rule): {profile} ({want} MiB) fits there once those are released",
+        if active.len() == 1 { "1 vGPU".to_string() } else { format!("{} vGPUs", active.len()) },
+        sizes.join(" / ")
+    ))
+}
+
 /// The vendor-VFIO backend: a VF whose vGPU is its `current_vgpu_type`.
 #[derive(Debug, Clone, Copy)]
 pub struct VendorVfio;
@@ -370,6 +546,17 @@ impl Backend for VendorVfio {
         let info = read_vf(host, held.device, held.gpu.to_string());
         VfioDevice { sysfs: vec![host.pci_device(held.device)], group: info.iommu_group }
     }
+
+    fn observe(
+        &self,
+        host: &HostRoot,
+        scan: &HostScan,
+        profile: Option<&str>,
+        steps: &dyn ObserveSteps,
+        out: &mut Observed,
+    ) {
+        observe_gpus(host, scan, profile, steps, out)
+    }
 }
 
 #[cfg(test)]
@@ -378,6 +565,86 @@ mod tests {
     use crate::devices::backend::testing::{Recorder, Step, Tree};
     use crate::devices::backend::{backend, Held};
     use crate::devices::Refused;
+
+    #[test]
+    fn the_note_names_the_size_a_gpu_runs_only_when_it_differs() {
+        let two = [("0000:41:00.4", Some(2048)), ("0000:41:00.5", Some(2048))];
+        let n = equal_size_note("L40S-8Q", Some(8192), &two).unwrap();
+        assert!(n.contains("2 vGPUs of 2048 MiB each") && n.contains("L40S-8Q (8192 MiB)"), "{n}");
+        assert!(n.contains("equal-size rule"), "{n}");
+        // The same size (the GPU is full), nothing running, or an unknown profile size: no note.
+        assert_eq!(equal_size_note("L40S-2Q", Some(2048), &two), None);
+        assert_eq!(equal_size_note("L40S-2Q", Some(2048), &[]), None);
+        assert_eq!(equal_size_note("X", None, &two), None);
+    }
+
+    /// A GPU `PF` with the VFs `vfs` (BDF, `current_vgpu_type` text), each VF's catalog
+    /// listing L40S-2Q while it holds no type.
+    fn gpu_of(t: &Tree, vfs: &[(&str, &str)]) -> GpuInfo {
+        let vfs = vfs
+            .iter()
+            .map(|(bdf, ty)| {
+                t.pci_function(bdf, None, &[]);
+                t.file(&format!("sys/bus/pci/devices/{bdf}/nvidia/current_vgpu_type"), ty);
+                let cat = if *ty == "0\n" { "ID : vGPU Name\n1148 : NVIDIA L40S-2Q\n" } else { "" };
+                t.file(&format!("sys/bus/pci/devices/{bdf}/nvidia/creatable_vgpu_types"), cat);
+                let ty = read_current_type(&t.host, bdf).map_err(|e| DeviceError::Attr(errno_or_msg(&e)));
+                read_vf_with_type(&t.host, bdf, PF.into(), ty)
+            })
+            .collect();
+        GpuInfo { bdf: PF.into(), device_id: "0x26b9".into(), numa_node: None, vfs }
+    }
+
+    #[test]
+    fn observing_vfs_tells_free_dirty_unreadable_claimed_and_quarantined_and_offers_the_legal_ones() {
+        use crate::devices::backend::testing::{observe, scan, states, Records};
+        use crate::devices::observed::Observed;
+        let t = Tree::new();
+        let vfs = [
+            ("0000:41:00.4", "0\n"),
+            ("0000:41:00.5", "1148\n"),
+            ("0000:41:00.6", "garbage\n"),
+            ("0000:41:00.7", "0\n"),
+            ("0000:41:01.0", "0\n"),
+        ];
+        let mut host = scan(HostMode::VendorVfio);
+        host.vendor = vec![gpu_of(&t, &vfs)];
+        let records = Records {
+            quarantined: vec!["0000:41:00.7".into()],
+            unreadable_claims: vec!["0000:41:01.0".into()],
+            ..Default::default()
+        };
+        let o = observe(&VendorVfio, &t.host, &host, Some("L40S-2Q"), &records);
+        assert_eq!(
+            states(&o),
+            vec![
+                ("0000:41:00.4".to_string(), DeviceState::Free),
+                ("0000:41:00.5".to_string(), DeviceState::Dirty),
+                ("0000:41:00.6".to_string(), DeviceState::Unreadable),
+                ("0000:41:00.7".to_string(), DeviceState::Quarantined),
+                // A claim file that cannot be read claims its device: unknown is never free.
+                ("0000:41:01.0".to_string(), DeviceState::Claimed),
+            ]
+        );
+        let offered =
+            |o: &Observed| o.candidates.iter().map(|c| (c.device.clone(), c.dirty)).collect::<Vec<(String, bool)>>();
+        // The free VF lists the profile; nothing unknown, quarantined or claimed is offered,
+        // and the dirty VF is not either: the vGPU behind the unreadable claim is of
+        // unknown size, so its repair is not provably within the equal-size rule.
+        assert_eq!(offered(&o), vec![("0000:41:00.4".to_string(), false)]);
+        assert!(o.candidates.iter().all(|c| c.offer == ClaimKind::Vf { type_id: None } && c.gpu == PF));
+        // Without it, the dirty VF is repairable (no other vGPU of another size on the GPU),
+        // and the VF it named is free.
+        let known = Records { quarantined: vec!["0000:41:00.7".into()], ..Default::default() };
+        let o = observe(&VendorVfio, &t.host, &host, Some("L40S-2Q"), &known);
+        let want = [("0000:41:00.4", false), ("0000:41:00.5", true), ("0000:41:01.0", false)];
+        assert_eq!(offered(&o), want.map(|(d, dirty)| (d.to_string(), dirty)));
+        let unknown = &o.gpus[0].devices[2];
+        assert!(unknown.current_type.id().is_none() && unknown.unreadable.is_some(), "{unknown:?}");
+        // An mdev host's scan is not this kind's: nothing observed.
+        let mdev_host = scan(HostMode::Mdev);
+        assert!(observe(&VendorVfio, &t.host, &mdev_host, None, &records).gpus.is_empty());
+    }
 
     const VF: &str = "0000:41:00.4";
     const PF: &str = "0000:41:00.0";

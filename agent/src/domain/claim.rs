@@ -281,6 +281,16 @@ pub enum ClaimKind {
 }
 
 impl ClaimKind {
+    /// The same kind for a new claim: an mdev gets a new UUID (each claim creates its own).
+    pub fn renewed(&self) -> ClaimKind {
+        match self {
+            ClaimKind::Mdev { mdev_type, type_id, .. } => {
+                ClaimKind::Mdev { uuid: Uuid::new_v4(), mdev_type: mdev_type.clone(), type_id: *type_id }
+            }
+            k => k.clone(),
+        }
+    }
+
     /// The framework (the kind's name in records and on the wire).
     pub fn framework(&self) -> Framework {
         match self {

@@ -8,10 +8,11 @@
 //! rest of a GPU whose failures are one GPU-level problem (`health`), so a driver-wide
 //! fault costs a few writes and one clear message, not a write on every VF.
 
-use super::inventory::{Candidate, PASSTHROUGH};
+use super::inventory::PASSTHROUGH;
 use super::policy_calls::PlacementAsk;
 use super::release::{Release, ReleaseError, Released};
 use super::{now_rfc3339, Manager};
+use crate::devices::observed::Candidate;
 use crate::devices::{
     self, passthrough, Answer, ConfigureSteps, Held, NotRecorded, Refused, Verdict, WriteError, WriteSite,
 };
@@ -170,7 +171,7 @@ impl Manager {
         let ask = PlacementAsk { instance_id: rec.id, name: &rec.name, labels: &rec.labels, profile: &profile };
         let (obs, ranking) = {
             let _a = self.alloc();
-            let (obs, framework) = self.observe_candidates(&profile, whole).map_err(fail)?;
+            let (obs, framework) = self.observer().observe_candidates(&profile, whole).map_err(fail)?;
             let ranking = self.rank(&ask, framework, &obs).map_err(fail)?;
             (obs, ranking)
         };
@@ -481,7 +482,7 @@ impl Manager {
         let whole = (kind == Framework::Passthrough).then(|| PassthroughWant { address: Some(device.to_string()) });
         let (mut claim, cand) = {
             let _a = self.alloc();
-            let (obs, framework) = self.observe_candidates(profile, whole.as_ref())?;
+            let (obs, framework) = self.observer().observe_candidates(profile, whole.as_ref())?;
             if framework != kind {
                 return Err(ApiError::invalid_request(format!(
                     "kind {} does not match this host, which gives vGPUs as {}",

@@ -32,7 +32,7 @@ impl Manager {
         })?;
         let (framework, whole) = match &gpu {
             None => (None, None),
-            Some(GpuWant::Profile(_)) => (Some(self.current_framework()?), None),
+            Some(GpuWant::Profile(_)) => (Some(self.observer().current_framework()?), None),
             Some(GpuWant::Passthrough { address }) => {
                 self.check_passthrough_address(address.as_deref())?;
                 (Some(Framework::Passthrough), Some(PassthroughWant { address: address.clone() }))
@@ -51,7 +51,7 @@ impl Manager {
         }
         let boot = self.check_disk_request(&image, hypervisor, req.boot, req.disk_gib)?;
         let profile = match &gpu {
-            Some(GpuWant::Profile(p)) => Some(self.known_profile(p)?),
+            Some(GpuWant::Profile(p)) => Some(self.observer().known_profile(p)?),
             _ => None,
         };
         let define_only = req.start == Some(false);

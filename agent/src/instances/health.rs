@@ -256,7 +256,7 @@ impl Manager {
         wanted.extend(p.device.iter().cloned());
         if let Some(gpu) = &p.gpu {
             wanted.insert(gpu.clone());
-            if let Ok(obs) = self.observe(None) {
+            if let Ok(obs) = self.observer().observe(None) {
                 for g in obs.gpus.iter().filter(|g| g.address.eq_ignore_ascii_case(gpu)) {
                     wanted.extend(g.devices.iter().map(|d| d.address.clone()));
                 }

@@ -3,8 +3,9 @@
 //! a failure once. The kind-specific callers then validate the answer natively
 //! (docs/plugins.md "The rule that makes this safe"): a plugin advises, the agent decides.
 
-use super::inventory::{Candidate, Observation};
+use super::inventory::Observation;
 use super::Manager;
+use crate::devices::observed::Candidate;
 use crate::error::ApiError;
 use crate::events::EventKind;
 use crate::hypervisor::HypervisorKind;

@@ -186,7 +186,7 @@ impl Manager {
             }
         };
         let instances = self.store().scan_instances();
-        let obs = self.observe(None);
+        let obs = self.observer().observe(None);
         match (&instances, &obs) {
             (Ok(instances), Ok(obs)) => {
                 report.inventory_complete = true;

@@ -6,8 +6,9 @@
 //! (never `0`), an unreadable record is listed as unreadable with its path and error, and
 //! a VMM whose liveness cannot be decided is shown with `liveness: "unknown"` and why.
 
-use super::inventory::{Observation, TypeReading};
+use super::inventory::Observation;
 use super::Manager;
+use crate::devices::observed::TypeReading;
 use crate::devices::{vendor_vfio, HostMode};
 use crate::error::ApiError;
 use crate::host::proc::Liveness;
@@ -279,7 +280,7 @@ impl Manager {
     /// `gpu.list`: every GPU (managed or not) and device with its current type, claim
     /// owner, health mark and what could not be read.
     pub fn gpus(&self) -> Result<GpuList, ApiError> {
-        let obs = self.observe(None)?;
+        let obs = self.observer().observe(None)?;
         let names: HashMap<uuid::Uuid, String> =
             obs.claims.records.iter().filter_map(|c| Some((c.owner.instance()?, c.owner_name.clone()?))).collect();
         let held = self.held_by_policy();
@@ -365,7 +366,7 @@ impl Manager {
     /// `resources.get`: GPU mode, device counts and per-profile placeable counts (honest
     /// under the equal-size rule), every profile from one observation.
     pub fn resources(&self) -> Result<Resources, ApiError> {
-        let obs = match self.observe(None) {
+        let obs = match self.observer().observe(None) {
             Ok(o) => o,
             Err(e) => {
                 return Ok(Resources {
@@ -383,7 +384,7 @@ impl Manager {
 
     /// How many vGPUs of `profile` GPU `g` can take now: its free devices listing the
     /// profile, capped by the slots left under the equal-size rule.
-    fn placeable_on(&self, g: &super::inventory::ObservedGpu, profile: &str) -> u64 {
+    fn placeable_on(&self, g: &crate::devices::observed::ObservedGpu, profile: &str) -> u64 {
         let listing = g
             .devices
             .iter()
@@ -438,7 +439,8 @@ impl Manager {
                 .filter(|g| g.managed && g.passthrough.is_none())
                 .map(|g| self.placeable_on(g, &name))
                 .sum();
-            let type_id = if obs.mode == Ok(HostMode::VendorVfio) { self.type_id_in(obs, &name) } else { None };
+            let type_id =
+                if obs.mode == Ok(HostMode::VendorVfio) { self.observer().type_id_in(obs, &name) } else { None };
             profiles.push(ProfileCapacity { profile: name, type_id, framebuffer_mib: fb, placeable });
         }
         let mut pt = PassthroughCounts::default();
@@ -469,7 +471,7 @@ impl Manager {
     /// How many more vGPUs of `profile` the GPU `g` can take under the equal-size rule
     /// (its framebuffer over the profile's, less its active vGPUs); the number of free
     /// devices listing it when a size is unknown.
-    fn gpu_slots(&self, g: &super::inventory::ObservedGpu, profile: &str) -> u64 {
+    fn gpu_slots(&self, g: &crate::devices::observed::ObservedGpu, profile: &str) -> u64 {
         use gpuvisor_sdk::DeviceState as S;
         let listing = g
             .devices
@@ -500,7 +502,7 @@ impl Manager {
             resource_claim: None,
         };
         let (profile, whole) = match super::request::GpuRequest::Spec(spec).want()? {
-            super::request::GpuWant::Profile(x) => (self.known_profile(&x)?, None),
+            super::request::GpuWant::Profile(x) => (self.observer().known_profile(&x)?, None),
             super::request::GpuWant::Passthrough { address } => {
                 self.check_passthrough_address(address.as_deref())?;
                 (super::inventory::PASSTHROUGH.to_string(), Some(crate::store::PassthroughWant { address }))
@@ -517,7 +519,7 @@ impl Manager {
             profile: &profile,
         };
         let _a = self.alloc();
-        let (obs, framework) = self.observe_candidates(&profile, whole.as_ref())?;
+        let (obs, framework) = self.observer().observe_candidates(&profile, whole.as_ref())?;
         let ranking = self.rank(&ask, framework, &obs)?;
         Ok(DryRun {
             profile,
@@ -659,7 +661,7 @@ impl Manager {
         }
         g.unreadable_records = unreadable_records;
         g.held_by_policy = self.held_by_policy().len() as i64;
-        if let Ok(obs) = self.observe(None) {
+        if let Ok(obs) = self.observer().observe(None) {
             let counts = self.resources_of(&obs).devices;
             g.unreadable_devices = counts.unreadable as i64;
             g.catalog_skipped_lines = counts.catalog_skipped_lines as i64;

@@ -182,7 +182,11 @@ impl Soak {
                 }
                 // A delete that died with the agent left its record marked: the name stays
                 // taken until the restarted agent finishes that delete, so it proves nothing.
-                if before == Known::Unknown { Known::Unknown } else { Known::Exists }
+                if before == Known::Unknown {
+                    Known::Unknown
+                } else {
+                    Known::Exists
+                }
             }
             // A failed create may leave a delete-only cleanup_pending record (retained).
             ("create", Err(e)) if e.data_code == "vgpu_cleanup_pending" => Known::Unknown,
@@ -206,7 +210,11 @@ impl Soak {
                 }
                 // A refusal (invalid_state, …) of an instance whose delete died with the agent
                 // may come from its deleting mark: only a success proves it stays.
-                if before == Known::Unknown && r.is_err() { Known::Unknown } else { Known::Exists }
+                if before == Known::Unknown && r.is_err() {
+                    Known::Unknown
+                } else {
+                    Known::Exists
+                }
             }
         };
         self.known.insert(name, after);
