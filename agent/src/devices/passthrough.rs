@@ -17,10 +17,10 @@ use super::backend::{
     wrong_kind, Answer, Backend, ClaimedDevice, ClearError, ClearSteps, ConfigureSteps, Held, Refused, VfioDevice,
     WriteSite,
 };
-use super::observed::{ObserveSteps, Observed, ObservedDevice, ObservedGpu, PassthroughObserved};
+use super::observed::{Candidate, ObserveSteps, Observed, ObservedDevice, ObservedGpu, PassthroughObserved};
 use super::HostScan;
 use super::{errno_name, link_basename, list_dir, read_attr, write_attr, Cleared, DeviceError, WriteError};
-use crate::domain::{ClaimKind, ClaimState, PassthroughClaim};
+use crate::domain::{ClaimKind, ClaimState, FunctionRecord, PassthroughClaim};
 use crate::host::HostRoot;
 use gpuvisor_sdk::DeviceState;
 use std::io;
@@ -474,6 +474,121 @@ fn observe_gpus(host: &HostRoot, steps: &dyn ObserveSteps, out: &mut Observed) {
     }
 }
 
+/// Why a request for a whole GPU got no candidate (the sequence turns it into the API's
+/// error).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WholeRefused {
+    /// The named GPU's IOMMU group holds `foreign` functions gpuvisor does not manage.
+    GroupConflict {
+        /// The GPU's address.
+        gpu: String,
+        /// Its IOMMU group.
+        group: u32,
+        /// The other members (neither its functions nor bridges).
+        foreign: Vec<String>,
+    },
+    /// The named GPU is quarantined.
+    Unhealthy {
+        /// The GPU's address.
+        gpu: String,
+        /// The mark's reason (`-` when unknown).
+        reason: String,
+        /// The mark's detail (`-` when unknown).
+        detail: String,
+    },
+    /// The named GPU is configured (`passthrough_gpus`) but the host does not show it.
+    NotShown {
+        /// The GPU's address.
+        gpu: String,
+    },
+    /// The named address is not a passthrough GPU of this host.
+    NotPassthrough {
+        /// The address asked for.
+        gpu: String,
+    },
+    /// The named GPU cannot be given now: why, one note.
+    Unavailable {
+        /// `<gpu>: <why>`.
+        notes: Vec<String>,
+    },
+}
+
+/// The legal candidates for a whole GPU among the observed `gpus` — free GPUs without a
+/// problem, or only the one at `address` — and a note on each other passthrough GPU.
+/// `configured`: `passthrough_gpus`. A named GPU that cannot be given now is refused
+/// with why.
+pub fn candidates(
+    gpus: &[ObservedGpu],
+    address: Option<&str>,
+    configured: &[String],
+) -> Result<(Vec<Candidate>, Vec<String>), WholeRefused> {
+    let mut out = Vec::new();
+    let mut notes = Vec::new();
+    let mut found = false;
+    let whole = gpus.iter().filter_map(|g| Some((g, g.devices.first()?, g.passthrough.as_ref()?)));
+    for (g, d, pt) in whole {
+        if address.is_some_and(|a| !a.eq_ignore_ascii_case(&g.address)) {
+            continue;
+        }
+        found = true;
+        let why = match (d.state, &pt.problem, &pt.read) {
+            (DeviceState::Free, None, Some(r)) => {
+                out.push(Candidate {
+                    device: g.address.clone(),
+                    gpu: g.address.clone(),
+                    dirty: false,
+                    offer: ClaimKind::Passthrough(PassthroughClaim {
+                        group: r.group,
+                        functions: r
+                            .functions
+                            .iter()
+                            .map(|f| FunctionRecord { bdf: f.bdf.clone(), original_driver: f.driver.clone() })
+                            .collect(),
+                        reset_done: false,
+                    }),
+                });
+                continue;
+            }
+            (DeviceState::Free, Some(p), Some(r)) => {
+                if address.is_some() && !r.foreign.is_empty() {
+                    return Err(WholeRefused::GroupConflict {
+                        gpu: g.address.clone(),
+                        group: r.group,
+                        foreign: r.foreign.clone(),
+                    });
+                }
+                p.clone()
+            }
+            (DeviceState::Quarantined, _, _) => {
+                let h = d.health.as_ref();
+                let reason = h.map(|h| h.reason.clone()).unwrap_or_else(|| "-".into());
+                if address.is_some() {
+                    let detail = h.map(|h| h.detail.clone()).unwrap_or_else(|| "-".into());
+                    return Err(WholeRefused::Unhealthy { gpu: g.address.clone(), reason, detail });
+                }
+                format!("quarantined ({reason})")
+            }
+            (DeviceState::Claimed, _, _) => match &d.claim {
+                Some(c) => format!("claimed by {}", c.owner_label()),
+                None => "its claim record cannot be read".into(),
+            },
+            (DeviceState::Dirty, _, Some(r)) => {
+                format!("bound to vfio-pci with no claim ({}): not gpuvisor's binding", r.binding())
+            }
+            (_, _, _) => format!("cannot be read: {}", d.unreadable.clone().unwrap_or_default()),
+        };
+        notes.push(format!("{}: {why}", g.address));
+    }
+    match address {
+        Some(a) if !found && configured.iter().any(|c| c.eq_ignore_ascii_case(a)) => {
+            Err(WholeRefused::NotShown { gpu: a.to_string() })
+        }
+        Some(a) if !found => Err(WholeRefused::NotPassthrough { gpu: a.to_string() }),
+        Some(_) if out.is_empty() => Err(WholeRefused::Unavailable { notes }),
+        _ => Ok((out, notes)),
+    }
+}
+
 impl Backend for Passthrough {
     /// The group node, and every function's iommufd cdev.
     fn release_targets(&self, host: &HostRoot, held: &Held<'_>) -> Result<Vec<PathBuf>, DeviceError> {
@@ -689,12 +804,31 @@ mod tests {
         let pt = o.gpus[0].passthrough.as_ref().unwrap();
         assert_eq!((pt.problem.as_deref(), pt.read.as_ref().map(|r| r.group)), (None, Some(42)));
         assert_eq!(o.notes, vec!["passthrough_gpus names 0000:09:00.0, which this host does not have".to_string()]);
+        // The free GPU is the candidate of "any GPU" and of its own address, with its group
+        // and every function's driver now recorded as the originals.
+        let configured = records(&["0000:06:00.0", "0000:09:00.0"]).passthrough_gpus;
+        let (any, _) = candidates(&o.gpus, None, &configured).unwrap();
+        let (named, _) = candidates(&o.gpus, Some("0000:06:00.0"), &configured).unwrap();
+        assert_eq!(any.len(), 1);
+        assert_eq!(named[0].offer, any[0].offer);
+        let ClaimKind::Passthrough(p) = &any[0].offer else { panic!("{:?}", any[0].offer) };
+        assert_eq!(p.group, 42);
+        let drivers: Vec<_> = p.functions.iter().map(|f| (f.bdf.as_str(), f.original_driver.as_deref())).collect();
+        assert_eq!(drivers, [("0000:06:00.0", Some("nvidia")), ("0000:06:00.1", Some("snd_hda_intel"))]);
+        // A configured GPU the host does not show, and an address that is no passthrough GPU.
+        let refused = |a: &str| candidates(&o.gpus, Some(a), &configured).unwrap_err();
+        assert_eq!(refused("0000:09:00.0"), WholeRefused::NotShown { gpu: "0000:09:00.0".into() });
+        assert_eq!(refused("0000:0a:00.0"), WholeRefused::NotPassthrough { gpu: "0000:0a:00.0".into() });
         // On vfio-pci with no claim: not a binding gpuvisor made, never free.
         let t = Tree::new();
         card(&t, "0000:07:00.0", "0000:07:00.1", [VFIO_PCI, VFIO_PCI]);
         observable(&t, "0000:07:00.0", "0000:07:00.1");
         let o = observe(&Passthrough, &t.host, &host, None, &records(&["0000:07:00.0"]));
         assert_eq!(states(&o), vec![("0000:07:00.0".to_string(), DeviceState::Dirty)]);
+        let named = candidates(&o.gpus, Some("0000:07:00.0"), &["0000:07:00.0".into()]).unwrap_err();
+        let WholeRefused::Unavailable { notes } = named else { panic!("{named:?}") };
+        assert!(notes[0].starts_with("0000:07:00.0: bound to vfio-pci with no claim"), "{notes:?}");
+        assert!(candidates(&o.gpus, None, &[]).unwrap().0.is_empty());
         // Not configured and not claimed: not observed.
         assert!(observe(&Passthrough, &t.host, &host, None, &records(&[])).gpus.is_empty());
     }

@@ -96,11 +96,11 @@ struct Steps<'a> {
 
 impl ConfigureSteps for Steps<'_> {
     fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>) -> Verdict {
-        self.m.write_outcome(device, gpu, site, result)
+        self.m.marks().write_outcome(device, gpu, site, result)
     }
 
     fn quarantine(&self, device: &str, reason: &str, detail: &str) {
-        self.m.quarantine(device, reason, detail);
+        self.m.marks().quarantine(device, reason, detail);
     }
 
     fn mdev_creating(&self, uuid: uuid::Uuid, parent: &str, mdev_type: &str) -> Result<(), NotRecorded> {

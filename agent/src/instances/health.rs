@@ -1,6 +1,6 @@
 //! Device health (docs/design/lifecycle.md "Device health"): suspect and quarantine marks, strike
 //! accounting, and unquarantine. Every sysfs write outcome of the release path and of
-//! configure is reported here, once, through [`Manager::write_outcome`].
+//! configure is reported here, once, through [`Marks::write_outcome`].
 //!
 //! Rules:
 //! - **release-time** EIO (type clear, mdev remove): the first makes the device `suspect`,
@@ -56,7 +56,21 @@ pub struct HealthState {
     recent: Mutex<Vec<RecentFailure>>,
 }
 
+/// The health room: what the accounting needs of the manager — the records and the
+/// in-memory streaks — and nothing else.
+pub(crate) struct Marks<'a> {
+    store: &'a super::records::Records,
+    health: &'a HealthState,
+}
+
 impl Manager {
+    /// The health room ([`Marks`]).
+    pub(crate) fn marks(&self) -> Marks<'_> {
+        Marks { store: &self.store, health: &self.health }
+    }
+}
+
+impl Marks<'_> {
     /// Quarantines `device` at once (foreign write, failed reset). A device already
     /// quarantined for the same reason keeps its first mark (and is not logged again).
     pub(crate) fn quarantine(&self, device: &str, reason: &str, detail: &str) {
@@ -247,7 +261,9 @@ impl Manager {
         }
         Verdict::Strike
     }
+}
 
+impl Manager {
     /// `gpu.unquarantine`: clears the marks of one device, several, or a whole GPU (its own
     /// mark and every mark of its devices), after an operator repaired it. Errors:
     /// `invalid_request` when nothing is named, `not_found` when none of them has a mark.

@@ -23,7 +23,7 @@ use crate::devices::observed::{
 };
 use crate::devices::{self, mdev, vendor_vfio, DeviceError, HostMode, UnreadableDevice};
 use crate::error::ApiError;
-use crate::store::{Claim, ClaimKind, Framework, FunctionRecord, HealthRecord, Listing, PassthroughClaim, Store};
+use crate::store::{Claim, Framework, HealthRecord, Listing, Store};
 use crate::sync::lock;
 use gpuvisor_sdk::{profile_framebuffer_mib, DeviceOwner, DeviceState, DeviceView, GpuView, Inventory};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -475,93 +475,34 @@ impl Observer<'_> {
         }
     }
 
-    /// The legal passthrough candidates: free GPUs without a problem, or only the one at
-    /// `address`. A named GPU that cannot be given now is an error that says why
-    /// (`iommu_group_conflict`, `device_unhealthy`, `no_capacity`); for "any GPU" the
-    /// others are notes.
+    /// The legal passthrough candidates ([`devices::passthrough::candidates`]): free GPUs
+    /// without a problem, or only the one at `address`. A named GPU that cannot be given
+    /// now is an error that says why (`iommu_group_conflict`, `device_unhealthy`,
+    /// `no_capacity`, `invalid_request`); for "any GPU" the others are notes.
     pub(crate) fn passthrough_candidates(
         &self,
         obs: &mut Observation,
         address: Option<&str>,
     ) -> Result<Vec<Candidate>, ApiError> {
-        let mut out = Vec::new();
-        let mut notes = Vec::new();
-        let mut found = false;
-        for (g, d, pt) in obs.passthrough() {
-            if address.is_some_and(|a| !a.eq_ignore_ascii_case(&g.address)) {
-                continue;
-            }
-            found = true;
-            let why = match (d.state, &pt.problem, &pt.read) {
-                (DeviceState::Free, None, Some(r)) => {
-                    out.push(Candidate {
-                        device: g.address.clone(),
-                        gpu: g.address.clone(),
-                        dirty: false,
-                        offer: ClaimKind::Passthrough(PassthroughClaim {
-                            group: r.group,
-                            functions: r
-                                .functions
-                                .iter()
-                                .map(|f| FunctionRecord { bdf: f.bdf.clone(), original_driver: f.driver.clone() })
-                                .collect(),
-                            reset_done: false,
-                        }),
-                    });
-                    continue;
-                }
-                (DeviceState::Free, Some(p), Some(r)) => {
-                    if address.is_some() && !r.foreign.is_empty() {
-                        return Err(ApiError::iommu_group_conflict(&g.address, r.group, &r.foreign));
-                    }
-                    p.clone()
-                }
-                (DeviceState::Quarantined, _, _) => {
-                    let h = d.health.as_ref();
-                    if address.is_some() {
-                        return Err(ApiError::device_unhealthy(
-                            &g.address,
-                            h.map(|h| h.reason.as_str()).unwrap_or("-"),
-                            h.map(|h| h.detail.as_str()).unwrap_or("-"),
-                        ));
-                    }
-                    format!("quarantined ({})", h.map(|h| h.reason.as_str()).unwrap_or("-"))
-                }
-                (DeviceState::Claimed, _, _) => match &d.claim {
-                    Some(c) => format!("claimed by {}", c.owner_label()),
-                    None => "its claim record cannot be read".into(),
-                },
-                (DeviceState::Dirty, _, Some(r)) => {
-                    format!("bound to vfio-pci with no claim ({}): not gpuvisor's binding", r.binding())
-                }
-                (_, _, _) => format!("cannot be read: {}", d.unreadable.clone().unwrap_or_default()),
-            };
-            notes.push(format!("{}: {why}", g.address));
-        }
-        if let (Some(a), false, true) = (address, found, address.is_some_and(|a| self.cfg.is_passthrough_gpu(a))) {
-            return Err(ApiError::no_capacity(
-                format!(
-                    "the passthrough GPU {a} is configured but this host does not show it (sys/bus/pci/devices/{a})"
-                ),
+        use devices::passthrough::WholeRefused;
+        let configured = &self.cfg.passthrough_gpus;
+        let (out, notes) = devices::passthrough::candidates(&obs.gpus, address, configured).map_err(|r| match r {
+            WholeRefused::GroupConflict { gpu, group, foreign } => ApiError::iommu_group_conflict(&gpu, group, &foreign),
+            WholeRefused::Unhealthy { gpu, reason, detail } => ApiError::device_unhealthy(&gpu, &reason, &detail),
+            WholeRefused::NotShown { gpu } => ApiError::no_capacity(
+                format!("the passthrough GPU {gpu} is configured but this host does not show it (sys/bus/pci/devices/{gpu})"),
                 PASSTHROUGH,
                 vec![],
                 None,
-            ));
-        }
-        if let (Some(a), false) = (address, found) {
-            return Err(ApiError::invalid_request(format!(
-                "{a} is not a passthrough GPU of this host (passthrough_gpus: {})",
-                if self.cfg.passthrough_gpus.is_empty() { "none".into() } else { self.cfg.passthrough_gpus.join(", ") }
-            )));
-        }
-        if let (Some(_), true) = (address, out.is_empty()) {
-            return Err(ApiError::no_capacity(
-                format!("the passthrough GPU {}", notes.join("; ")),
-                PASSTHROUGH,
-                notes,
-                None,
-            ));
-        }
+            ),
+            WholeRefused::NotPassthrough { gpu } => ApiError::invalid_request(format!(
+                "{gpu} is not a passthrough GPU of this host (passthrough_gpus: {})",
+                if configured.is_empty() { "none".into() } else { configured.join(", ") }
+            )),
+            WholeRefused::Unavailable { notes } => {
+                ApiError::no_capacity(format!("the passthrough GPU {}", notes.join("; ")), PASSTHROUGH, notes, None)
+            }
+        })?;
         obs.notes.extend(notes);
         Ok(out)
     }

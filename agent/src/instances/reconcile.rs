@@ -567,7 +567,7 @@ impl Manager {
                 continue; // the release path handles a dead owner's foreign type
             }
             if !d.health.as_ref().is_some_and(|h| h.quarantined) {
-                self.quarantine(&d.address, "foreign_write", &format!("{m} (found under a live VM)"));
+                self.marks().quarantine(&d.address, "foreign_write", &format!("{m} (found under a live VM)"));
             }
             report.keep_device(&d.address, format!("type mismatch under a live VM: {m}"));
         }

@@ -312,7 +312,7 @@ impl Manager {
                     if matches!(r, Release::Claim(..)) { "recorded" } else { "saw" },
                     h.kind.type_id().map(|t| t.to_string()).unwrap_or_else(|| "no type".into())
                 );
-                self.quarantine(h.device, "foreign_write", &detail);
+                self.marks().quarantine(h.device, "foreign_write", &detail);
                 Err(ReleaseError::Foreign(detail))
             }
         })
@@ -386,11 +386,11 @@ struct Steps<'a> {
 
 impl ClearSteps for Steps<'_> {
     fn write_outcome(&self, device: &str, gpu: &str, site: WriteSite, result: &Result<(), WriteError>) {
-        self.m.write_outcome(device, gpu, site, result);
+        self.m.marks().write_outcome(device, gpu, site, result);
     }
 
     fn quarantine(&self, device: &str, reason: &str, detail: &str) {
-        self.m.quarantine(device, reason, detail);
+        self.m.marks().quarantine(device, reason, detail);
     }
 
     fn may_reset(&self, device: &str) -> bool {

@@ -357,7 +357,7 @@ impl Manager {
                         pid = vmm.identity.pid, escalations = %report.escalations.join(","),
                         "the VMM outlived SIGTERM and needed SIGKILL; its device may be wedged");
                     if let Some(c) = claim {
-                        self.mark_suspect(
+                        self.marks().mark_suspect(
                             &c.device,
                             "kill_escalation",
                             &format!("VMM {} needed {}", vmm.identity.pid, report.escalations.join(", ")),
