@@ -136,7 +136,7 @@ pub struct DeviceRecords {
     /// What placement knows of the claim's owner (`None`: unknown).
     pub owner_labels: Option<Labels>,
     /// A claim file that cannot be read and whose name names no device: it may own this
-    /// device if it is occupied ([`Observation::unknown_claim`]).
+    /// device if it is occupied (`Observation::unknown_claim` in `instances::inventory`).
     pub unknown_claim: Option<String>,
 }
 

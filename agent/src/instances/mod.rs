@@ -6,12 +6,12 @@
 //! | file | what |
 //! |---|---|
 //! | [`request`] | the API's request types and their validation (names, labels, limits) |
-//! | [`inventory`] | observation of the host: framework, VFs/mdevs, what is known about profiles and GPU sizes |
+//! | [`inventory`] | the observing sequence (room `Observer`): the records read once, each device kind's observation (its backend's) assembled, what is known about profiles and GPU sizes |
 //! | [`policy_calls`] | every plugin call: record → time → call → count → validate |
 //! | [`claim`] | claim selection and creation, configure through the device's backend |
 //! | [`release`] | **the** release path: every clear of every device kind |
 //! | [`owners`] | claims of external owners (`claim.prepare/release/list/owners`) and their liveness rule |
-//! | [`health`] | suspect and quarantine marks, strike accounting, unquarantine |
+//! | [`health`] | suspect and quarantine marks, strike accounting (room `Marks`), unquarantine |
 //! | [`vmm`] | VMM liveness, spawn, stop and the kill-path accounting |
 //! | [`vmm_ids`] | the uid/gid of its own every instance's VMM runs under |
 //! | [`create`], [`start`], [`stop`], [`delete`], [`fork`], [`update`] | one operation each |
@@ -23,11 +23,18 @@
 //! | [`disk`] | boot modes, the disk overlay and UEFI variable store, image import and delete |
 //! | [`seed`] | the cloud-init NoCloud seed (`seed.iso`) of an instance |
 //! | [`nics`] | an instance's NICs on the host: bridges checked, taps opened right before the spawn |
-//! | [`console_logs`] | the serial consoles: `serial.log` rotation, the serial relays of VMMs that serve their port on a socket |
+//! | [`console_logs`] | the serial consoles (room `Consoles`): `serial.log` rotation, the serial relays of VMMs that serve their port on a socket |
 //! | [`stats`] | `instance.stats`: a running VM's CPU, memory, disk and NIC counters |
 //! | [`view`] | the read side: the operations that build the views ([`crate::wire`]) of get, list, gpus, resources, dry run, health, plugins |
 //! | [`reconcile`] | observe → plan → act, through [`release`] for every clear |
 //! | [`records`] | the store as the lifecycle writes it: the one place its durable changes (instance states, deletes, claims, health marks) are published as events |
+//!
+//! A **room** is what one concern needs of the manager and nothing else: `Observer`
+//! (configuration, host, records read-only, the profile book), `Marks` (records, the
+//! in-memory strike state) and `Consoles` (records, the relays) are reached through
+//! `Manager::observer()`, `Manager::marks()` and `Manager::consoles()`, so their files'
+//! `self` cannot touch a lock, a plugin or a VMM. The operations (create, start, stop,
+//! delete, claim, release, reconcile, ...) still take the whole `Manager`.
 //!
 //! Locks, always taken in this order (a later one may be taken while an earlier one is
 //! held, never the reverse): one lock **per instance** (held for a whole operation, so the
