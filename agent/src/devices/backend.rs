@@ -461,8 +461,8 @@ pub(crate) mod testing {
         fs::symlink_metadata(p).is_ok()
     }
 
-    /// What an observation's records say, for the backends' observe tests: every GPU is
-    /// managed; `claims` are the readable claims; `quarantined` devices have a quarantine
+    /// What an observation's records say, for the backends' observe tests: every GPU but
+    /// the passthrough ones is managed; `claims` are the readable claims; `quarantined` devices have a quarantine
     /// mark; `unreadable_claims` have a claim file that cannot be read; every profile is
     /// known, of the framebuffer its name says.
     #[derive(Default)]
@@ -498,8 +498,9 @@ pub(crate) mod testing {
         fn claims(&self) -> &[Claim] {
             &self.claims
         }
-        fn manages(&self, _gpu: &str) -> bool {
-            true
+        fn manages(&self, gpu: &str) -> bool {
+            // As the configuration says: a passthrough GPU is not a vGPU parent.
+            !self.passthrough_gpus.iter().any(|g| g.eq_ignore_ascii_case(gpu))
         }
         fn passthrough_gpus(&self) -> &[String] {
             &self.passthrough_gpus

@@ -295,12 +295,8 @@ fn observe_gpus(host: &HostRoot, scan: &HostScan, profile: Option<&str>, steps: 
                 if let Some(t) =
                     p.types().iter().find(|t| t.available > 0 && gpuvisor_sdk::profile_matches(want, &t.name))
                 {
-                    out.candidates.push(Candidate {
-                        device: p.bdf.clone(),
-                        gpu: pf.clone(),
-                        dirty: false,
-                        offer: ClaimKind::Mdev { uuid: uuid::Uuid::nil(), mdev_type: t.dir.clone(), type_id: None },
-                    });
+                    let offer = ClaimKind::Mdev { uuid: uuid::Uuid::nil(), mdev_type: t.dir.clone(), type_id: None };
+                    out.candidates.push(Candidate::new(&p.bdf, &pf, false, offer));
                 }
             }
             devices.push(ObservedDevice::without_type(&p.bdf, state, creatable, recs, unreadable));
@@ -472,7 +468,7 @@ mod tests {
                 ("0000:41:00.7".to_string(), DeviceState::Quarantined),
             ]
         );
-        let offered: Vec<(&str, &ClaimKind)> = o.candidates.iter().map(|c| (c.device.as_str(), &c.offer)).collect();
+        let offered: Vec<(&str, &ClaimKind)> = o.candidates.iter().map(|c| (c.device.as_str(), c.offer())).collect();
         assert!(
             matches!(offered.as_slice(), [("0000:41:00.4", ClaimKind::Mdev { mdev_type, .. })] if mdev_type == "nvidia-1148"),
             "{offered:?}"

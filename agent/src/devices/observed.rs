@@ -174,16 +174,27 @@ pub struct Candidate {
     pub gpu: String,
     /// A VF holding a type with no claim (repaired before configure).
     pub dirty: bool,
-    /// What a claim of it will hold (a VF: no type yet; an mdev: its type directory; a
-    /// whole GPU: its group and every function's driver now, recorded as the original
-    /// drivers before anything changes).
-    pub offer: ClaimKind,
+    /// What a claim of it will hold. Private: a claim's kind comes from
+    /// [`Candidate::claim_kind`] only, so that each mdev claim gets its own UUID.
+    offer: ClaimKind,
 }
 
 impl Candidate {
+    /// A candidate whose claim will hold `offer` (a VF: no type yet; an mdev: its type
+    /// directory, the UUID drawn per claim; a whole GPU: its group and every function's
+    /// driver now, recorded as the original drivers before anything changes).
+    pub fn new(device: &str, gpu: &str, dirty: bool, offer: ClaimKind) -> Candidate {
+        Candidate { device: device.to_string(), gpu: gpu.to_string(), dirty, offer }
+    }
+
     /// The per-kind part of a fresh claim of this candidate (an mdev gets a new UUID).
     pub fn claim_kind(&self) -> ClaimKind {
         self.offer.renewed()
+    }
+
+    /// What a claim of it will hold, to read (its mdev UUID is a placeholder).
+    pub fn offer(&self) -> &ClaimKind {
+        &self.offer
     }
 }
 

@@ -533,20 +533,16 @@ pub fn candidates(
         found = true;
         let why = match (d.state, &pt.problem, &pt.read) {
             (DeviceState::Free, None, Some(r)) => {
-                out.push(Candidate {
-                    device: g.address.clone(),
-                    gpu: g.address.clone(),
-                    dirty: false,
-                    offer: ClaimKind::Passthrough(PassthroughClaim {
-                        group: r.group,
-                        functions: r
-                            .functions
-                            .iter()
-                            .map(|f| FunctionRecord { bdf: f.bdf.clone(), original_driver: f.driver.clone() })
-                            .collect(),
-                        reset_done: false,
-                    }),
+                let offer = ClaimKind::Passthrough(PassthroughClaim {
+                    group: r.group,
+                    functions: r
+                        .functions
+                        .iter()
+                        .map(|f| FunctionRecord { bdf: f.bdf.clone(), original_driver: f.driver.clone() })
+                        .collect(),
+                    reset_done: false,
                 });
+                out.push(Candidate::new(&g.address, &g.address, false, offer));
                 continue;
             }
             (DeviceState::Free, Some(p), Some(r)) => {
@@ -810,8 +806,8 @@ mod tests {
         let (any, _) = candidates(&o.gpus, None, &configured).unwrap();
         let (named, _) = candidates(&o.gpus, Some("0000:06:00.0"), &configured).unwrap();
         assert_eq!(any.len(), 1);
-        assert_eq!(named[0].offer, any[0].offer);
-        let ClaimKind::Passthrough(p) = &any[0].offer else { panic!("{:?}", any[0].offer) };
+        assert_eq!(named[0].offer(), any[0].offer());
+        let ClaimKind::Passthrough(p) = any[0].offer() else { panic!("{:?}", any[0].offer()) };
         assert_eq!(p.group, 42);
         let drivers: Vec<_> = p.functions.iter().map(|f| (f.bdf.as_str(), f.original_driver.as_deref())).collect();
         assert_eq!(drivers, [("0000:06:00.0", Some("nvidia")), ("0000:06:00.1", Some("snd_hda_intel"))]);

@@ -382,12 +382,8 @@ fn observe_gpus(
                     _ => false,
                 };
                 if legal {
-                    out.candidates.push(Candidate {
-                        device: d.address.clone(),
-                        gpu: g.bdf.clone(),
-                        dirty: d.state == DeviceState::Dirty,
-                        offer: ClaimKind::Vf { type_id: None },
-                    });
+                    let dirty = d.state == DeviceState::Dirty;
+                    out.candidates.push(Candidate::new(&d.address, &g.bdf, dirty, ClaimKind::Vf { type_id: None }));
                 }
             }
             if out.candidates.len() == offered {
@@ -632,7 +628,7 @@ mod tests {
         // and the dirty VF is not either: the vGPU behind the unreadable claim is of
         // unknown size, so its repair is not provably within the equal-size rule.
         assert_eq!(offered(&o), vec![("0000:41:00.4".to_string(), false)]);
-        assert!(o.candidates.iter().all(|c| c.offer == ClaimKind::Vf { type_id: None } && c.gpu == PF));
+        assert!(o.candidates.iter().all(|c| *c.offer() == ClaimKind::Vf { type_id: None } && c.gpu == PF));
         // Without it, the dirty VF is repairable (no other vGPU of another size on the GPU),
         // and the VF it named is free.
         let known = Records { quarantined: vec!["0000:41:00.7".into()], ..Default::default() };
