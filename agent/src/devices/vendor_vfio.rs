@@ -291,13 +291,7 @@ fn clear(host: &HostRoot, vf: &str, expected: Option<u32>) -> Result<super::Clea
 /// [`Backend::observe`] of vendor-VFIO VFs: each managed GPU with its VFs; a VF's type
 /// read now; candidates are free VFs whose catalog lists the profile, and dirty VFs whose
 /// repair leaves every other vGPU on the GPU at the requested size (equal-size rule).
-fn observe_gpus(
-    _host: &HostRoot,
-    scan: &HostScan,
-    profile: Option<&str>,
-    steps: &dyn ObserveSteps,
-    out: &mut Observed,
-) {
+fn observe_gpus(scan: &HostScan, profile: Option<&str>, steps: &dyn ObserveSteps, out: &mut Observed) {
     // A probe error still shows every VF that was found (each unreadable one named).
     if matches!(scan.mode, Ok(HostMode::Mdev)) {
         return;
@@ -543,15 +537,16 @@ impl Backend for VendorVfio {
         VfioDevice { sysfs: vec![host.pci_device(held.device)], group: info.iommu_group }
     }
 
+    /// Everything a VF's observation reads is in the scan.
     fn observe(
         &self,
-        host: &HostRoot,
+        _host: &HostRoot,
         scan: &HostScan,
         profile: Option<&str>,
         steps: &dyn ObserveSteps,
         out: &mut Observed,
     ) {
-        observe_gpus(host, scan, profile, steps, out)
+        observe_gpus(scan, profile, steps, out)
     }
 }
 

@@ -19,7 +19,7 @@
 
 use super::{now_rfc3339, Manager};
 use crate::devices::observed::{
-    Candidate, DeviceRecords, ObserveSteps, ObservedDevice, ObservedGpu, PassthroughObserved,
+    Candidate, DeviceRecords, ObserveSteps, Observed, ObservedDevice, ObservedGpu, PassthroughObserved,
 };
 use crate::devices::{self, mdev, vendor_vfio, DeviceError, HostMode, UnreadableDevice};
 use crate::error::ApiError;
@@ -352,12 +352,10 @@ impl Observer<'_> {
             }
             self.book.learn(&c.profile, profile_framebuffer_mib(&c.profile));
         }
-        let mut observed = devices::observed::Observed::default();
-        {
-            let steps = Observing { m: self, claims: &claims, health: &health };
-            for b in devices::backends() {
-                b.observe(self.host, &scan, profile, &steps, &mut observed);
-            }
+        let mut observed = Observed::default();
+        let steps = Observing { m: self, claims: &claims, health: &health };
+        for b in devices::backends() {
+            b.observe(self.host, &scan, profile, &steps, &mut observed);
         }
         let mut obs = Observation {
             mode: scan.mode.clone(),
