@@ -86,7 +86,7 @@ pub(super) fn print_instance(i: &InstanceView) {
     println!(
         "{} {} {} ({}){}",
         i.name,
-        serde_json::to_value(i.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+        wire_name(i.state),
         i.id,
         i.hypervisor,
         match gpu.and_then(|g| g.device.as_deref()) {
@@ -120,7 +120,7 @@ pub(super) fn print_ps(list: &InstanceList) {
             let gpu = i.gpu.as_ref();
             vec![
                 i.name.clone(),
-                serde_json::to_value(i.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                wire_name(i.state),
                 i.hypervisor.name().to_string(),
                 opt(&gpu.and_then(|g| g.profile.clone())),
                 opt(&gpu.and_then(|g| g.device.clone())),
@@ -163,7 +163,7 @@ pub(super) fn print_gpus(list: &GpuList) {
                 let c = d.claim.as_ref();
                 vec![
                     d.address.clone(),
-                    serde_json::to_value(d.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(),
+                    wire_name(d.state),
                     // A whole GPU has no vGPU type.
                     if g.passthrough.is_some() { "-".into() } else { d.current_type.to_string() },
                     match c {
@@ -316,4 +316,9 @@ pub(super) fn print_plugins(list: &PluginList) {
         })
         .collect();
     table(&["SLOT", "NAME", "VERSION", "ABI", "OK", "FAILED", "LOG DROPPED", "PATH"], rows);
+}
+
+/// A state's name as the API spells it (its serde name; empty if it has none).
+fn wire_name(v: impl serde::Serialize) -> String {
+    serde_json::to_value(v).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
 }
